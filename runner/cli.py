@@ -1,0 +1,203 @@
+"""`run`: Hydra composes the spec, `validate` checks it before anything is written, then the job trains.
+
+User errors (an unknown key or option, a wrong value, an impossible combination, a missing file) end in one
+line on stderr and exit status 2, before Hydra creates an output directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from runner import spec as spec_module
+from runner.spec import SpecError, load_spec, validate
+
+log = logging.getLogger("runner")
+USER_ERRORS = (HydraException, OmegaConfBaseException, SpecError)
+
+
+class LaunchRefused(BaseException):
+    """A spec rejected before launch. Hydra turns a callback's Exception into a mere warning; this stops it."""
+
+
+def bundled(name: str) -> Path:
+    """conf/ and recipes/ ship inside the installed package and sit beside it in a checkout."""
+    package = Path(__file__).resolve().parent
+    return package / name if (package / name).is_dir() else package.parent / name
+
+
+CONF_DIR = bundled("conf")
+
+
+def main() -> None:
+    quiet_libraries()
+    args = sys.argv[1:]
+    if "--help" in args or "-h" in args:
+        print(help_text())
+        return
+    if ("--cfg" in args or "-c" in args) and "--resolve" not in args:
+        sys.argv.append("--resolve")
+    # Hydra would print its own multi-line report and exit 1; the runner reports user errors itself.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    spec_module.register()
+    try:
+        hydra_main()
+    except USER_ERRORS as error:
+        refuse(one_line(error))
+    except LaunchRefused as refusal:
+        refuse(str(refusal))
+
+
+def refuse(message: str) -> None:
+    print(f"run: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_job(config: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    from runner.job import prepare_job
+    from runner.train import train
+
+    spec = validate(load_spec(config))
+    hydra_config = HydraConfig.get()
+    run_dir = Path(hydra_config.runtime.output_dir)
+    (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
+    try:
+        job = prepare_job(spec, run_dir)
+    except SpecError as error:
+        discard_run_dir(run_dir)  # what the data turned out to hold ruled the job out: leave nothing behind
+        raise LaunchRefused(str(error)) from None
+    return train(job)["eval_loss"]
+
+
+def discard_run_dir(run_dir: Path) -> None:
+    """Removes what Hydra and the runner wrote before training, and the directory if that leaves it empty."""
+    import shutil
+
+    logging.shutdown()
+    shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+    for name in ("spec.yaml", "run.log"):
+        (run_dir / name).unlink(missing_ok=True)
+    for directory in (run_dir, run_dir.parent):  # outputs/<date>/<time>: the date too, if nothing else is in it
+        if directory.resolve() == Path.cwd().resolve():
+            break
+        try:
+            directory.rmdir()
+        except OSError:
+            break
+
+
+hydra_main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(run_job)
+
+
+class ValidateSpec(Callback):
+    """Validates every job's spec before Hydra creates a directory or starts a job."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            validate(load_spec(config))
+        except USER_ERRORS as error:
+            raise LaunchRefused(one_line(error)) from None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
+            self.on_run_start(config)  # other sweepers choose their points as they go
+            return
+        overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+        loader = GlobalHydra.instance().config_loader()
+        for job_overrides in BasicSweeper.split_arguments(overrides, None)[0]:
+            try:
+                validate(load_spec(loader.load_sweep_config(config, job_overrides)))
+            except USER_ERRORS as error:
+                raise LaunchRefused(f"{' '.join(job_overrides)}: {one_line(error)}") from None
+
+
+def spec_file(spec: spec_module.RunSpec, hydra_config: Any, run_dir: Path) -> str:
+    """The resolved spec as a primary config that recomposes into the same job."""
+    overrides = " ".join(hydra_config.overrides.task)
+    choices = [
+        f"  - override {group}: {choice}"
+        for group, choice in hydra_config.runtime.choices.items()
+        if not group.startswith("hydra/") and group in spec_module.SCHEMAS
+    ]
+    header = [
+        "# The resolved run spec of this job, the runner's only input.",
+        f"# Made by: run {overrides}".rstrip(),
+        f"# Run it again: run --config-dir {run_dir} --config-name spec",
+        "defaults:",
+        "  - config",
+        *choices,
+        "  - _self_",
+        "",
+    ]
+    return "\n".join(header) + spec_module.to_yaml(spec)
+
+
+def one_line(error: BaseException) -> str:
+    """The message a user needs, on one line, without Hydra's and OmegaConf's report layout."""
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
+        group, _, option = error.missing_cfg_file.rpartition("/")
+        return f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"
+    cause = error.__cause__ if isinstance(error, ConfigCompositionException) and error.__cause__ else error
+    if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
+        message = getattr(cause, "msg", str(cause)).splitlines()[0]
+        if message.startswith("Key ") and " not in " in message:
+            return f"unknown key {cause.full_key}: {message}"
+        return f"{cause.full_key}: {message}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[:2]) if lines else type(error).__name__
+
+
+def help_text() -> str:
+    """The groups and their options, read from conf/ without composing anything."""
+    import yaml
+
+    defaults = {}
+    for entry in yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]:
+        if isinstance(entry, dict):
+            defaults.update(entry)
+    rows = []
+    for group_dir in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"):
+        for i, option in enumerate(sorted(group_dir.glob("*.yaml"))):
+            first = option.read_text().splitlines()[0]
+            about = first.lstrip("# ").strip() if first.startswith("#") else ""
+            mark = "*" if defaults.get(group_dir.name) == option.stem else " "
+            rows.append(f"  {group_dir.name if i == 0 else '':<10} {mark}{option.stem:<16} {about}")
+    return "\n".join(
+        [
+            "run: a declarative experiment runner for PyTorch training.",
+            "",
+            "Usage:",
+            "  run [group=option ...] [key=value ...]   train one job",
+            "  run -m group=a,b key=1,2 ...              a sweep: one job per combination",
+            "  run --cfg job [overrides]                 print the resolved spec and exit",
+            "",
+            "Config groups (* marks the default):",
+            *rows,
+            "",
+            "Every key of the spec can be set on the command line: train.max_steps=50 optim.lr=3e-4 seed=1.",
+            "`run --cfg job` shows them all. Outputs go to outputs/<date>/<time>/. Hydra's flags: run --hydra-help",
+        ]
+    )
+
+
+def quiet_libraries() -> None:
+    """Keeps the libraries' start-up chatter (progress bars, advisory warnings) out of the user's terminal."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

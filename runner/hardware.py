@@ -1,0 +1,87 @@
+"""The `hardware` group: what machine a run is for, and what this machine really has."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Optional
+
+GIB = 1024**3
+
+
+class Accelerator(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class HardwareConfig:
+    accelerator: Accelerator = Accelerator.auto
+    # Unset fields are detected on the machine the run starts on.
+    nnodes: int = 1
+    nproc_per_node: Optional[int] = None
+    device_name: Optional[str] = None
+    device_memory_gib: Optional[float] = None
+    host_memory_gib: Optional[float] = None
+    # Dense bf16 peak per device, for MFU; 0 where unknown.
+    peak_bf16_tflops: float = 0.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * (self.nproc_per_node or 1)
+
+
+# Dense (not sparse) bf16 peaks from the vendors' data sheets, matched on the device name.
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "RTX 4090": 165.2,
+    "RTX 3090": 71.0,
+}
+
+
+def detect(config: HardwareConfig) -> HardwareConfig:
+    """Fill what the config leaves open from the machine the run starts on."""
+    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    accelerator = config.accelerator
+    if accelerator is Accelerator.auto:
+        accelerator = Accelerator.cuda if cuda_device_count() else Accelerator.cpu
+    if accelerator is Accelerator.cpu:
+        return replace(
+            config,
+            accelerator=accelerator,
+            nproc_per_node=config.nproc_per_node or 1,
+            device_name=config.device_name or "cpu",
+            device_memory_gib=config.device_memory_gib or round(host_memory, 1),
+            host_memory_gib=config.host_memory_gib or round(host_memory, 1),
+        )
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    peak = next((tflops for name, tflops in PEAK_BF16_TFLOPS.items() if name in props.name), 0.0)
+    return replace(
+        config,
+        accelerator=accelerator,
+        nproc_per_node=config.nproc_per_node or torch.cuda.device_count(),
+        device_name=config.device_name or props.name,
+        device_memory_gib=config.device_memory_gib or round(props.total_memory / GIB, 1),
+        host_memory_gib=config.host_memory_gib or round(host_memory, 1),
+        peak_bf16_tflops=config.peak_bf16_tflops or peak,
+    )
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cuda_supports_bf16() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -1,0 +1,69 @@
+"""The `model` group: a transformers causal LM, from pretrained weights or initialised from an architecture config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedTokenizerBase
+
+BYTES = "bytes"
+
+
+@dataclass
+class ModelConfig:
+    # A hub name or local directory passed to from_pretrained; unset means random init from `architecture`.
+    pretrained: Optional[str] = None
+    # transformers config keys (with `model_type`) for random init.
+    architecture: Dict[str, Any] = field(default_factory=dict)
+    # `bytes` (built in, needs no download), a hub name or a local directory; unset means the pretrained model's own.
+    tokenizer: Optional[str] = None
+
+
+def build_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
+    name = model.tokenizer or model.pretrained
+    if name == BYTES:
+        return byte_tokenizer()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer: one token per UTF-8 byte plus three special tokens; nothing to download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    specials = ["<pad>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials + alphabet)}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+    """The model on the CPU in fp32: master weights stay fp32 whatever dtype a checkpoint was saved in."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model.pretrained:
+        return AutoModelForCausalLM.from_pretrained(model.pretrained, dtype=torch.float32)
+    architecture = dict(model.architecture)
+    config = AutoConfig.for_model(
+        architecture.pop("model_type"),
+        **{
+            "vocab_size": len(tokenizer),
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            **architecture,
+        },
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,0 +1,183 @@
+"""The run spec: Hydra composes the config groups into one typed RunSpec, and `validate` checks what spans fields.
+
+Each group's schemas live in the group's own module (runner/strategy.py for conf/strategy/ ...) and are
+registered here under `schema/<group>/<name>`; every option in conf/ starts from one of them, so an unknown key
+or a value of the wrong type fails while Hydra composes.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from runner import data as data_module
+from runner.data import DataConfig
+from runner.hardware import Accelerator, HardwareConfig
+from runner.model import BYTES, ModelConfig
+from runner.optim import AdamWConfig, OptimConfig, SGDConfig
+from runner.precision import ComputeDtype, PrecisionConfig
+from runner.scheduler import SchedulerConfig
+from runner.strategy import SingleStrategy, StrategyConfig
+from runner.tracker import NoTracker, TrackerConfig
+from runner.train import TrainConfig
+
+
+class SpecError(Exception):
+    """A user error in the spec: reported as one line, before anything is written."""
+
+
+@dataclass
+class RunSpec:
+    hardware: HardwareConfig = MISSING
+    strategy: StrategyConfig = MISSING
+    precision: PrecisionConfig = MISSING
+    tracker: TrackerConfig = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    scheduler: SchedulerConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+
+
+SCHEMAS = {
+    "hardware": {"base": HardwareConfig},
+    "strategy": {"single": SingleStrategy},
+    "precision": {"base": PrecisionConfig},
+    "tracker": {"none": NoTracker},
+    "model": {"base": ModelConfig},
+    "data": {"base": DataConfig},
+    "optim": {"adamw": AdamWConfig, "sgd": SGDConfig},
+    "scheduler": {"base": SchedulerConfig},
+}
+
+
+def register() -> None:
+    """Puts the schemas in Hydra's ConfigStore and the `${stdlib:}` resolver in OmegaConf."""
+    store = ConfigStore.instance()
+    store.store(name="run_spec", node=RunSpec)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            store.store(group=f"schema/{group}", name=name, node=node)
+    if not OmegaConf.has_resolver("stdlib"):
+        OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
+
+
+def load_spec(config: DictConfig) -> RunSpec:
+    """The typed spec of a composed config (Hydra's own `hydra` node, when present, is left out)."""
+    _reject_unknown_keys(config, "")
+    sections = {f.name: config[f.name] for f in fields(RunSpec)}
+    return RunSpec(**{name: OmegaConf.to_object(node) if isinstance(node, DictConfig) else node
+                      for name, node in sections.items()})
+
+
+def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
+    """Hydra's `+key=value` adds keys that no schema has; they would be silently ignored, so they are errors."""
+    schema = OmegaConf.get_type(node)
+    if is_dataclass(schema):
+        known = [f.name for f in fields(schema)]
+        for key in node.keys():
+            if key not in known and not (prefix == "" and key == "hydra"):
+                has = f"the keys {', '.join(known)}" if known else "no keys"
+                raise SpecError(f"unknown key {prefix}{key}: {schema.__name__} has {has}")
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and key != "hydra" and not child._is_missing() and not child._is_none():
+            _reject_unknown_keys(child, f"{prefix}{key}.")
+
+
+def validate(spec: RunSpec) -> RunSpec:
+    """Checks the rules that span fields or need this machine; returns the spec with the hardware detected."""
+    _check_ranges(spec)
+    _check_model(spec.model)
+    _check_data(spec.data)
+    return _check_hardware(spec)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise SpecError(message)
+
+
+def _check_ranges(spec: RunSpec) -> None:
+    train, optim, scheduler = spec.train, spec.optim, spec.scheduler
+    for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+        value = getattr(train, key)
+        _require(value > 0, f"train.{key}={value} must be a positive integer")
+    _require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0 (0 evaluates only at the end)")
+    _require(train.max_grad_norm >= 0, f"train.max_grad_norm={train.max_grad_norm} must be >= 0 (0 turns clipping off)")
+    _require(optim.lr > 0, f"optim.lr={optim.lr} must be > 0")
+    _require(optim.weight_decay >= 0, f"optim.weight_decay={optim.weight_decay} must be >= 0")
+    if isinstance(optim, AdamWConfig):
+        _require(len(optim.betas) == 2 and all(0 <= b < 1 for b in optim.betas),
+                 f"optim.betas={list(optim.betas)} must be two numbers in [0, 1)")
+    if isinstance(optim, SGDConfig):
+        _require(optim.momentum >= 0, f"optim.momentum={optim.momentum} must be >= 0")
+    _require(0 <= scheduler.warmup_ratio < 1, f"scheduler.warmup_ratio={scheduler.warmup_ratio} must be in [0, 1)")
+    if scheduler.warmup_steps is not None:
+        _require(0 <= scheduler.warmup_steps < train.max_steps,
+                 f"scheduler.warmup_steps={scheduler.warmup_steps} must be in [0, train.max_steps={train.max_steps})")
+    _require(0 <= scheduler.min_lr_ratio <= 1, f"scheduler.min_lr_ratio={scheduler.min_lr_ratio} must be in [0, 1]")
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
+
+
+def _check_model(model: ModelConfig) -> None:
+    _require(bool(model.pretrained) != bool(model.architecture),
+             "set exactly one of model.pretrained (a name or directory) and model.architecture (random init)")
+    if model.pretrained and _looks_like_path(model.pretrained):
+        _require(Path(model.pretrained).expanduser().is_dir(),
+                 f"model.pretrained={model.pretrained} is not a directory; give a saved model's directory or a hub name")
+    if model.architecture:
+        _require("model_type" in model.architecture,
+                 "model.architecture needs a model_type (for example llama); add model.architecture.model_type=llama")
+        _require(model.tokenizer is not None,
+                 f"model.tokenizer is needed with model.architecture: set model.tokenizer={BYTES} or a tokenizer's name")
+    if model.tokenizer and model.tokenizer != BYTES and _looks_like_path(model.tokenizer):
+        _require(Path(model.tokenizer).expanduser().is_dir(), f"model.tokenizer={model.tokenizer} is not a directory")
+
+
+def _check_data(data: DataConfig) -> None:
+    _require(bool(data.files) != bool(data.hub_dataset),
+             "set exactly one of data.files (a local file, directory or glob) and data.hub_dataset (a hub name)")
+    _require(data.seq_len >= 2, f"data.seq_len={data.seq_len} must be at least 2")
+    _require(0 < data.eval_fraction < 1, f"data.eval_fraction={data.eval_fraction} must be between 0 and 1")
+    if data.files:
+        files = data_module.resolve_files(data.files)
+        _require(bool(files), f"data.files={data.files} matches no file; give an existing file, directory or glob")
+        kinds = {data_module.BUILDERS.get(os.path.splitext(f)[1].lower(), "text") for f in files}
+        _require(len(kinds) == 1, f"data.files={data.files} mixes file kinds ({', '.join(sorted(kinds))}); pick one")
+
+
+def _check_hardware(spec: RunSpec) -> RunSpec:
+    from runner import hardware as hw
+
+    declared = spec.hardware
+    _require(declared.nnodes >= 1, f"hardware.nnodes={declared.nnodes} must be >= 1")
+    _require(declared.nproc_per_node is None or declared.nproc_per_node >= 1,
+             f"hardware.nproc_per_node={declared.nproc_per_node} must be >= 1")
+    if declared.accelerator is Accelerator.cuda:
+        _require(hw.cuda_device_count() > 0,
+                 "hardware asks for CUDA GPUs but this machine has none; use hardware=auto or hardware=cpu")
+    machine = hw.detect(declared)
+    if isinstance(spec.strategy, SingleStrategy):
+        _require(machine.world_size == 1,
+                 f"strategy=single runs one process but the hardware gives {machine.world_size} "
+                 f"(hardware.nnodes={machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node}); "
+                 "set hardware.nproc_per_node=1 (multi-process strategies are not available yet)")
+    if spec.precision.compute_dtype is ComputeDtype.bf16 and machine.accelerator is Accelerator.cuda:
+        _require(hw.cuda_supports_bf16(),
+                 f"precision=bf16 needs a GPU with bf16 (compute capability 8.0+), and {machine.device_name} "
+                 "has none; use precision=fp32")
+    return replace(spec, hardware=machine)
+
+
+def to_yaml(spec: RunSpec) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(spec))

@@ -1,0 +1,196 @@
+"""The training loop, top to bottom: accumulate, clip, step, log, evaluate, save."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from runner.data import Batch
+    from runner.job import PreparedJob
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    # Clip the global gradient norm to this; 0 turns clipping off.
+    max_grad_norm: float = 1.0
+    log_every: int = 10
+    # Evaluate every N optimizer steps, and always before the first and after the last; 0: only those two.
+    eval_every: int = 0
+    eval_batches: int = 20
+    save_model: bool = True
+
+
+def train(job: PreparedJob) -> dict[str, Any]:
+    import torch
+
+    spec, model, optimizer = job.spec, job.model, job.optimizer
+    cfg = spec.train
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(
+        "model %s, %.2fM parameters | global batch %d = micro batch %d x %d data-parallel ranks x %d accumulation steps"
+        " | %d steps",
+        type(model).__name__, n_params / 1e6, job.global_batch_size, cfg.micro_batch_size, job.dp_size,
+        cfg.grad_accum_steps, cfg.max_steps,
+    )
+
+    first_eval_loss = eval_loss = evaluate(job, step=0)
+    model.train()
+    train_time, tokens_seen = 0.0, 0
+    window_loss, window_tokens, window_time, window_steps = 0.0, 0, 0.0, 0
+    started = time.perf_counter()
+
+    for step in range(1, cfg.max_steps + 1):
+        tic = time.perf_counter()
+        micro_batches = [{k: v.to(job.device) for k, v in batch.items()} for batch in next(job.train_batches)]
+        # The loss is the mean over every label token of the global batch, whatever way it is split.
+        label_tokens = sum(count_label_tokens(batch) for batch in micro_batches)
+        step_loss = torch.zeros((), device=job.device)
+        for batch in micro_batches:
+            with job.autocast():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss = causal_lm_loss_sum(logits, batch["labels"]) / label_tokens
+            loss.backward()
+            step_loss += loss.detach()
+        grad_norm = grad_total_norm(model, cfg.max_grad_norm)
+        optimizer.step()
+        job.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        step_loss = step_loss.item()  # waits for the device, so the timing below is the step's own
+        elapsed = time.perf_counter() - tic
+        step_tokens = sum(int(batch["attention_mask"].sum()) for batch in micro_batches)
+        train_time, tokens_seen = train_time + elapsed, tokens_seen + step_tokens
+        window_loss, window_tokens = window_loss + step_loss, window_tokens + step_tokens
+        window_time, window_steps = window_time + elapsed, window_steps + 1
+
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            record = {
+                "loss": window_loss / window_steps,
+                "lr": job.scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "tokens_per_s": window_tokens / window_time,
+                "tokens_seen": tokens_seen,
+            }
+            for tracker in job.trackers:
+                tracker.log(record, step)
+            log.info(
+                "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s",
+                step, cfg.max_steps, record["loss"], record["lr"], grad_norm, record["tokens_per_s"],
+            )
+            train_loss = record["loss"]
+            window_loss, window_tokens, window_time, window_steps = 0.0, 0, 0.0, 0
+        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            eval_loss = evaluate(job, step)
+            model.train()
+
+    model_dir = save_model(job) if cfg.save_model else None
+    summary = {
+        "steps": cfg.max_steps,
+        "train_loss": train_loss,
+        "first_eval_loss": first_eval_loss,
+        "eval_loss": eval_loss,
+        "tokens_seen": tokens_seen,
+        "tokens_per_s": tokens_seen / train_time,
+        "peak_memory_gib": peak_memory_gib(job.device),
+        "wall_time_s": time.perf_counter() - started,
+        "run_dir": str(job.run_dir),
+        "model_dir": str(model_dir) if model_dir else None,
+    }
+    write_json_atomically(job.run_dir / "summary.json", summary)
+    for tracker in job.trackers:
+        tracker.finish()
+    log.info(
+        "done: train loss %.4f | eval loss %.4f (from %.4f) | %.0f tokens/s | peak memory %.2f GiB | %.0f s",
+        summary["train_loss"], eval_loss, first_eval_loss, summary["tokens_per_s"], summary["peak_memory_gib"],
+        summary["wall_time_s"],
+    )
+    log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
+    return summary
+
+
+def count_label_tokens(batch: Batch) -> int:
+    """Label positions that are predicted: every label but the first of each row, and not IGNORE."""
+    from runner.data import IGNORE
+
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy, computed in fp32 whatever dtype the forward ran in."""
+    import torch.nn.functional as F
+
+    from runner.data import IGNORE
+
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum"
+    )
+
+
+def grad_total_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """The global gradient norm, clipped to max_norm unless that is 0."""
+    import torch
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return float(norm)
+
+
+def evaluate(job: PreparedJob, step: int) -> float:
+    import torch
+
+    job.model.eval()
+    loss_sum = torch.zeros((), device=job.device)
+    label_tokens = 0
+    with torch.no_grad():
+        for batch in job.eval_batches():
+            batch = {k: v.to(job.device) for k, v in batch.items()}
+            with job.autocast():
+                logits = job.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            loss_sum += causal_lm_loss_sum(logits, batch["labels"])
+            label_tokens += count_label_tokens(batch)
+    eval_loss = loss_sum.item() / label_tokens
+    for tracker in job.trackers:
+        tracker.log({"eval_loss": eval_loss}, step)
+    log.info("step %d/%d | eval loss %.4f", step, job.spec.train.max_steps, eval_loss)
+    return eval_loss
+
+
+def save_model(job: PreparedJob) -> Path:
+    """save_pretrained (safetensors) plus the tokenizer, moved into place only once complete."""
+    final = job.run_dir / "model"
+    partial = job.run_dir / "model.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    job.model.save_pretrained(partial)
+    job.tokenizer.save_pretrained(partial)
+    os.replace(partial, final)
+    return final
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated device memory on a GPU; the process's peak resident memory on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1024**3
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def write_json_atomically(path: Path, value: Any) -> None:
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_text(json.dumps(value, indent=2) + "\n")
+    os.replace(partial, path)
