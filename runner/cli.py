@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -36,6 +36,7 @@ def bundled(name: str) -> Path:
 
 
 CONF_DIR = bundled("conf")
+RECIPES_DIR = bundled("recipes")
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def main() -> None:
         sys.argv.append("--resolve")
     # Hydra would print its own multi-line report and exit 1; the runner reports user errors itself.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    spec_module.register()
+    spec_module.register(RECIPES_DIR)
     try:
         hydra_main()
     except USER_ERRORS as error:
@@ -152,6 +153,8 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
         group, _, option = error.missing_cfg_file.rpartition("/")
         return f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"
+    if isinstance(error, OverrideParseException):
+        return f"cannot parse the override '{error.override}': {str(error).splitlines()[0]}"
     cause = error.__cause__ if isinstance(error, ConfigCompositionException) and error.__cause__ else error
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         message = getattr(cause, "msg", str(cause)).splitlines()[0]
@@ -170,13 +173,12 @@ def help_text() -> str:
     for entry in yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]:
         if isinstance(entry, dict):
             defaults.update(entry)
+    groups = [(p.name, p) for p in sorted(CONF_DIR.iterdir()) if p.is_dir()] + [("recipe", RECIPES_DIR)]
     rows = []
-    for group_dir in sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"):
-        for i, option in enumerate(sorted(group_dir.glob("*.yaml"))):
-            first = option.read_text().splitlines()[0]
-            about = first.lstrip("# ").strip() if first.startswith("#") else ""
-            mark = "*" if defaults.get(group_dir.name) == option.stem else " "
-            rows.append(f"  {group_dir.name if i == 0 else '':<10} {mark}{option.stem:<16} {about}")
+    for group, directory in groups:
+        for i, option in enumerate(sorted(directory.glob("*.yaml"))):
+            mark = "*" if defaults.get(group) == option.stem else " "
+            rows.append(f"  {group if i == 0 else '':<10} {mark}{option.stem:<18} {description(option)}")
     return "\n".join(
         [
             "run: a declarative experiment runner for PyTorch training.",
@@ -186,13 +188,21 @@ def help_text() -> str:
             "  run -m group=a,b key=1,2 ...              a sweep: one job per combination",
             "  run --cfg job [overrides]                 print the resolved spec and exit",
             "",
-            "Config groups (* marks the default):",
+            "Config groups (* marks the default; a recipe sets several groups and values at once):",
             *rows,
             "",
             "Every key of the spec can be set on the command line: train.max_steps=50 optim.lr=3e-4 seed=1.",
             "`run --cfg job` shows them all. Outputs go to outputs/<date>/<time>/. Hydra's flags: run --hydra-help",
         ]
     )
+
+
+def description(option: Path) -> str:
+    """An option file's first comment line, Hydra's `# @package` header aside."""
+    for line in option.read_text().splitlines():
+        if line.startswith("#") and not line.startswith("# @package"):
+            return line.lstrip("# ").strip()
+    return ""
 
 
 def quiet_libraries() -> None:

@@ -57,13 +57,16 @@ SCHEMAS = {
 }
 
 
-def register() -> None:
-    """Puts the schemas in Hydra's ConfigStore and the `${stdlib:}` resolver in OmegaConf."""
+def register(recipes_dir: Path) -> None:
+    """Puts the schemas and the recipes in Hydra's ConfigStore and the `${stdlib:}` resolver in OmegaConf."""
     store = ConfigStore.instance()
     store.store(name="run_spec", node=RunSpec)
     for group, schemas in SCHEMAS.items():
         for name, node in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=node)
+    # recipes/<name>.yaml is the option `recipe=<name>`: a global overlay on the whole spec.
+    for recipe in sorted(recipes_dir.glob("*.yaml")):
+        store.store(group="recipe", name=recipe.stem, node=OmegaConf.load(recipe), package="_global_")
     if not OmegaConf.has_resolver("stdlib"):
         OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
 

@@ -1,0 +1,1 @@
+"""runner: a declarative experiment runner for PyTorch training, driven by Hydra config groups."""

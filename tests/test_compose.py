@@ -1,0 +1,68 @@
+"""Every option of every group composes into a typed spec and validates (or says why not on this machine)."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner import spec as spec_module
+from runner.cli import CONF_DIR, RECIPES_DIR
+from runner.hardware import Accelerator
+from runner.spec import RunSpec, SpecError, load_spec, validate
+
+spec_module.register(RECIPES_DIR)
+
+# Options whose `???` keys the user must give, with a value that exists on any machine.
+REQUIRED = {
+    ("model", "pretrained"): lambda tmp: [f"model.pretrained={tmp}"],
+    ("data", "text_files"): lambda tmp: [f"data.files={Path(__file__)}"],
+    ("data", "instruction_files"): lambda tmp: [f"data.files={Path(__file__)}"],
+    ("data", "hub"): lambda tmp: ["data.hub_dataset=stanfordnlp/imdb"],
+}
+OPTIONS = [(group.name, option.stem) for group in sorted(CONF_DIR.iterdir()) if group.is_dir()
+           for option in sorted(group.glob("*.yaml"))]
+OPTIONS += [("recipe", recipe.stem) for recipe in sorted(RECIPES_DIR.glob("*.yaml"))]
+
+
+def composed(overrides: list[str]) -> RunSpec:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return load_spec(compose("config", overrides=overrides))
+
+
+def test_every_group_has_options():
+    groups = {group for group, _ in OPTIONS}
+    assert {"hardware", "strategy", "precision", "tracker", "model", "data", "optim", "scheduler", "recipe"} <= groups
+
+
+@pytest.mark.parametrize("group,option", OPTIONS)
+def test_option_composes_and_validates(group, option, tmp_path):
+    overrides = [f"{group}={option}", *REQUIRED.get((group, option), lambda tmp: [])(tmp_path)]
+    spec = composed(overrides)
+    assert isinstance(spec, RunSpec)
+    needs_gpu = group == "hardware" and spec.hardware.accelerator is Accelerator.cuda
+    if needs_gpu and not _has_cuda():
+        with pytest.raises(SpecError, match="CUDA"):
+            validate(spec)
+        return
+    resolved = validate(spec)
+    assert resolved.hardware.accelerator is not Accelerator.auto
+    assert resolved.hardware.nproc_per_node >= 1
+
+
+def test_default_spec_is_resolved_and_typed():
+    spec = validate(composed([]))
+    assert spec.hardware.device_memory_gib > 0
+    assert "${" not in spec_module.to_yaml(spec)
+    assert OmegaConf.to_object(OmegaConf.create(spec_module.to_yaml(spec)))["train"]["max_steps"] == 200
+
+
+def test_recipe_values_win_over_defaults_and_lose_to_the_command_line():
+    assert composed(["recipe=cpu_quick"]).train.max_steps == 30
+    assert composed(["recipe=cpu_quick", "train.max_steps=7"]).train.max_steps == 7
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

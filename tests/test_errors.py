@@ -1,0 +1,52 @@
+"""Bad input ends in one line on stderr, a non-zero exit, and no output directory."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+
+BAD_INPUTS = {
+    "unknown key": (["strategy.shardng=x"], "unknown key strategy.shardng"),
+    "unknown key added with +": (["+optim.foo=1"], "unknown key optim.foo"),
+    "unknown top-level key": (["+foo=1"], "unknown key foo"),
+    "unknown option": (["strategy=zero9"], "strategy=zero9 is not an option"),
+    "unknown precision": (["precision=fp9"], "precision=fp9 is not an option; choose one of: bf16, fp32"),
+    "wrong type": (["optim.lr=abc"], "optim.lr: Value 'abc'"),
+    "out of range": (["train.max_steps=-3"], "train.max_steps=-3 must be a positive integer"),
+    "more processes than the strategy runs": (["hardware.nproc_per_node=2"], "strategy=single runs one process"),
+    "hardware this machine lacks": (["hardware=h100_80gb"], "CUDA"),
+    "missing data path": (["data.files=/no/such/dir/*.txt"], "data.files=/no/such/dir/*.txt matches no file"),
+    "missing model directory": (["model=pretrained", "model.pretrained=./no-such-model"], "is not a directory"),
+    "bad sweep point": (["-m", "train.max_steps=5,-1"], "train.max_steps=-1 must be a positive integer"),
+    "bad override syntax": (["train.max_steps=[1"], "train.max_steps=[1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=list(BAD_INPUTS))
+def test_bad_input_is_one_line_and_writes_nothing(case, workdir):
+    args, expected = BAD_INPUTS[case]
+    result = run_cli(*args, cwd=workdir)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("run: error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert not (workdir / "outputs").exists()
+
+
+def test_data_that_rules_the_job_out_leaves_no_run_directory(workdir):
+    (workdir / "pairs.jsonl").write_text(json.dumps({"prompt": "2+2=", "response": "4"}) + "\n")
+    result = run_cli("data=instruction_files", "data.files=pairs.jsonl", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "run: error: data.files=pairs.jsonl holds 1 document(s); training and evaluation need at least 2"
+    ]
+    assert not any((workdir / "outputs").rglob("*"))
+
+
+def test_data_without_the_format_column_is_named(workdir):
+    (workdir / "rows.jsonl").write_text("".join(json.dumps({"body": f"row {i}"}) + "\n" for i in range(4)))
+    result = run_cli("data=text_files", "data.files=rows.jsonl", cwd=workdir)
+    assert result.returncode == 2
+    assert "has no column 'text' (it has: body); set data.text_field" in result.stderr

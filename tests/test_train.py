@@ -1,0 +1,129 @@
+"""Real short training runs: the loss falls, the run directory holds what it promises, the model reloads."""
+
+import json
+import random
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import QUICK, run_cli, run_dirs
+from runner import spec as spec_module
+from runner.cli import CONF_DIR, RECIPES_DIR
+from runner.data import IGNORE, build_datasets
+from runner.job import prepare_job
+from runner.model import build_tokenizer
+from runner.spec import load_spec, validate
+from runner.train import train
+
+spec_module.register(RECIPES_DIR)
+
+
+def resolved_spec(overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return validate(load_spec(compose("config", overrides=overrides)))
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One short run of the `run` command, shared by the checks on its outputs."""
+    workdir = tmp_path_factory.mktemp("cli")
+    result = run_cli(*QUICK, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = run_dirs(workdir)
+    return workdir, run_dir, result
+
+
+def test_eval_loss_falls(cli_run):
+    _, run_dir, result = cli_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_loss"] < summary["first_eval_loss"] - 1.0
+    assert summary["steps"] == 30 and summary["tokens_per_s"] > 0 and summary["peak_memory_gib"] > 0
+    assert "done: train loss" in result.stdout + result.stderr
+
+
+def test_run_directory_contract(cli_run):
+    _, run_dir, _ = cli_run
+    for name in ("spec.yaml", "run.log", "metrics.jsonl", "summary.json", ".hydra/overrides.yaml", "model"):
+        assert (run_dir / name).exists(), name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if "loss" in r]
+    eval_records = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in train_records] == [10, 20, 30]
+    assert [r["step"] for r in eval_records] == [0, 15, 30]
+    assert all({"step", "loss", "lr", "tokens_per_s", "grad_norm"} <= r.keys() for r in train_records)
+    assert "step 30/30" in (run_dir / "run.log").read_text()
+    assert (run_dir / "model" / "model.safetensors").exists()
+    assert not list(run_dir.glob("*.partial"))
+
+
+def test_spec_file_is_resolved_and_recomposes_into_the_same_job(cli_run):
+    workdir, run_dir, _ = cli_run
+    written = yaml.safe_load((run_dir / "spec.yaml").read_text())
+    assert written["train"]["max_steps"] == 30 and written["hardware"]["accelerator"] == "cpu"
+    assert "${" not in (run_dir / "spec.yaml").read_text()
+    again = run_cli("--config-dir", str(run_dir), "--config-name", "spec", "--cfg", "job", cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    recomposed = yaml.safe_load(again.stdout)
+    written.pop("defaults")
+    assert recomposed == written
+
+
+def test_saved_model_continues_as_a_pretrained_model(cli_run):
+    """from_pretrained of the saved model, on the same eval split, starts at the loss the first run ended on."""
+    workdir, run_dir, _ = cli_run
+    first = json.loads((run_dir / "summary.json").read_text())
+    result = run_cli(*QUICK, "model=pretrained", f"model.pretrained={run_dir / 'model'}", "train.max_steps=2",
+                     "train.log_every=1", "train.eval_every=0", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    second_dir = [d for d in run_dirs(workdir) if d != run_dir][0]
+    second = json.loads((second_dir / "summary.json").read_text())
+    assert second["first_eval_loss"] == pytest.approx(first["eval_loss"], rel=1e-5)
+
+
+def test_reloaded_model_gives_the_same_logits(tmp_path):
+    job = prepare_job(resolved_spec([*QUICK, "train.max_steps=5", "train.eval_every=0"]), tmp_path)
+    summary = train(job)
+    reloaded = AutoModelForCausalLM.from_pretrained(summary["model_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(summary["model_dir"])
+    ids = tokenizer("def main():\n    return 0\n", return_tensors="pt").input_ids
+    job.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, job.model(ids).logits, rtol=0, atol=0)
+    assert reloaded.dtype == torch.float32
+
+
+@pytest.fixture
+def arithmetic_pairs(tmp_path):
+    rng = random.Random(0)
+    path = tmp_path / "pairs.jsonl"
+    with path.open("w") as f:
+        for _ in range(400):
+            a, b = rng.randrange(50), rng.randrange(50)
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n")
+    return path
+
+
+def test_instruction_data_trains_on_the_response_only(arithmetic_pairs):
+    spec = resolved_spec(["data=instruction_files", f"data.files={arithmetic_pairs}", "data.seq_len=16"])
+    tokenizer = build_tokenizer(spec.model)
+    train_set, eval_set = build_datasets(spec.data, tokenizer, spec.seed)
+    assert len(train_set) + len(eval_set) == 400
+    row = train_set[0]
+    prompt_length = row["labels"].index(next(label for label in row["labels"] if label != IGNORE))
+    prompt = tokenizer.decode(row["input_ids"][:prompt_length])
+    response = tokenizer.decode(row["labels"][prompt_length:-1])
+    a, b = prompt.rstrip("=").split("+")
+    assert int(response) == int(a) + int(b)
+    assert row["labels"][-1] == tokenizer.eos_token_id
+
+
+def test_instruction_training_loss_falls(arithmetic_pairs, tmp_path):
+    spec = resolved_spec(["data=instruction_files", f"data.files={arithmetic_pairs}", "data.seq_len=16",
+                          "data.eval_fraction=0.1", "train.max_steps=40", "train.eval_every=0",
+                          "train.eval_batches=4", "train.save_model=false"])
+    summary = train(prepare_job(spec, tmp_path))
+    assert summary["eval_loss"] < summary["first_eval_loss"] - 1.0
+    assert summary["model_dir"] is None
