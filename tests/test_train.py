@@ -127,3 +127,16 @@ def test_instruction_training_loss_falls(arithmetic_pairs, tmp_path):
     summary = train(prepare_job(spec, tmp_path))
     assert summary["eval_loss"] < summary["first_eval_loss"] - 1.0
     assert summary["model_dir"] is None
+
+
+def test_parquet_text_is_packed_into_blocks(tmp_path):
+    import datasets
+
+    rows = [{"body": f"def f{i}(x):\n    return x * {i}\n"} for i in range(40)]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "code.parquet")
+    spec = resolved_spec(["data=text_files", f"data.files={tmp_path / 'code.parquet'}", "data.text_field=body",
+                          "data.seq_len=32"])
+    train_set, eval_set = build_datasets(spec.data, build_tokenizer(spec.model), spec.seed)
+    assert len(train_set) > 0 and len(eval_set) > 0
+    assert {len(ids) for ids in train_set["input_ids"]} == {32}
+    assert train_set["labels"] == train_set["input_ids"]
