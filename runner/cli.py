@@ -21,6 +21,10 @@ from omegaconf.errors import OmegaConfBaseException
 from runner import spec as spec_module
 from runner.spec import SpecError, load_spec, validate
 
+
+class WorkerFailed(Exception):
+    """A worker process of a multi-process job raised or died; the message leads with that rank's error."""
+
 log = logging.getLogger("runner")
 USER_ERRORS = (HydraException, OmegaConfBaseException, SpecError)
 
@@ -56,6 +60,9 @@ def main() -> None:
         refuse(one_line(error))
     except LaunchRefused as refusal:
         refuse(str(refusal))
+    except WorkerFailed as failure:
+        print(f"run: error: {failure}", file=sys.stderr)
+        sys.exit(1)
 
 
 def refuse(message: str) -> None:
@@ -66,7 +73,9 @@ def refuse(message: str) -> None:
 def run_job(config: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    from runner.job import prepare_job
+    from runner.job import load_data, prepare_job
+    from runner.launch import launch
+    from runner.strategy import SingleStrategy
     from runner.train import train
 
     spec = validate(load_spec(config))
@@ -74,11 +83,14 @@ def run_job(config: DictConfig) -> float:
     run_dir = Path(hydra_config.runtime.output_dir)
     (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
     try:
-        job = prepare_job(spec, run_dir)
+        load_data(spec)
     except SpecError as error:
         discard_run_dir(run_dir)  # what the data turned out to hold ruled the job out: leave nothing behind
         raise LaunchRefused(str(error)) from None
-    return train(job)["eval_loss"]
+    if isinstance(spec.strategy, SingleStrategy):
+        return train(prepare_job(spec, run_dir))["eval_loss"]
+    log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
+    return launch(spec, run_dir, log_format)["eval_loss"]
 
 
 def discard_run_dir(run_dir: Path) -> None:

@@ -187,9 +187,13 @@ def train_batches(
 def eval_batches(
     dataset: datasets.Dataset, *, micro_batch_size: int, max_batches: int, dp_rank: int, dp_size: int, pad_token_id: int
 ) -> Iterator[Batch]:
-    """The first max_batches x micro_batch_size x dp_size eval rows, in order, this rank's share of each batch."""
-    global_batch = micro_batch_size * dp_size
-    usable = min(len(dataset) // global_batch, max_batches) * global_batch
-    for start in range(0, usable, global_batch):
-        first = start + dp_rank * micro_batch_size
-        yield collate(dataset[first : first + micro_batch_size], pad_token_id)
+    """This rank's share of the first max_batches x micro_batch_size eval rows, in batches of micro_batch_size.
+
+    The rows are the same whatever the number of ranks (rounded down to a multiple of it, so that every rank runs
+    the same number of forward passes).
+    """
+    rows = min(len(dataset), max_batches * micro_batch_size) // dp_size * dp_size
+    share = rows // dp_size
+    first = dp_rank * share
+    for start in range(first, first + share, micro_batch_size):
+        yield collate(dataset[start : min(start + micro_batch_size, first + share)], pad_token_id)

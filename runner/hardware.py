@@ -22,6 +22,9 @@ class HardwareConfig:
     # Unset fields are detected on the machine the run starts on.
     nnodes: int = 1
     nproc_per_node: Optional[int] = None
+    # Several machines: this machine's index and the host:port of node 0, where the processes meet.
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None
     device_name: Optional[str] = None
     device_memory_gib: Optional[float] = None
     host_memory_gib: Optional[float] = None

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
 from runner import data, model as model_module, optim, precision, scheduler, strategy, tracker
 from runner.hardware import Accelerator
+from runner.launch import Ranks
 from runner.spec import RunSpec, SpecError
+from runner.strategy import FSDPStrategy
 
 if TYPE_CHECKING:
     import datasets
@@ -21,6 +24,7 @@ if TYPE_CHECKING:
 class PreparedJob:
     spec: RunSpec
     run_dir: Path
+    ranks: Ranks
     device: torch.device
     model: nn.Module
     tokenizer: PreTrainedTokenizerBase
@@ -29,6 +33,7 @@ class PreparedJob:
     train_batches: Iterator[list[data.Batch]]
     eval_batches: Callable[[], Iterator[data.Batch]]
     autocast: Callable[[], ContextManager]
+    gradient_sync: Callable[[bool], ContextManager]
     trackers: list[tracker.Tracker]
     dp_size: int
 
@@ -37,22 +42,45 @@ class PreparedJob:
         return self.spec.train.micro_batch_size * self.dp_size * self.spec.train.grad_accum_steps
 
 
-def prepare_job(spec: RunSpec, run_dir: Path, rank: int = 0) -> PreparedJob:
-    import torch
+def load_data(spec: RunSpec) -> tuple[PreTrainedTokenizerBase, datasets.Dataset, datasets.Dataset]:
+    """The tokenizer and the tokenized splits, checked to hold at least one global and one eval batch.
 
-    device = torch.device("cuda", rank) if spec.hardware.accelerator is Accelerator.cuda else torch.device("cpu")
-    dp_size = strategy.data_parallel_size(spec.strategy)
-    dp_rank = rank
+    The controller calls it before starting workers, so that data problems stop the job early and the workers
+    find the tokenized splits in the datasets cache.
+    """
     train = spec.train
-
+    dp_size = strategy.data_parallel_size(spec.strategy, spec.hardware.world_size)
     tokenizer = model_module.build_tokenizer(spec.model)
     train_set, eval_set = data.build_datasets(spec.data, tokenizer, spec.seed)
-    _check_split_sizes(train_set, eval_set, train.micro_batch_size * dp_size * train.grad_accum_steps,
-                       train.micro_batch_size * dp_size)
+    global_batch = train.micro_batch_size * dp_size * train.grad_accum_steps
+    if len(train_set) < global_batch:
+        raise SpecError(
+            f"the training split has {len(train_set)} sequences, fewer than one global batch of {global_batch}; "
+            "lower train.micro_batch_size or train.grad_accum_steps, or add data"
+        )
+    if len(eval_set) < dp_size:
+        raise SpecError(
+            f"the eval split has {len(eval_set)} sequences, fewer than the {dp_size} data-parallel ranks; "
+            "raise data.eval_fraction"
+        )
+    return tokenizer, train_set, eval_set
+
+
+def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> PreparedJob:
+    import torch
+
+    cuda = spec.hardware.accelerator is Accelerator.cuda
+    device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
+    dp_size = strategy.data_parallel_size(spec.strategy, ranks.world_size)
+    train = spec.train
+    tokenizer, train_set, eval_set = load_data(spec)
 
     torch.manual_seed(spec.seed)
-    model = model_module.build_model(spec.model, tokenizer)
-    model = strategy.apply_strategy(model, spec.strategy, device)
+    model = model_module.build_model(spec.model, tokenizer, weights=strategy.loads_weights(spec.strategy, ranks.rank))
+    sharded = isinstance(spec.strategy, FSDPStrategy)
+    # FSDP casts through its mixed-precision policy; the other strategies autocast the forward.
+    mixed_precision = precision.fsdp_mixed_precision(spec.precision) if sharded else None
+    model = strategy.apply_strategy(model, spec.strategy, spec.hardware, device, mixed_precision)
     optimizer = optim.build_optimizer(model, spec.optim)
     lr_schedule = scheduler.build_scheduler(optimizer, spec.scheduler, train.max_steps)
 
@@ -60,6 +88,7 @@ def prepare_job(spec: RunSpec, run_dir: Path, rank: int = 0) -> PreparedJob:
     return PreparedJob(
         spec=spec,
         run_dir=run_dir,
+        ranks=ranks,
         device=device,
         model=model,
         tokenizer=tokenizer,
@@ -67,27 +96,14 @@ def prepare_job(spec: RunSpec, run_dir: Path, rank: int = 0) -> PreparedJob:
         scheduler=lr_schedule,
         train_batches=data.train_batches(
             train_set, micro_batch_size=train.micro_batch_size, grad_accum_steps=train.grad_accum_steps,
-            dp_rank=dp_rank, dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
+            dp_rank=ranks.rank, dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
         ),
         eval_batches=lambda: data.eval_batches(
             eval_set, micro_batch_size=train.micro_batch_size, max_batches=train.eval_batches,
-            dp_rank=dp_rank, dp_size=dp_size, pad_token_id=pad,
+            dp_rank=ranks.rank, dp_size=dp_size, pad_token_id=pad,
         ),
-        autocast=lambda: precision.autocast(spec.precision, device),
-        trackers=tracker.build_trackers(spec.tracker, run_dir) if rank == 0 else [],
+        autocast=contextlib.nullcontext if sharded else lambda: precision.autocast(spec.precision, device),
+        gradient_sync=lambda enabled: strategy.gradient_sync(model, spec.strategy, enabled),
+        trackers=tracker.build_trackers(spec.tracker, run_dir) if ranks.rank == 0 else [],
         dp_size=dp_size,
     )
-
-
-def _check_split_sizes(train_set: datasets.Dataset, eval_set: datasets.Dataset, global_batch: int,
-                       eval_batch: int) -> None:
-    if len(train_set) < global_batch:
-        raise SpecError(
-            f"the training split has {len(train_set)} sequences, fewer than one global batch of {global_batch}; "
-            "lower train.micro_batch_size or train.grad_accum_steps, or add data"
-        )
-    if len(eval_set) < eval_batch:
-        raise SpecError(
-            f"the eval split has {len(eval_set)} sequences, fewer than one eval batch of {eval_batch}; "
-            "raise data.eval_fraction or lower train.micro_batch_size"
-        )

@@ -48,15 +48,27 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
-    """The model on the CPU in fp32: master weights stay fp32 whatever dtype a checkpoint was saved in."""
+def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, weights: bool = True) -> nn.Module:
+    """The model in fp32 (master weights stay fp32 whatever dtype a checkpoint was saved in): on the CPU with its
+    weights, or without them on the meta device, reading no weight file."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if model.pretrained:
+    if model.pretrained and weights:
         return AutoModelForCausalLM.from_pretrained(model.pretrained, dtype=torch.float32)
+    if model.pretrained:
+        config = AutoConfig.from_pretrained(model.pretrained)
+    else:
+        config = architecture_config(model, tokenizer)
+    with torch.device("cpu" if weights else "meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def architecture_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase):
+    from transformers import AutoConfig
+
     architecture = dict(model.architecture)
-    config = AutoConfig.for_model(
+    return AutoConfig.for_model(
         architecture.pop("model_type"),
         **{
             "vocab_size": len(tokenizer),
@@ -66,4 +78,3 @@ def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> nn.Mo
             **architecture,
         },
     )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING, ContextManager, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +20,16 @@ class ComputeDtype(str, Enum):
 class PrecisionConfig:
     # Weights, gradients and optimizer states stay fp32; the forward and the loss run under autocast in this dtype.
     compute_dtype: ComputeDtype = ComputeDtype.fp32
+
+
+def fsdp_mixed_precision(precision: PrecisionConfig) -> Optional[object]:
+    """FSDP2's policy: parameters all-gathered and computed in the low dtype, gradients reduced in fp32."""
+    if precision.compute_dtype is ComputeDtype.fp32:
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def autocast(precision: PrecisionConfig, device: torch.device) -> ContextManager:

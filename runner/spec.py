@@ -22,7 +22,14 @@ from runner.model import BYTES, ModelConfig
 from runner.optim import AdamWConfig, OptimConfig, SGDConfig
 from runner.precision import ComputeDtype, PrecisionConfig
 from runner.scheduler import SchedulerConfig
-from runner.strategy import SingleStrategy, StrategyConfig
+from runner.strategy import (
+    DDPStrategy,
+    FSDPStrategy,
+    ShardingStrategy,
+    SingleStrategy,
+    StrategyConfig,
+    hybrid_group_size,
+)
 from runner.tracker import NoTracker, TrackerConfig
 from runner.train import TrainConfig
 
@@ -47,7 +54,7 @@ class RunSpec:
 
 SCHEMAS = {
     "hardware": {"base": HardwareConfig},
-    "strategy": {"single": SingleStrategy},
+    "strategy": {"single": SingleStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy},
     "precision": {"base": PrecisionConfig},
     "tracker": {"none": NoTracker},
     "model": {"base": ModelConfig},
@@ -169,17 +176,47 @@ def _check_hardware(spec: RunSpec) -> RunSpec:
     if declared.accelerator is Accelerator.cuda:
         _require(hw.cuda_device_count() > 0,
                  "hardware asks for CUDA GPUs but this machine has none; use hardware=auto or hardware=cpu")
+    _require(0 <= declared.node_rank < declared.nnodes,
+             f"hardware.node_rank={declared.node_rank} must be in [0, hardware.nnodes={declared.nnodes})")
+    _require(declared.nnodes == 1 or bool(declared.rdzv_endpoint),
+             f"hardware.nnodes={declared.nnodes} needs hardware.rdzv_endpoint=<host of node 0>:<free port>, "
+             "the same on every node")
     machine = hw.detect(declared)
-    if isinstance(spec.strategy, SingleStrategy):
-        _require(machine.world_size == 1,
-                 f"strategy=single runs one process but the hardware gives {machine.world_size} "
-                 f"(hardware.nnodes={machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node}); "
-                 "set hardware.nproc_per_node=1 (multi-process strategies are not available yet)")
+    if machine.accelerator is Accelerator.cuda:
+        _require(machine.nproc_per_node <= hw.cuda_device_count(),
+                 f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
+                 f"{hw.cuda_device_count()} this machine has")
+    _check_strategy(spec.strategy, machine)
     if spec.precision.compute_dtype is ComputeDtype.bf16 and machine.accelerator is Accelerator.cuda:
         _require(hw.cuda_supports_bf16(),
                  f"precision=bf16 needs a GPU with bf16 (compute capability 8.0+), and {machine.device_name} "
                  "has none; use precision=fp32")
     return replace(spec, hardware=machine)
+
+
+def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:
+    processes = f"(hardware.nnodes={machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node})"
+    if isinstance(strategy, SingleStrategy):
+        _require(machine.world_size == 1,
+                 f"strategy=single runs one process but the hardware gives {machine.world_size} {processes}; "
+                 "choose strategy=ddp or strategy=fsdp, or set hardware.nproc_per_node=1")
+    if isinstance(strategy, FSDPStrategy):
+        hybrid = strategy.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+        group = hybrid_group_size(strategy, machine)
+        if hybrid:
+            _require(group >= 1 and machine.world_size % group == 0,
+                     f"strategy.hybrid_shard_size={group} does not divide the {machine.world_size} processes "
+                     f"{processes}; pick a divisor of {machine.world_size}")
+        else:
+            _require(strategy.hybrid_shard_size is None,
+                     f"strategy.hybrid_shard_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not "
+                     f"{strategy.sharding_strategy.value}")
+        _require(strategy.sync_module_states or not strategy.cpu_ram_efficient_loading,
+                 "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
+                 "get their weights from rank 0")
+        _require(strategy.min_num_params >= 1, f"strategy.min_num_params={strategy.min_num_params} must be >= 1")
+        _require(strategy.forward_prefetch >= 0 and strategy.backward_prefetch >= 0,
+                 "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0")
 
 
 def to_yaml(spec: RunSpec) -> str:

@@ -1,13 +1,31 @@
-"""The `strategy` group: how the model is placed and wrapped across processes and devices."""
+"""The `strategy` group: how the model is placed and wrapped across processes and devices.
+
+single: one process. ddp: torch DistributedDataParallel. fsdp: torch FSDP2 (`fully_shard`) in the vocabulary of
+FSDP1 and accelerate, mapped onto a device mesh:
+
+    sharding_strategy    mesh (replicate x shard)        reshard after forward
+    FULL_SHARD           1 x world                       yes   (ZeRO-3)
+    SHARD_GRAD_OP        1 x world                       no    (ZeRO-2)
+    NO_SHARD             world x 1                       -     (replicated, gradients all-reduced)
+    HYBRID_SHARD         world/group x group             yes   (shard within a group, replicate across)
+    HYBRID_SHARD_ZERO2   world/group x group             no
+
+where `group` is `hybrid_shard_size`: by default the processes of one node, or on a single node half of them
+(two replicas), since sharding across the whole of one node is FULL_SHARD.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import contextlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, ContextManager, List, Optional
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from runner.hardware import HardwareConfig
 
 
 @dataclass
@@ -20,16 +38,211 @@ class SingleStrategy(StrategyConfig):
     """One process on one device, no wrapping."""
 
 
-def data_parallel_size(strategy: StrategyConfig) -> int:
-    """How many ranks split each global batch."""
+@dataclass
+class DDPStrategy(StrategyConfig):
+    # Let DDP look for parameters that get no gradient in a step (slower; only for models that need it).
+    find_unused_parameters: bool = False
+    bucket_cap_mb: int = 25
+
+
+class ShardingStrategy(str, Enum):
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
+
+
+class AutoWrapPolicy(str, Enum):
+    TRANSFORMER_BASED_WRAP = "TRANSFORMER_BASED_WRAP"
+    SIZE_BASED_WRAP = "SIZE_BASED_WRAP"
+    NO_WRAP = "NO_WRAP"
+
+
+@dataclass
+class FSDPStrategy(StrategyConfig):
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    # HYBRID_SHARD*: ranks in one shard group; unset: a node's processes (on one node: half of them).
+    hybrid_shard_size: Optional[int] = None
+    auto_wrap_policy: AutoWrapPolicy = AutoWrapPolicy.TRANSFORMER_BASED_WRAP
+    # TRANSFORMER_BASED_WRAP: class names of the blocks to shard as units; empty means the model's _no_split_modules.
+    transformer_layer_cls: List[str] = field(default_factory=list)
+    # SIZE_BASED_WRAP: a module becomes a unit once it holds this many parameters not already in a unit.
+    min_num_params: int = 100_000_000
+    # Keep the sharded parameters, gradients and optimizer states in CPU RAM; the optimizer steps on the CPU.
+    offload_params: bool = False
+    # Only rank 0 loads (or initialises) the weights; the others start on the meta device and receive them.
+    cpu_ram_efficient_loading: bool = False
+    sync_module_states: bool = True
+    activation_checkpointing: bool = False
+    # How many following blocks' all-gathers to issue early in forward, and preceding ones in backward.
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+
+
+def data_parallel_size(strategy: StrategyConfig, world_size: int) -> int:
+    """How many ranks split each global batch: all of them, for every multi-process strategy here."""
+    return 1 if isinstance(strategy, SingleStrategy) else world_size
+
+
+def shard_mesh_shape(strategy: FSDPStrategy, hardware: HardwareConfig) -> tuple[int, int]:
+    """(replicate, shard) sizes of the FSDP device mesh."""
+    world = hardware.world_size
+    match strategy.sharding_strategy:
+        case ShardingStrategy.NO_SHARD:
+            return world, 1
+        case ShardingStrategy.HYBRID_SHARD | ShardingStrategy.HYBRID_SHARD_ZERO2:
+            group = hybrid_group_size(strategy, hardware)
+            return world // group, group
+    return 1, world
+
+
+def describe(strategy: StrategyConfig, hardware: HardwareConfig) -> str:
+    processes = f"{hardware.world_size} process{'es' if hardware.world_size > 1 else ''}"
     match strategy:
         case SingleStrategy():
-            return 1
+            return f"single, {processes}"
+        case DDPStrategy():
+            return f"ddp, {processes}"
+        case FSDPStrategy():
+            replicate, shard = shard_mesh_shape(strategy, hardware)
+            return (f"fsdp {strategy.sharding_strategy.value}, {processes}, mesh {replicate} x {shard} "
+                    f"(replicate x shard), {strategy.auto_wrap_policy.value}")
     raise TypeError(f"unknown strategy {type(strategy).__name__}")
 
 
-def apply_strategy(model: nn.Module, strategy: StrategyConfig, device: torch.device) -> nn.Module:
+def hybrid_group_size(strategy: FSDPStrategy, hardware: HardwareConfig) -> int:
+    if strategy.hybrid_shard_size:
+        return strategy.hybrid_shard_size
+    return hardware.nproc_per_node if hardware.nnodes > 1 else max(1, hardware.world_size // 2)
+
+
+def loads_weights(strategy: StrategyConfig, rank: int) -> bool:
+    """Whether this rank builds the model with real weights (else on the meta device, to be filled by rank 0)."""
+    return rank == 0 or not (isinstance(strategy, FSDPStrategy) and strategy.cpu_ram_efficient_loading)
+
+
+def apply_strategy(
+    model: nn.Module, strategy: StrategyConfig, hardware: HardwareConfig, device: torch.device,
+    mixed_precision: Optional[object] = None,
+) -> nn.Module:
     match strategy:
         case SingleStrategy():
             return model.to(device)
+        case DDPStrategy():
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(
+                model.to(device),
+                device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=strategy.find_unused_parameters,
+                bucket_cap_mb=strategy.bucket_cap_mb,
+            )
+        case FSDPStrategy():
+            return apply_fsdp(model, strategy, hardware, device, mixed_precision)
     raise TypeError(f"unknown strategy {type(strategy).__name__}")
+
+
+def apply_fsdp(
+    model: nn.Module, strategy: FSDPStrategy, hardware: HardwareConfig, device: torch.device,
+    mixed_precision: Optional[object],
+) -> nn.Module:
+    """Activation checkpointing, then `fully_shard` on each unit and the root, then the weights into the shards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if strategy.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    replicate, shard = shard_mesh_shape(strategy, hardware)
+    mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+    reshard = strategy.sharding_strategy not in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard,
+        "mp_policy": mixed_precision or MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if strategy.offload_params else OffloadPolicy(),
+    }
+    if strategy.cpu_ram_efficient_loading:
+        # Only rank 0 holds weights: keep them aside, shard an empty copy everywhere, then broadcast into the shards.
+        full_state = model.state_dict() if dist.get_rank() == 0 else {}
+        model = model.to("meta")
+    elif strategy.sync_module_states:
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+
+    units = wrap_units(model, strategy)
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    set_prefetch(units, strategy)
+
+    if strategy.cpu_ram_efficient_loading:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        buffers_device = "cpu" if strategy.offload_params else device
+        model.to_empty(device=buffers_device)
+        set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        # Buffers outside the state dict (rotary frequencies) were left empty on the meta ranks.
+        with torch.no_grad():
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+    return model
+
+
+def wrap_units(model: nn.Module, strategy: FSDPStrategy) -> list[nn.Module]:
+    """The submodules that become their own FSDP units, in forward order."""
+    match strategy.auto_wrap_policy:
+        case AutoWrapPolicy.NO_WRAP:
+            return []
+        case AutoWrapPolicy.TRANSFORMER_BASED_WRAP:
+            names = set(strategy.transformer_layer_cls or getattr(model, "_no_split_modules", None) or [])
+            return [m for m in model.modules() if type(m).__name__ in names]
+    units: list[nn.Module] = []
+    _collect_by_size(model, strategy.min_num_params, units)
+    return [unit for unit in units if unit is not model]
+
+
+def _collect_by_size(module: nn.Module, min_num_params: int, units: list[nn.Module]) -> int:
+    """Post-order: a module whose parameters not yet in a unit reach min_num_params becomes a unit."""
+    remaining = sum(_collect_by_size(child, min_num_params, units) for child in module.children())
+    remaining += sum(p.numel() for p in module.parameters(recurse=False))
+    if remaining >= min_num_params:
+        units.append(module)
+        return 0
+    return remaining
+
+
+def set_prefetch(units: list[nn.Module], strategy: FSDPStrategy) -> None:
+    if strategy.forward_prefetch:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + strategy.forward_prefetch])
+    if strategy.backward_prefetch != 1:
+        for i, unit in enumerate(units):
+            unit.set_modules_to_backward_prefetch(units[max(0, i - strategy.backward_prefetch) : i][::-1])
+
+
+def gradient_sync(model: nn.Module, strategy: StrategyConfig, enabled: bool) -> ContextManager:
+    """Within gradient accumulation, only the last micro batch synchronises gradients across ranks."""
+    match strategy:
+        case DDPStrategy() if not enabled:
+            return model.no_sync()
+        case FSDPStrategy():
+            model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside a strategy's wrapper (FSDP2 wraps in place)."""
+    return getattr(model, "module", model)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0's CPU (empty elsewhere); every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+

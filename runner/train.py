@@ -38,14 +38,16 @@ class TrainConfig:
 def train(job: PreparedJob) -> dict[str, Any]:
     import torch
 
+    from runner.strategy import describe, unwrapped
+
     spec, model, optimizer = job.spec, job.model, job.optimizer
     cfg = spec.train
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())  # a sharded DTensor counts its whole size
     log.info(
-        "model %s, %.2fM parameters | global batch %d = micro batch %d x %d data-parallel ranks x %d accumulation steps"
-        " | %d steps",
-        type(model).__name__, n_params / 1e6, job.global_batch_size, cfg.micro_batch_size, job.dp_size,
-        cfg.grad_accum_steps, cfg.max_steps,
+        "%s | model %s, %.2fM parameters | global batch %d = micro batch %d x %d data-parallel ranks"
+        " x %d accumulation steps | %d steps",
+        describe(spec.strategy, spec.hardware), type(unwrapped(model)).__name__, n_params / 1e6,
+        job.global_batch_size, cfg.micro_batch_size, job.dp_size, cfg.grad_accum_steps, cfg.max_steps,
     )
 
     first_eval_loss = eval_loss = evaluate(job, step=0)
@@ -57,23 +59,25 @@ def train(job: PreparedJob) -> dict[str, Any]:
     for step in range(1, cfg.max_steps + 1):
         tic = time.perf_counter()
         micro_batches = [{k: v.to(job.device) for k, v in batch.items()} for batch in next(job.train_batches)]
-        # The loss is the mean over every label token of the global batch, whatever way it is split.
-        label_tokens = sum(count_label_tokens(batch) for batch in micro_batches)
+        # The loss is the mean over every label token of the global batch, whatever way it is split. Data-parallel
+        # strategies average gradients over ranks, so each rank's share is scaled by dp_size to make that a sum.
+        label_tokens = all_ranks_sum(sum(count_label_tokens(batch) for batch in micro_batches))
         step_loss = torch.zeros((), device=job.device)
-        for batch in micro_batches:
-            with job.autocast():
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss = causal_lm_loss_sum(logits, batch["labels"]) / label_tokens
-            loss.backward()
+        for i, batch in enumerate(micro_batches):
+            with job.gradient_sync(i == len(micro_batches) - 1):
+                with job.autocast():
+                    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                loss = causal_lm_loss_sum(logits, batch["labels"]) / label_tokens
+                (loss * job.dp_size).backward()
             step_loss += loss.detach()
         grad_norm = grad_total_norm(model, cfg.max_grad_norm)
         optimizer.step()
         job.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        step_loss = step_loss.item()  # waits for the device, so the timing below is the step's own
+        step_loss = all_ranks_sum(step_loss.item())  # also waits for the device, so the timing is the step's own
         elapsed = time.perf_counter() - tic
-        step_tokens = sum(int(batch["attention_mask"].sum()) for batch in micro_batches)
+        step_tokens = all_ranks_sum(sum(int(batch["attention_mask"].sum()) for batch in micro_batches))
         train_time, tokens_seen = train_time + elapsed, tokens_seen + step_tokens
         window_loss, window_tokens = window_loss + step_loss, window_tokens + step_tokens
         window_time, window_steps = window_time + elapsed, window_steps + 1
@@ -111,7 +115,8 @@ def train(job: PreparedJob) -> dict[str, Any]:
         "run_dir": str(job.run_dir),
         "model_dir": str(model_dir) if model_dir else None,
     }
-    write_json_atomically(job.run_dir / "summary.json", summary)
+    if job.ranks.rank == 0:
+        write_json_atomically(job.run_dir / "summary.json", summary)
     for tracker in job.trackers:
         tracker.finish()
     log.info(
@@ -142,12 +147,28 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
 
 def grad_total_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """The global gradient norm, clipped to max_norm unless that is 0."""
+    """The norm of the whole model's gradient (sharded or not), clipped to max_norm unless that is 0."""
     import torch
 
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the local shards' partial norms, combined
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return float(norm)
+
+
+def all_ranks_sum(value: float) -> float:
+    """The sum of a number over all ranks (the number itself in a single process)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    total = torch.tensor(float(value), dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item()
 
 
 def evaluate(job: PreparedJob, step: int) -> float:
@@ -163,7 +184,7 @@ def evaluate(job: PreparedJob, step: int) -> float:
                 logits = job.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss_sum += causal_lm_loss_sum(logits, batch["labels"])
             label_tokens += count_label_tokens(batch)
-    eval_loss = loss_sum.item() / label_tokens
+    eval_loss = all_ranks_sum(loss_sum.item()) / all_ranks_sum(label_tokens)
     for tracker in job.trackers:
         tracker.log({"eval_loss": eval_loss}, step)
     log.info("step %d/%d | eval loss %.4f", step, job.spec.train.max_steps, eval_loss)
@@ -171,13 +192,17 @@ def evaluate(job: PreparedJob, step: int) -> float:
 
 
 def save_model(job: PreparedJob) -> Path:
-    """save_pretrained (safetensors) plus the tokenizer, moved into place only once complete."""
+    """save_pretrained (safetensors) of the whole model plus the tokenizer, by rank 0, moved into place once complete."""
+    from runner.strategy import full_state_dict, unwrapped
+
     final = job.run_dir / "model"
-    partial = job.run_dir / "model.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    job.model.save_pretrained(partial)
-    job.tokenizer.save_pretrained(partial)
-    os.replace(partial, final)
+    state = full_state_dict(job.model) if job.ranks.world_size > 1 else None
+    if job.ranks.rank == 0:
+        partial = job.run_dir / "model.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        unwrapped(job.model).save_pretrained(partial, state_dict=state)
+        job.tokenizer.save_pretrained(partial)
+        os.replace(partial, final)
     return final
 
 

@@ -1,0 +1,113 @@
+"""Starting the worker processes of a multi-process job through PyTorch's elastic launcher (torchrun's machinery).
+
+The controller (the `run` process, where Hydra composed and validated the spec) starts one worker per local
+device; each worker gets the resolved spec itself and never runs Hydra. A worker that fails stops the whole
+group, and the controller reports that rank's error first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from runner.cli import WorkerFailed
+
+if TYPE_CHECKING:
+    from runner.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+
+def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str, Any]:
+    """Runs the job on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns rank 0's summary."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    hardware = spec.hardware
+    endpoint = hardware.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    config = LaunchConfig(
+        min_nodes=hardware.nnodes,
+        max_nodes=hardware.nnodes,
+        nproc_per_node=hardware.nproc_per_node,
+        run_id=run_dir.name,
+        rdzv_backend="static",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"rank": hardware.node_rank, "timeout": 900},
+        max_restarts=0,
+        start_method="spawn",
+        # Where each worker's error file goes, for the report below.
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
+    )
+    logging.getLogger("runner").info(
+        "starting %d worker processes on this node (node %d of %d, rendezvous %s)",
+        hardware.nproc_per_node, hardware.node_rank, hardware.nnodes, endpoint,
+    )
+    try:
+        results = elastic_launch(config, worker)(spec, run_dir, log_format)
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise WorkerFailed(failure_report(rank, failure)) from None
+    return results.get(0, {})
+
+
+def failure_report(rank: int, failure: Any) -> str:
+    if isinstance(failure.message, dict):
+        detail = failure.message.get("message", "")
+        trace = failure.message.get("extraInfo", {}).get("py_callstack", "")
+        return f"rank {rank} failed: {detail}\n{trace}".rstrip()
+    return f"rank {rank} failed: {failure.message or f'exit code {failure.exitcode}'}"
+
+
+@record
+def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from runner.job import prepare_job
+    from runner.train import train
+
+    ranks = Ranks(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    configure_worker_logging(run_dir, ranks.rank, log_format)
+    if spec.hardware.accelerator.value == "cuda":
+        torch.cuda.set_device(ranks.local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", ranks.local_rank))
+    else:
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does, instead of oversubscribing them
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
+        dist.init_process_group("gloo")
+    try:
+        return train(prepare_job(spec, run_dir, ranks))
+    finally:
+        dist.destroy_process_group()
+
+
+def configure_worker_logging(run_dir: Path, rank: int, log_format: dict[str, str]) -> None:
+    """rank<N>.log for every rank; rank 0 also writes the console and the run's run.log, as a single run does."""
+    formatter = logging.Formatter(log_format.get("format"), log_format.get("datefmt"))
+    handlers: list[logging.Handler] = [logging.FileHandler(run_dir / f"rank{rank}.log")]
+    if rank == 0:
+        handlers += [logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "run.log")]
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
