@@ -163,12 +163,15 @@ def apply_fsdp(
         "mesh": mesh,
         "reshard_after_forward": reshard,
         "mp_policy": mixed_precision or MixedPrecisionPolicy(),
-        "offload_policy": CPUOffloadPolicy() if strategy.offload_params else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if strategy.offload_params else OffloadPolicy(),
     }
     if strategy.cpu_ram_efficient_loading:
         # Only rank 0 holds weights: keep them aside, shard an empty copy everywhere, then broadcast into the shards.
         full_state = model.state_dict() if dist.get_rank() == 0 else {}
+        # Buffers outside the state dict (rotary frequencies) would come back empty from the meta device.
+        buffers = {name: b.clone() for name, b in model.named_buffers()} if dist.get_rank() == 0 else {}
         model = model.to("meta")
+        model.tie_weights()  # moving to meta unties the LM head from the embeddings; the other ranks have them tied
     elif strategy.sync_module_states:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
@@ -186,24 +189,38 @@ def apply_fsdp(
         buffers_device = "cpu" if strategy.offload_params else device
         model.to_empty(device=buffers_device)
         set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        # Buffers outside the state dict (rotary frequencies) were left empty on the meta ranks.
         with torch.no_grad():
-            for buffer in model.buffers():
+            for name, buffer in model.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
                 dist.broadcast(buffer, src=0)
     return model
 
 
 def wrap_units(model: nn.Module, strategy: FSDPStrategy) -> list[nn.Module]:
-    """The submodules that become their own FSDP units, in forward order."""
+    """The submodules that become their own FSDP units, in forward order.
+
+    A module holding a tied parameter (input embeddings shared with the LM head) stays with the root, which
+    holds both ends of the tie.
+    """
     match strategy.auto_wrap_policy:
         case AutoWrapPolicy.NO_WRAP:
             return []
         case AutoWrapPolicy.TRANSFORMER_BASED_WRAP:
             names = set(strategy.transformer_layer_cls or getattr(model, "_no_split_modules", None) or [])
-            return [m for m in model.modules() if type(m).__name__ in names]
-    units: list[nn.Module] = []
-    _collect_by_size(model, strategy.min_num_params, units)
-    return [unit for unit in units if unit is not model]
+            units = [m for m in model.modules() if type(m).__name__ in names]
+        case AutoWrapPolicy.SIZE_BASED_WRAP:
+            units = []
+            _collect_by_size(model, strategy.min_num_params, units)
+    tied = _tied_parameters(model)
+    return [u for u in units if u is not model and not any(id(p) in tied for p in u.parameters())]
+
+
+def _tied_parameters(model: nn.Module) -> set[int]:
+    names: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        names[id(parameter)] = names.get(id(parameter), 0) + 1
+    return {key for key, count in names.items() if count > 1}
 
 
 def _collect_by_size(module: nn.Module, min_num_params: int, units: list[nn.Module]) -> int:

@@ -1,0 +1,71 @@
+"""The product's contract: swapping the strategy does not change the math.
+
+With the same seed, data order and global batch, in fp32, the per-step losses of one process with gradient
+accumulation, of DDP, and of FSDP under each sharding strategy and wrap policy agree within 1e-4 relative over
+10 optimizer steps.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICK
+from distributed import run_in_workers
+from runner.job import prepare_job
+from runner.train import train
+from test_train import resolved_spec
+
+STEPS = 10
+# Global batch 8 = micro batch 2 x 4 accumulation steps in one process, or x 2 ranks x 2 steps.
+BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
+        "train.save_model=false", "train.micro_batch_size=2"]
+TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=2"]
+FSDP = ["strategy=fsdp"]
+VARIANTS = {
+    "ddp": ["strategy=ddp"],
+    "fsdp FULL_SHARD": FSDP,
+    "fsdp SHARD_GRAD_OP": [*FSDP, "strategy.sharding_strategy=SHARD_GRAD_OP"],
+    "fsdp NO_SHARD": [*FSDP, "strategy.sharding_strategy=NO_SHARD"],
+    "fsdp HYBRID_SHARD (2 x 1)": [*FSDP, "strategy.sharding_strategy=HYBRID_SHARD"],
+    "fsdp HYBRID_SHARD_ZERO2 (1 x 2)": [*FSDP, "strategy.sharding_strategy=HYBRID_SHARD_ZERO2",
+                                        "strategy.hybrid_shard_size=2"],
+    "fsdp SIZE_BASED_WRAP": [*FSDP, "strategy.auto_wrap_policy=SIZE_BASED_WRAP", "strategy.min_num_params=30000"],
+    "fsdp NO_WRAP": [*FSDP, "strategy.auto_wrap_policy=NO_WRAP"],
+    "fsdp activation checkpointing, prefetch": [*FSDP, "strategy.activation_checkpointing=true",
+                                                "strategy.forward_prefetch=1", "strategy.backward_prefetch=2"],
+    "fsdp offload_params": [*FSDP, "strategy.offload_params=true"],
+    "fsdp cpu_ram_efficient_loading": [*FSDP, "strategy.cpu_ram_efficient_loading=true"],
+}
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def _train_all(ranks, specs, run_dirs):
+    return [train(prepare_job(spec, Path(run_dir), ranks)) for spec, run_dir in zip(specs, run_dirs)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    train(prepare_job(resolved_spec([*BASE, "train.grad_accum_steps=4"]), run_dir))
+    return step_losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def two_rank_losses(tmp_path_factory):
+    specs = [resolved_spec([*BASE, *TWO_RANKS, *overrides]) for overrides in VARIANTS.values()]
+    run_dirs = [tmp_path_factory.mktemp(name.split()[0]) for name in VARIANTS]
+    run_in_workers(_train_all, specs, [str(d) for d in run_dirs], nproc=2)
+    return {name: step_losses(run_dir) for name, run_dir in zip(VARIANTS, run_dirs)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_same_losses_as_one_process(variant, reference, two_rank_losses):
+    losses = two_rank_losses[variant]
+    assert len(losses) == len(reference) == STEPS
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert losses[-1] < losses[0]
