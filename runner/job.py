@@ -11,7 +11,7 @@ from runner import data, model as model_module, optim, precision, scheduler, str
 from runner.hardware import Accelerator
 from runner.launch import Ranks
 from runner.spec import RunSpec, SpecError
-from runner.strategy import FSDPStrategy
+from runner.strategy import DeepSpeedStrategy, DeepSpeedStepper, FSDPStrategy, Stepper, TorchStepper
 
 if TYPE_CHECKING:
     import datasets
@@ -30,6 +30,7 @@ class PreparedJob:
     tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    stepper: Stepper
     train_batches: Iterator[list[data.Batch]]
     eval_batches: Callable[[], Iterator[data.Batch]]
     autocast: Callable[[], ContextManager]
@@ -77,11 +78,20 @@ def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> Prepare
 
     torch.manual_seed(spec.seed)
     model = model_module.build_model(spec.model, tokenizer, weights=strategy.loads_weights(spec.strategy, ranks.rank))
-    sharded = isinstance(spec.strategy, FSDPStrategy)
-    # FSDP casts through its mixed-precision policy; the other strategies autocast the forward.
-    mixed_precision = precision.fsdp_mixed_precision(spec.precision) if sharded else None
-    model = strategy.apply_strategy(model, spec.strategy, spec.hardware, device, mixed_precision)
-    optimizer = optim.build_optimizer(model, spec.optim)
+    if isinstance(spec.strategy, DeepSpeedStrategy):
+        # DeepSpeed wraps model and optimizer together, and casts through its own precision blocks.
+        optimizer = optim.build_optimizer(model, spec.optim)
+        model = strategy.deepspeed_engine(model, optimizer, spec)
+        stepper: Stepper = DeepSpeedStepper(model)
+        autocast: Callable[[], ContextManager] = contextlib.nullcontext
+    else:
+        # FSDP casts through its mixed-precision policy; the other strategies autocast the forward.
+        sharded = isinstance(spec.strategy, FSDPStrategy)
+        mixed_precision = precision.fsdp_mixed_precision(spec.precision) if sharded else None
+        model = strategy.apply_strategy(model, spec.strategy, spec.hardware, device, mixed_precision)
+        optimizer = optim.build_optimizer(model, spec.optim)
+        stepper = TorchStepper(model, optimizer, train.max_grad_norm)
+        autocast = contextlib.nullcontext if sharded else lambda: precision.autocast(spec.precision, device)
     lr_schedule = scheduler.build_scheduler(optimizer, spec.scheduler, train.max_steps)
 
     pad = tokenizer.pad_token_id
@@ -94,6 +104,7 @@ def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> Prepare
         tokenizer=tokenizer,
         optimizer=optimizer,
         scheduler=lr_schedule,
+        stepper=stepper,
         train_batches=data.train_batches(
             train_set, micro_batch_size=train.micro_batch_size, grad_accum_steps=train.grad_accum_steps,
             dp_rank=ranks.rank, dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
@@ -102,7 +113,7 @@ def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> Prepare
             eval_set, micro_batch_size=train.micro_batch_size, max_batches=train.eval_batches,
             dp_rank=ranks.rank, dp_size=dp_size, pad_token_id=pad,
         ),
-        autocast=contextlib.nullcontext if sharded else lambda: precision.autocast(spec.precision, device),
+        autocast=autocast,
         gradient_sync=lambda enabled: strategy.gradient_sync(model, spec.strategy, enabled),
         trackers=tracker.build_trackers(spec.tracker, run_dir) if ranks.rank == 0 else [],
         dp_size=dp_size,

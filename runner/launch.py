@@ -81,6 +81,7 @@ def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
 
     ranks = Ranks(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     configure_worker_logging(run_dir, ranks.rank, log_format)
+    quiet_worker(spec.hardware.accelerator.value)
     if spec.hardware.accelerator.value == "cuda":
         torch.cuda.set_device(ranks.local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", ranks.local_rank))
@@ -105,6 +106,15 @@ def configure_worker_logging(run_dir: Path, rank: int, log_format: dict[str, str
     for handler in handlers:
         handler.setFormatter(formatter)
         root.addHandler(handler)
+
+
+def quiet_worker(accelerator: str) -> None:
+    """A spawned worker starts with fresh warning filters: the controller's do not reach it."""
+    import warnings
+
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    # DeepSpeed still calls collectives that torch has renamed, once per step.
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\..* is deprecated")
 
 
 def free_port() -> int:

@@ -24,6 +24,8 @@ from runner.precision import ComputeDtype, PrecisionConfig
 from runner.scheduler import SchedulerConfig
 from runner.strategy import (
     DDPStrategy,
+    DeepSpeedStrategy,
+    OffloadDevice,
     FSDPStrategy,
     ShardingStrategy,
     SingleStrategy,
@@ -54,7 +56,7 @@ class RunSpec:
 
 SCHEMAS = {
     "hardware": {"base": HardwareConfig},
-    "strategy": {"single": SingleStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy},
+    "strategy": {"single": SingleStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy, "deepspeed": DeepSpeedStrategy},
     "precision": {"base": PrecisionConfig},
     "tracker": {"none": NoTracker},
     "model": {"base": ModelConfig},
@@ -187,6 +189,8 @@ def _check_hardware(spec: RunSpec) -> RunSpec:
                  f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
                  f"{hw.cuda_device_count()} this machine has")
     _check_strategy(spec.strategy, machine)
+    if isinstance(spec.strategy, DeepSpeedStrategy):
+        _check_deepspeed(replace(spec, hardware=machine))
     if spec.precision.compute_dtype is ComputeDtype.bf16 and machine.accelerator is Accelerator.cuda:
         _require(hw.cuda_supports_bf16(),
                  f"precision=bf16 needs a GPU with bf16 (compute capability 8.0+), and {machine.device_name} "
@@ -217,6 +221,31 @@ def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:
         _require(strategy.min_num_params >= 1, f"strategy.min_num_params={strategy.min_num_params} must be >= 1")
         _require(strategy.forward_prefetch >= 0 and strategy.backward_prefetch >= 0,
                  "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0")
+
+
+def _check_deepspeed(spec: RunSpec) -> None:
+    import importlib.util
+
+    from runner.strategy import deepspeed_config
+
+    strategy = spec.strategy
+    _require(importlib.util.find_spec("deepspeed") is not None,
+             "strategy=deepspeed needs the deepspeed package: pip install 'runner[deepspeed]'")
+    _require(strategy.zero_stage in (0, 1, 2, 3), f"strategy.zero_stage={strategy.zero_stage} must be 0, 1, 2 or 3")
+    _require(strategy.offload_param is OffloadDevice.none or strategy.zero_stage == 3,
+             f"strategy.offload_param={strategy.offload_param.value} needs strategy.zero_stage=3")
+    _require(strategy.offload_optimizer is OffloadDevice.none or strategy.zero_stage >= 1,
+             f"strategy.offload_optimizer={strategy.offload_optimizer.value} needs strategy.zero_stage >= 1")
+    nvme = OffloadDevice.nvme in (strategy.offload_optimizer, strategy.offload_param)
+    _require(not nvme or (strategy.nvme_path and Path(strategy.nvme_path).is_dir()),
+             f"NVMe offload needs strategy.nvme_path=<an existing directory on the NVMe drive>, "
+             f"not {strategy.nvme_path}")
+    if strategy.config_file:
+        _require(Path(strategy.config_file).is_file(), f"strategy.config_file={strategy.config_file} does not exist")
+        try:
+            deepspeed_config(spec)
+        except ValueError as error:  # JSON that does not parse
+            raise SpecError(f"strategy.config_file={strategy.config_file} is not valid JSON: {error}") from None
 
 
 def to_yaml(spec: RunSpec) -> str:

@@ -1,6 +1,7 @@
 """The `strategy` group: how the model is placed and wrapped across processes and devices.
 
-single: one process. ddp: torch DistributedDataParallel. fsdp: torch FSDP2 (`fully_shard`) in the vocabulary of
+single: one process. ddp: torch DistributedDataParallel. deepspeed: `deepspeed.initialize` with a config made
+from the spec (ZeRO stage, offload, accumulation, clipping, precision). fsdp: torch FSDP2 (`fully_shard`) in the vocabulary of
 FSDP1 and accelerate, mapped onto a device mesh:
 
     sharding_strategy    mesh (replicate x shard)        reshard after forward
@@ -19,13 +20,14 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, ContextManager, List, Optional
+from typing import TYPE_CHECKING, Any, ContextManager, List, Optional, Protocol
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from runner.hardware import HardwareConfig
+    from runner.spec import RunSpec
 
 
 @dataclass
@@ -80,6 +82,23 @@ class FSDPStrategy(StrategyConfig):
     backward_prefetch: int = 1
 
 
+class OffloadDevice(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+@dataclass
+class DeepSpeedStrategy(StrategyConfig):
+    zero_stage: int = 2
+    # Optimizer states (stages 1-3) and parameters (stage 3) can live in CPU RAM or on an NVMe drive.
+    offload_optimizer: OffloadDevice = OffloadDevice.none
+    offload_param: OffloadDevice = OffloadDevice.none
+    nvme_path: Optional[str] = None
+    # A DeepSpeed JSON whose keys are added to the generated config; one the spec also sets must agree with it.
+    config_file: Optional[str] = None
+
+
 def data_parallel_size(strategy: StrategyConfig, world_size: int) -> int:
     """How many ranks split each global batch: all of them, for every multi-process strategy here."""
     return 1 if isinstance(strategy, SingleStrategy) else world_size
@@ -104,6 +123,8 @@ def describe(strategy: StrategyConfig, hardware: HardwareConfig) -> str:
             return f"single, {processes}"
         case DDPStrategy():
             return f"ddp, {processes}"
+        case DeepSpeedStrategy():
+            return f"deepspeed ZeRO-{strategy.zero_stage}, {processes}"
         case FSDPStrategy():
             replicate, shard = shard_mesh_shape(strategy, hardware)
             return (f"fsdp {strategy.sharding_strategy.value}, {processes}, mesh {replicate} x {shard} "
@@ -242,6 +263,105 @@ def set_prefetch(units: list[nn.Module], strategy: FSDPStrategy) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - strategy.backward_prefetch) : i][::-1])
 
 
+def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
+    """The DeepSpeed config the spec implies, with the user's config file's other keys added."""
+    import json
+
+    from runner.precision import ComputeDtype
+
+    strategy, train = spec.strategy, spec.train
+    zero: dict[str, Any] = {"stage": strategy.zero_stage}
+    for key in ("offload_optimizer", "offload_param"):
+        device = getattr(strategy, key)
+        if device is not OffloadDevice.none:
+            zero[key] = {"device": device.value, **({"nvme_path": strategy.nvme_path} if device.value == "nvme" else {})}
+    generated = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum_steps,
+        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * spec.hardware.world_size,
+        "gradient_clipping": train.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.precision.compute_dtype is ComputeDtype.bf16},
+        # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam).
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+    }
+    if not strategy.config_file:
+        return generated
+    user = json.loads(open(strategy.config_file).read())
+    return _merge_agreeing(user, generated, strategy.config_file)
+
+
+def _merge_agreeing(user: dict, generated: dict, source: str, path: str = "") -> dict:
+    from runner.spec import SpecError
+
+    merged = dict(generated)
+    for key, value in user.items():
+        if isinstance(value, dict) and isinstance(generated.get(key), dict):
+            merged[key] = _merge_agreeing(value, generated[key], source, f"{path}{key}.")
+        elif key in generated and generated[key] != value:
+            raise SpecError(f"{source} sets {path}{key}={value!r} but the spec gives {generated[key]!r}; "
+                            "change one of them")
+        else:
+            merged[key] = value
+    return merged
+
+
+def deepspeed_engine(model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec) -> nn.Module:
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec))
+    return engine
+
+
+class Stepper(Protocol):
+    """Backward on each micro batch, then one optimizer step; how depends on the strategy."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self) -> float:
+        """Clips, updates and clears the gradients; returns the gradient norm before clipping."""
+        ...
+
+
+@dataclass
+class TorchStepper:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    max_grad_norm: float
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> float:
+        import torch
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the shards' partial norms, combined
+            norm = norm.full_tensor()
+        if self.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+
+@dataclass
+class DeepSpeedStepper:
+    """DeepSpeed's engine steps after every backward and updates only at the accumulation boundary, which it
+    counts itself (gradient_accumulation_steps in its config matches train.grad_accum_steps)."""
+
+    engine: Any
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the loss is already a share of the global batch
+        self.engine.step()
+
+    def step(self) -> float:
+        return float(self.engine.get_global_grad_norm() or 0.0)
+
+
 def gradient_sync(model: nn.Module, strategy: StrategyConfig, enabled: bool) -> ContextManager:
     """Within gradient accumulation, only the last micro batch synchronises gradients across ranks."""
     match strategy:
@@ -257,8 +377,12 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole model's weights on rank 0's CPU (empty elsewhere); every rank must call it."""
+def full_state_dict(model: nn.Module, strategy: StrategyConfig) -> dict[str, torch.Tensor]:
+    """The whole model's weights on rank 0 (maybe empty elsewhere); every rank must call it."""
+    if isinstance(strategy, DeepSpeedStrategy):
+        if strategy.zero_stage == 3:  # gathers the partitioned parameters
+            return model._zero3_consolidated_16bit_state_dict() or {}
+        return model.module.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -40,7 +40,7 @@ def train(job: PreparedJob) -> dict[str, Any]:
 
     from runner.strategy import describe, unwrapped
 
-    spec, model, optimizer = job.spec, job.model, job.optimizer
+    spec, model = job.spec, job.model
     cfg = spec.train
     n_params = sum(p.numel() for p in model.parameters())  # a sharded DTensor counts its whole size
     log.info(
@@ -68,12 +68,10 @@ def train(job: PreparedJob) -> dict[str, Any]:
                 with job.autocast():
                     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 loss = causal_lm_loss_sum(logits, batch["labels"]) / label_tokens
-                (loss * job.dp_size).backward()
+                job.stepper.backward(loss * job.dp_size)
             step_loss += loss.detach()
-        grad_norm = grad_total_norm(model, cfg.max_grad_norm)
-        optimizer.step()
+        grad_norm = job.stepper.step()
         job.scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
 
         step_loss = all_ranks_sum(step_loss.item())  # also waits for the device, so the timing is the step's own
         elapsed = time.perf_counter() - tic
@@ -146,19 +144,6 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     )
 
 
-def grad_total_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """The norm of the whole model's gradient (sharded or not), clipped to max_norm unless that is 0."""
-    import torch
-
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the local shards' partial norms, combined
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return float(norm)
-
-
 def all_ranks_sum(value: float) -> float:
     """The sum of a number over all ranks (the number itself in a single process)."""
     import torch
@@ -196,7 +181,7 @@ def save_model(job: PreparedJob) -> Path:
     from runner.strategy import full_state_dict, unwrapped
 
     final = job.run_dir / "model"
-    state = full_state_dict(job.model) if job.ranks.world_size > 1 else None
+    state = full_state_dict(job.model, job.spec.strategy) if job.ranks.world_size > 1 else None
     if job.ranks.rank == 0:
         partial = job.run_dir / "model.partial"
         shutil.rmtree(partial, ignore_errors=True)
