@@ -55,6 +55,9 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
         "starting %d worker processes on this node (node %d of %d, rendezvous %s)",
         hardware.nproc_per_node, hardware.node_rank, hardware.nnodes, endpoint,
     )
+    # The launcher's own loggers would print each failure's traceback ahead of the report below.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, worker)(spec, run_dir, log_format)
     except ChildFailedError as error:
@@ -64,11 +67,13 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
 
 
 def failure_report(rank: int, failure: Any) -> str:
+    """The failed rank's error on the first line, its traceback below."""
     if isinstance(failure.message, dict):
-        detail = failure.message.get("message", "")
+        detail = " ".join(line.strip() for line in failure.message.get("message", "").splitlines() if line.strip())
         trace = failure.message.get("extraInfo", {}).get("py_callstack", "")
-        return f"rank {rank} failed: {detail}\n{trace}".rstrip()
-    return f"rank {rank} failed: {failure.message or f'exit code {failure.exitcode}'}"
+        return f"rank {rank} failed: {detail}\n\nrank {rank}'s traceback:\n{trace}".rstrip()
+    cause = failure.message or f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {cause} (see {failure.error_file or 'its rank log'})"
 
 
 @record
@@ -81,6 +86,7 @@ def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
 
     ranks = Ranks(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     configure_worker_logging(run_dir, ranks.rank, log_format)
+    logging.getLogger("runner.rank").info("rank %d of %d, process %d", ranks.rank, ranks.world_size, os.getpid())
     quiet_worker(spec.hardware.accelerator.value)
     if spec.hardware.accelerator.value == "cuda":
         torch.cuda.set_device(ranks.local_rank)
@@ -100,7 +106,10 @@ def configure_worker_logging(run_dir: Path, rank: int, log_format: dict[str, str
     formatter = logging.Formatter(log_format.get("format"), log_format.get("datefmt"))
     handlers: list[logging.Handler] = [logging.FileHandler(run_dir / f"rank{rank}.log")]
     if rank == 0:
-        handlers += [logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "run.log")]
+        # The console and run.log show the job as a whole: rank 0's lines, without the per-rank ones.
+        for shared in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "run.log")):
+            shared.addFilter(lambda record: record.name != "runner.rank")
+            handlers.append(shared)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in handlers:

@@ -245,10 +245,13 @@ def _tied_parameters(model: nn.Module) -> set[int]:
 
 
 def _collect_by_size(module: nn.Module, min_num_params: int, units: list[nn.Module]) -> int:
-    """Post-order: a module whose parameters not yet in a unit reach min_num_params becomes a unit."""
+    """Post-order: a module whose parameters not yet in a unit reach min_num_params becomes a unit (containers
+    without a forward of their own, such as ModuleList, pass their count up instead)."""
+    from torch import nn
+
     remaining = sum(_collect_by_size(child, min_num_params, units) for child in module.children())
     remaining += sum(p.numel() for p in module.parameters(recurse=False))
-    if remaining >= min_num_params:
+    if remaining >= min_num_params and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         units.append(module)
         return 0
     return remaining

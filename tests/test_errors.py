@@ -20,6 +20,16 @@ BAD_INPUTS = {
     "missing model directory": (["model=pretrained", "model.pretrained=./no-such-model"], "is not a directory"),
     "bad sweep point": (["-m", "train.max_steps=5,-1"], "train.max_steps=-1 must be a positive integer"),
     "bad override syntax": (["train.max_steps=[1"], "train.max_steps=[1"),
+    "deepspeed key given to fsdp": (["strategy=fsdp", "strategy.zero_stage=3"], "unknown key strategy.zero_stage"),
+    "fsdp key given to deepspeed": (["strategy=deepspeed", "strategy.sharding_strategy=FULL_SHARD"],
+                                    "unknown key strategy.sharding_strategy"),
+    "hybrid groups that do not divide the processes": (
+        ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=3",
+         "hardware.nproc_per_node=4"], "strategy.hybrid_shard_size=3 does not divide the 4 processes"),
+    "several nodes without a rendezvous endpoint": (["strategy=ddp", "hardware.nnodes=2"],
+                                                    "needs hardware.rdzv_endpoint"),
+    "parameter offload below ZeRO-3": (["strategy=deepspeed", "strategy.offload_param=cpu"],
+                                       "strategy.offload_param=cpu needs strategy.zero_stage=3"),
 }
 
 
@@ -50,3 +60,13 @@ def test_data_without_the_format_column_is_named(workdir):
     result = run_cli("data=text_files", "data.files=rows.jsonl", cwd=workdir)
     assert result.returncode == 2
     assert "has no column 'text' (it has: body); set data.text_field" in result.stderr
+
+
+def test_deepspeed_config_file_that_contradicts_the_spec_names_both(workdir):
+    (workdir / "ds.json").write_text(json.dumps({"gradient_clipping": 0.5, "wall_clock_breakdown": True}))
+    result = run_cli("strategy=deepspeed", "hardware.nproc_per_node=2", "strategy.config_file=ds.json", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "run: error: ds.json sets gradient_clipping=0.5 but the spec gives 1.0; change one of them"
+    ]
+    assert not (workdir / "outputs").exists()
