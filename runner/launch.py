@@ -31,7 +31,8 @@ class Ranks:
 
 
 def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str, Any]:
-    """Runs the job on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns rank 0's summary."""
+    """Runs the job on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns the summary of
+    this node's first rank (every rank computes the same one)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -63,7 +64,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
     except ChildFailedError as error:
         rank, failure = error.get_first_failure()
         raise WorkerFailed(failure_report(rank, failure)) from None
-    return results.get(0, {})
+    return results[min(results)]
 
 
 def failure_report(rank: int, failure: Any) -> str:

@@ -13,6 +13,7 @@ import pytest
 from conftest import QUICK
 from distributed import run_in_workers
 from runner.job import prepare_job
+from runner.scheduler import lr_factor
 from runner.train import train
 from test_train import resolved_spec
 
@@ -52,10 +53,25 @@ def _train_all(ranks, specs, run_dirs):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
-    train(prepare_job(resolved_spec([*BASE, "train.grad_accum_steps=4"]), run_dir))
-    return step_losses(run_dir)
+    spec = resolved_spec([*BASE, "train.grad_accum_steps=4"])
+    train(prepare_job(spec, run_dir))
+    return spec, run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return step_losses(reference_run[1])
+
+
+def test_scheduler_steps_once_per_optimizer_step(reference_run):
+    spec, run_dir = reference_run
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], r["lr"]) for r in records if "lr" in r]
+    assert [step for step, _ in logged] == list(range(1, STEPS + 1))
+    for step, lr in logged:
+        assert lr == pytest.approx(spec.optim.lr * lr_factor(spec.scheduler, step, STEPS))
 
 
 @pytest.fixture(scope="module")

@@ -85,3 +85,25 @@ def test_sweep_runs_each_job_worker_group_in_turn(workdir):
     assert len(summaries) == 2
     assert all(json.loads(s.read_text())["steps"] == 4 for s in summaries)
     assert not [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+
+
+def test_two_nodes_meet_at_the_rendezvous_endpoint(tmp_path):
+    """Two `run` processes, as on two machines, form one job of two nodes through a static rendezvous."""
+    from runner.launch import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    jobs = []
+    for rank, node in enumerate(nodes):
+        node.mkdir()
+        jobs.append(subprocess.Popen(
+            [sys.executable, "-m", "runner", "strategy=fsdp", "hardware.nnodes=2", "hardware.nproc_per_node=1",
+             f"hardware.node_rank={rank}", f"hardware.rdzv_endpoint={endpoint}", *SHORT, "train.micro_batch_size=2"],
+            cwd=node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [job.communicate(timeout=300) for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0], outputs[1][1][-2000:]
+    assert "fsdp FULL_SHARD, 2 processes" in outputs[0][0]
+    [node0_run] = run_dirs(nodes[0])
+    [node1_run] = run_dirs(nodes[1])
+    assert (node0_run / "summary.json").exists() and (node0_run / "model").is_dir()
+    assert "step 4/4" in (node1_run / "rank1.log").read_text()

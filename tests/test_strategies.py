@@ -118,3 +118,33 @@ def test_cpu_ram_efficient_loading_reads_the_weights_on_rank_0_only(facts):
     assert [f["cpu_ram_efficient_loading"]["opened_weights"] for f in facts] == [True, False]
     loaded = {f["cpu_ram_efficient_loading"]["embed_sum"] for f in facts}
     assert loaded == {facts[0]["loading everywhere"]["embed_sum"]}
+
+
+def _ddp_allreduce_calls(ranks, specs, run_dir):
+    """How many gradient buckets DDP all-reduces over a run, counted by a comm hook that then all-reduces them."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from runner.train import train
+
+    counts = []
+    for spec in specs:
+        job = prepare_job(spec, Path(run_dir), ranks)
+        calls = []
+
+        def counting_hook(state, bucket):
+            calls.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        job.model.register_comm_hook(None, counting_hook)
+        train(job)
+        counts.append(len(calls))
+    return counts
+
+
+def test_ddp_accumulation_synchronises_gradients_only_at_the_boundary(tmp_path):
+    ddp = [*QUICK, "strategy=ddp", "hardware.nproc_per_node=2", "train.micro_batch_size=1", "train.max_steps=3",
+           "train.eval_every=0", "train.save_model=false"]
+    specs = [resolved_spec([*ddp, f"train.grad_accum_steps={accumulation}"]) for accumulation in (1, 4)]
+    without, with_accumulation = run_in_workers(_ddp_allreduce_calls, specs, str(tmp_path), nproc=2)[0]
+    assert without > 0
+    assert with_accumulation == without  # four backward passes a step, one all-reduce of each bucket
