@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner import spec as spec_module
+from runner.checkpoint import complete_checkpoints
 from runner.spec import SpecError, load_spec, validate
+from runner.train import NonFiniteLoss
 
 
 class WorkerFailed(Exception):
@@ -55,12 +57,13 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     spec_module.register(RECIPES_DIR)
     try:
+        sys.argv[1:] = resume_arguments(sys.argv[1:])
         hydra_main()
     except USER_ERRORS as error:
         refuse(one_line(error))
     except LaunchRefused as refusal:
         refuse(str(refusal))
-    except WorkerFailed as failure:
+    except (WorkerFailed, NonFiniteLoss) as failure:
         print(f"run: error: {failure}", file=sys.stderr)
         sys.exit(1)
 
@@ -68,6 +71,41 @@ def main() -> None:
 def refuse(message: str) -> None:
     print(f"run: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def resume_arguments(args: list[str]) -> list[str]:
+    """`resume=auto|<run dir>|<checkpoint>` continues a run in its own directory, from its own spec.
+
+    The arguments become: that run's spec.yaml as the primary config, the user's other overrides on top (to
+    extend train.max_steps, say), resume=<the checkpoint> and hydra.run.dir=<the run directory>.
+    """
+    given = [arg.split("=", 1)[1] for arg in args if arg.startswith("resume=")]
+    if not given or given[-1] in ("", "null"):
+        return args
+    if "-m" in args or "--multirun" in args:
+        raise SpecError("resume= continues one run; it cannot be part of a sweep (-m)")
+    value = given[-1]
+    if value == "auto":
+        runs = [run for run in Path("outputs").glob("*/*") if complete_checkpoints(run)]
+        if not runs:
+            raise SpecError("resume=auto found no run with a complete checkpoint under outputs/")
+        run_dir = max(runs, key=lambda run: complete_checkpoints(run)[-1].stat().st_mtime)
+        checkpoint = complete_checkpoints(run_dir)[-1]
+    elif (Path(value) / "meta.json").is_file():
+        checkpoint = Path(value)
+        run_dir = checkpoint.parent.parent
+    elif (Path(value) / "spec.yaml").is_file():
+        run_dir = Path(value)
+        found = complete_checkpoints(run_dir)
+        if not found:
+            raise SpecError(f"resume={value}: that run has no complete checkpoint")
+        checkpoint = found[-1]
+    else:
+        raise SpecError(f"resume={value} is neither a run directory nor a checkpoint")
+    run_dir, checkpoint = run_dir.resolve(), checkpoint.resolve()
+    others = [arg for arg in args if not arg.startswith("resume=")]
+    return ["--config-dir", str(run_dir), "--config-name", "spec", *others,
+            f"resume={checkpoint}", f"hydra.run.dir={run_dir}"]
 
 
 def run_job(config: DictConfig) -> float:

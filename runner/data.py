@@ -161,8 +161,9 @@ def train_batches(
     dp_size: int,
     seed: int,
     pad_token_id: int,
+    start_step: int = 0,
 ) -> Iterator[list[Batch]]:
-    """For each optimizer step, this rank's micro batches.
+    """For each optimizer step after start_step, this rank's micro batches.
 
     Every epoch draws one seeded permutation of the rows and cuts it into global batches of
     micro_batch_size x dp_size x grad_accum_steps rows; rank r takes the r-th contiguous slice of each.
@@ -172,16 +173,17 @@ def train_batches(
 
     per_rank = micro_batch_size * grad_accum_steps
     global_batch = per_rank * dp_size
-    epoch = 0
+    steps_per_epoch = len(dataset) // global_batch
+    epoch, first = divmod(start_step, steps_per_epoch)
     while True:
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for start in range(0, len(order) - global_batch + 1, global_batch):
+        for start in range(first * global_batch, steps_per_epoch * global_batch, global_batch):
             mine = order[start + dp_rank * per_rank : start + (dp_rank + 1) * per_rank]
             yield [
                 collate(dataset[mine[i : i + micro_batch_size]], pad_token_id)
                 for i in range(0, per_rank, micro_batch_size)
             ]
-        epoch += 1
+        epoch, first = epoch + 1, 0
 
 
 def eval_batches(

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
-from runner import data, model as model_module, optim, precision, scheduler, strategy, tracker
+from runner import checkpoint, data, model as model_module, optim, precision, scheduler, strategy, tracker
 from runner.hardware import Accelerator
 from runner.launch import Ranks
 from runner.spec import RunSpec, SpecError
@@ -31,12 +31,16 @@ class PreparedJob:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stepper: Stepper
-    train_batches: Iterator[list[data.Batch]]
+    # This rank's micro batches of each optimizer step after the given one.
+    train_batches: Callable[[int], Iterator[list[data.Batch]]]
     eval_batches: Callable[[], Iterator[data.Batch]]
     autocast: Callable[[], ContextManager]
     gradient_sync: Callable[[bool], ContextManager]
     trackers: list[tracker.Tracker]
     dp_size: int
+    # Where a resumed run starts: the checkpoint's step and what the loop had counted by then.
+    start_step: int = 0
+    progress: dict = field(default_factory=dict)
 
     @property
     def global_batch_size(self) -> int:
@@ -95,7 +99,7 @@ def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> Prepare
     lr_schedule = scheduler.build_scheduler(optimizer, spec.scheduler, train.max_steps)
 
     pad = tokenizer.pad_token_id
-    return PreparedJob(
+    job = PreparedJob(
         spec=spec,
         run_dir=run_dir,
         ranks=ranks,
@@ -105,9 +109,9 @@ def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> Prepare
         optimizer=optimizer,
         scheduler=lr_schedule,
         stepper=stepper,
-        train_batches=data.train_batches(
+        train_batches=lambda start_step: data.train_batches(
             train_set, micro_batch_size=train.micro_batch_size, grad_accum_steps=train.grad_accum_steps,
-            dp_rank=ranks.rank, dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
+            dp_rank=ranks.rank, dp_size=dp_size, seed=spec.seed, pad_token_id=pad, start_step=start_step,
         ),
         eval_batches=lambda: data.eval_batches(
             eval_set, micro_batch_size=train.micro_batch_size, max_batches=train.eval_batches,
@@ -115,6 +119,12 @@ def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> Prepare
         ),
         autocast=autocast,
         gradient_sync=lambda enabled: strategy.gradient_sync(model, spec.strategy, enabled),
-        trackers=tracker.build_trackers(spec.tracker, run_dir) if ranks.rank == 0 else [],
+        trackers=[],
         dp_size=dp_size,
     )
+    if spec.resume:
+        progress = checkpoint.load(job, Path(spec.resume))
+        job.start_step, job.progress = progress.pop("step"), progress
+    if ranks.rank == 0:
+        job.trackers = tracker.build_trackers(spec.tracker, run_dir, job.start_step)
+    return job

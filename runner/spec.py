@@ -11,6 +11,7 @@ import os
 import sysconfig
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -52,6 +53,8 @@ class RunSpec:
     scheduler: SchedulerConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
+    # The checkpoint to continue from; the command line's resume=auto or resume=<run dir> is resolved to it.
+    resume: Optional[str] = None
 
 
 SCHEMAS = {
@@ -121,6 +124,8 @@ def _check_ranges(spec: RunSpec) -> None:
     for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
         value = getattr(train, key)
         _require(value > 0, f"train.{key}={value} must be a positive integer")
+    _require(train.checkpoint_every >= 0, f"train.checkpoint_every={train.checkpoint_every} must be >= 0")
+    _require(train.keep_checkpoints >= 1, f"train.keep_checkpoints={train.keep_checkpoints} must be >= 1")
     _require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0 (0 evaluates only at the end)")
     _require(train.max_grad_norm >= 0, f"train.max_grad_norm={train.max_grad_norm} must be >= 0 (0 turns clipping off)")
     _require(optim.lr > 0, f"optim.lr={optim.lr} must be > 0")
@@ -191,6 +196,8 @@ def _check_hardware(spec: RunSpec) -> RunSpec:
     _check_strategy(spec.strategy, machine)
     if isinstance(spec.strategy, DeepSpeedStrategy):
         _check_deepspeed(replace(spec, hardware=machine))
+    if spec.resume:
+        _check_resume(spec, machine)
     if spec.precision.compute_dtype is ComputeDtype.bf16 and machine.accelerator is Accelerator.cuda:
         _require(hw.cuda_supports_bf16(),
                  f"precision=bf16 needs a GPU with bf16 (compute capability 8.0+), and {machine.device_name} "
@@ -221,6 +228,25 @@ def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:
         _require(strategy.min_num_params >= 1, f"strategy.min_num_params={strategy.min_num_params} must be >= 1")
         _require(strategy.forward_prefetch >= 0 and strategy.backward_prefetch >= 0,
                  "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0")
+
+
+def _check_resume(spec: RunSpec, machine: HardwareConfig) -> None:
+    import json
+
+    meta = Path(spec.resume) / "meta.json"
+    _require(meta.is_file(), f"resume={spec.resume} is not a complete checkpoint")
+    written = json.loads(meta.read_text())
+    if written["layout"] in ("sharded", "deepspeed"):
+        _require(written["world_size"] == machine.world_size,
+                 f"the checkpoint {spec.resume} holds {written['world_size']} ranks' shards ({written['layout']}) and "
+                 f"this run has {machine.world_size} processes; resume on {written['world_size']}, or write FULL "
+                 "checkpoints (strategy.state_dict_type=FULL), which resume on any number")
+    _require(written["strategy"] == type(spec.strategy).__name__ or written["layout"] == "full",
+             f"the checkpoint {spec.resume} was written by {written['strategy']}, this run uses "
+             f"{type(spec.strategy).__name__}; only FULL checkpoints move between strategies")
+    _require(written["step"] < spec.train.max_steps,
+             f"the checkpoint {spec.resume} is at step {written['step']}, the end of train.max_steps="
+             f"{spec.train.max_steps}; raise train.max_steps to train further")
 
 
 def _check_deepspeed(spec: RunSpec) -> None:

@@ -61,6 +61,11 @@ class AutoWrapPolicy(str, Enum):
     NO_WRAP = "NO_WRAP"
 
 
+class StateDictType(str, Enum):
+    FULL = "FULL"
+    SHARDED = "SHARDED"
+
+
 @dataclass
 class FSDPStrategy(StrategyConfig):
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -77,6 +82,9 @@ class FSDPStrategy(StrategyConfig):
     cpu_ram_efficient_loading: bool = False
     sync_module_states: bool = True
     activation_checkpointing: bool = False
+    # Checkpoints: FULL gathers the whole model and optimizer state on rank 0 (and resumes on any number of
+    # processes); SHARDED has each rank write its own shards (faster, and resumes on the same number only).
+    state_dict_type: StateDictType = StateDictType.FULL
     # How many following blocks' all-gathers to issue early in forward, and preceding ones in backward.
     forward_prefetch: int = 0
     backward_prefetch: int = 1

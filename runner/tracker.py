@@ -26,9 +26,13 @@ class Tracker(Protocol):
 
 
 class MetricsFile:
-    """One JSON object per logged step, appended and flushed as it comes."""
+    """One JSON object per logged step, appended and flushed as it comes. A resumed run first drops the records
+    after its checkpoint's step, which it is about to log again."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start_step: int = 0):
+        if start_step and path.exists():
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+            path.write_text("".join(line + "\n" for line in kept))
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -46,8 +50,8 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def build_trackers(tracker: TrackerConfig, run_dir: Path) -> list[Tracker]:
+def build_trackers(tracker: TrackerConfig, run_dir: Path, start_step: int = 0) -> list[Tracker]:
     match tracker:
         case NoTracker():
-            return [MetricsFile(run_dir / "metrics.jsonl")]
+            return [MetricsFile(run_dir / "metrics.jsonl", start_step)]
     raise TypeError(f"unknown tracker {type(tracker).__name__}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import shutil
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("runner")
 
 
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or infinite; the run stops rather than train on garbage."""
+
+
 @dataclass
 class TrainConfig:
     max_steps: int = 100
@@ -32,6 +37,9 @@ class TrainConfig:
     # Evaluate every N optimizer steps, and always before the first and after the last; 0: only those two.
     eval_every: int = 0
     eval_batches: int = 20
+    # Write a checkpoint every N optimizer steps (and after the last); 0: only after the last.
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
     save_model: bool = True
 
 
@@ -50,15 +58,23 @@ def train(job: PreparedJob) -> dict[str, Any]:
         job.global_batch_size, cfg.micro_batch_size, job.dp_size, cfg.grad_accum_steps, cfg.max_steps,
     )
 
-    first_eval_loss = eval_loss = evaluate(job, step=0)
+    from runner import checkpoint
+
+    progress = job.progress
+    if job.start_step:
+        log.info("resuming from step %d of %s", job.start_step, spec.resume)
+        first_eval_loss = eval_loss = progress["first_eval_loss"]
+    else:
+        first_eval_loss = eval_loss = evaluate(job, step=0)
     model.train()
-    train_time, tokens_seen = 0.0, 0
+    train_time, tokens_seen = progress.get("train_time", 0.0), progress.get("tokens_seen", 0)
     window_loss, window_tokens, window_time, window_steps = 0.0, 0, 0.0, 0
     started = time.perf_counter()
+    batches = job.train_batches(job.start_step)
 
-    for step in range(1, cfg.max_steps + 1):
+    for step in range(job.start_step + 1, cfg.max_steps + 1):
         tic = time.perf_counter()
-        micro_batches = [{k: v.to(job.device) for k, v in batch.items()} for batch in next(job.train_batches)]
+        micro_batches = [{k: v.to(job.device) for k, v in batch.items()} for batch in next(batches)]
         # The loss is the mean over every label token of the global batch, whatever way it is split. Data-parallel
         # strategies average gradients over ranks, so each rank's share is scaled by dp_size to make that a sum.
         label_tokens = all_ranks_sum(sum(count_label_tokens(batch) for batch in micro_batches))
@@ -74,6 +90,12 @@ def train(job: PreparedJob) -> dict[str, Any]:
         job.scheduler.step()
 
         step_loss = all_ranks_sum(step_loss.item())  # also waits for the device, so the timing is the step's own
+        if not math.isfinite(step_loss):
+            from runner.checkpoint import complete_checkpoints
+
+            last_good = complete_checkpoints(job.run_dir)
+            raise NonFiniteLoss(f"the loss is {step_loss} at step {step}; the last good checkpoint is "
+                                f"{last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
         elapsed = time.perf_counter() - tic
         step_tokens = all_ranks_sum(sum(int(batch["attention_mask"].sum()) for batch in micro_batches))
         train_time, tokens_seen = train_time + elapsed, tokens_seen + step_tokens
@@ -99,6 +121,10 @@ def train(job: PreparedJob) -> dict[str, Any]:
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             eval_loss = evaluate(job, step)
             model.train()
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
+            saved = checkpoint.save(job, step, {"tokens_seen": tokens_seen, "train_time": train_time,
+                                                "first_eval_loss": first_eval_loss})
+            log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
 
     model_dir = save_model(job) if cfg.save_model else None
     summary = {
@@ -178,16 +204,23 @@ def evaluate(job: PreparedJob, step: int) -> float:
 
 def save_model(job: PreparedJob) -> Path:
     """save_pretrained (safetensors) of the whole model plus the tokenizer, by rank 0, moved into place once complete."""
-    from runner.strategy import full_state_dict, unwrapped
+    from runner.strategy import SingleStrategy, full_state_dict, unwrapped
 
     final = job.run_dir / "model"
-    state = full_state_dict(job.model, job.spec.strategy) if job.ranks.world_size > 1 else None
+    single = isinstance(job.spec.strategy, SingleStrategy)
+    state = None if single else full_state_dict(job.model, job.spec.strategy)
     if job.ranks.rank == 0:
         partial = job.run_dir / "model.partial"
         shutil.rmtree(partial, ignore_errors=True)
         unwrapped(job.model).save_pretrained(partial, state_dict=state)
         job.tokenizer.save_pretrained(partial)
-        os.replace(partial, final)
+        if final.exists():  # a resumed run replaces the model its first part saved
+            previous = job.run_dir / "model.previous"
+            os.replace(final, previous)
+            os.replace(partial, final)
+            shutil.rmtree(previous)
+        else:
+            os.replace(partial, final)
     return final
 
 

@@ -1,0 +1,136 @@
+"""Checkpoints and resume: a job killed at any step continues exactly where it stopped."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import QUICK, run_cli, run_dirs
+from distributed import run_in_workers
+from runner.job import prepare_job
+from runner.train import NonFiniteLoss, train
+from test_train import resolved_spec
+
+STEPS = 12
+ARGS = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
+        "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.checkpoint_every=3"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def kill_at_step(args: list[str], cwd: Path, step: int) -> Path:
+    """Starts `run`, and kills it and its workers with SIGKILL once it has logged `step`."""
+    job = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and job.poll() is None:
+        dirs = run_dirs(cwd)
+        if dirs and (dirs[0] / "metrics.jsonl").exists() and max(losses(dirs[0]), default=0) >= step:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+            return dirs[0]
+        time.sleep(0.05)
+    raise AssertionError(f"the run ended or stalled before step {step}: {job.stderr.read()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli(*ARGS, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return losses(run_dirs(cwd)[0])
+
+
+def test_kill_and_resume_gives_the_same_losses(uninterrupted, tmp_path):
+    run_dir = kill_at_step(ARGS, tmp_path, random.Random().randint(4, STEPS - 2))
+    result = run_cli("resume=auto", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resuming from step" in result.stdout
+    assert run_dirs(tmp_path) == [run_dir]  # continued in its own directory
+    assert losses(run_dir) == uninterrupted  # exactly, step for step
+    assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # train.keep_checkpoints
+
+
+def test_a_half_written_newest_checkpoint_is_skipped(uninterrupted, tmp_path):
+    run_dir = kill_at_step(ARGS, tmp_path, 8)
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    (newest / "meta.json").unlink()  # as if the disk filled up while it was written
+    result = run_cli(f"resume={run_dir}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"skipping {newest}: it was not completely written" in result.stderr
+    assert losses(run_dir) == uninterrupted
+
+
+def test_resume_that_names_nothing_resumable_is_one_line(tmp_path):
+    result = run_cli("resume=auto", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "run: error: resume=auto found no run with a complete checkpoint under outputs/"
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
+    job = prepare_job(resolved_spec(ARGS), tmp_path)
+    forwards = []
+
+    def poison_from_step_5(module, args, output):
+        forwards.append(1)
+        if len(forwards) > 2 * 4 + 2:  # the eval's forwards, then 2 micro batches a step: step 5 on
+            output.logits.fill_(float("nan"))
+        return output
+
+    job.model.register_forward_hook(poison_from_step_5)
+    with pytest.raises(NonFiniteLoss, match=r"the loss is nan at step 5; the last good checkpoint is .*step_00000003"):
+        train(job)
+
+
+def _fsdp_checkpoint_files(ranks, spec, run_dir):
+    summary = train(prepare_job(spec, Path(run_dir), ranks))
+    return summary["steps"]
+
+
+@pytest.mark.parametrize("state_dict_type,files", [
+    ("FULL", {"model.safetensors", "optimizer.safetensors"}),
+    ("SHARDED", {"model-rank0.safetensors", "model-rank1.safetensors", "optimizer-rank0.safetensors",
+                 "optimizer-rank1.safetensors"}),
+])
+def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, files, tmp_path):
+    spec = resolved_spec([*ARGS, "train.max_steps=2", "strategy=fsdp", "hardware.nproc_per_node=2",
+                          f"strategy.state_dict_type={state_dict_type}", "train.save_model=false"])
+    run_in_workers(_fsdp_checkpoint_files, spec, str(tmp_path), nproc=2)
+    [checkpoint] = (tmp_path / "checkpoints").glob("step_*")
+    written = {p.name for p in checkpoint.glob("*.safetensors") if not p.name.startswith("rng")}
+    assert written == files
+
+
+@pytest.mark.parametrize("strategy,resume_on", [
+    (["strategy.state_dict_type=SHARDED"], ["hardware.nproc_per_node=2"]),
+    (["strategy.state_dict_type=FULL"], ["hardware.nproc_per_node=1"]),  # a FULL checkpoint reshards
+])
+def test_fsdp_kill_and_resume(strategy, resume_on, uninterrupted, tmp_path):
+    args = [*ARGS, "strategy=fsdp", "hardware.nproc_per_node=2", "train.grad_accum_steps=1", *strategy]
+    run_dir = kill_at_step(args, tmp_path, 7)
+    result = run_cli("resume=auto", *resume_on, *([] if resume_on[-1].endswith("2") else
+                                                  ["train.grad_accum_steps=2"]), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    resumed = losses(run_dir)
+    assert sorted(resumed) == sorted(uninterrupted)
+    for step, loss in uninterrupted.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-5)
+
+
+def test_sharded_checkpoint_on_another_process_count_is_refused(tmp_path):
+    args = [*ARGS, "strategy=fsdp", "hardware.nproc_per_node=2", "train.grad_accum_steps=1",
+            "strategy.state_dict_type=SHARDED", "train.max_steps=3"]
+    assert run_cli(*args, cwd=tmp_path).returncode == 0
+    result = run_cli("resume=auto", "hardware.nproc_per_node=1", "train.max_steps=6", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "holds 2 ranks' shards (sharded) and this run has 1 processes" in result.stderr
