@@ -19,6 +19,8 @@ from runner.train import NonFiniteLoss, train
 from test_train import resolved_spec
 
 STEPS = 12
+TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=1"]
+ONE_RANK = ["hardware.nproc_per_node=1", "train.grad_accum_steps=2"]  # the same global batch
 ARGS = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
         "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.checkpoint_every=3"]
 
@@ -47,6 +49,14 @@ def kill_at_step(args: list[str], cwd: Path, step: int) -> Path:
 def uninterrupted(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("uninterrupted")
     result = run_cli(*ARGS, cwd=cwd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return losses(run_dirs(cwd)[0])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_ddp(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("uninterrupted_ddp")
+    result = run_cli(*ARGS, *TWO_RANKS, "strategy=ddp", cwd=cwd)
     assert result.returncode == 0, result.stderr[-2000:]
     return losses(run_dirs(cwd)[0])
 
@@ -111,20 +121,22 @@ def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, f
     assert written == files
 
 
-@pytest.mark.parametrize("strategy,resume_on", [
-    (["strategy.state_dict_type=SHARDED"], ["hardware.nproc_per_node=2"]),
-    (["strategy.state_dict_type=FULL"], ["hardware.nproc_per_node=1"]),  # a FULL checkpoint reshards
-])
-def test_fsdp_kill_and_resume(strategy, resume_on, uninterrupted, tmp_path):
-    args = [*ARGS, "strategy=fsdp", "hardware.nproc_per_node=2", "train.grad_accum_steps=1", *strategy]
-    run_dir = kill_at_step(args, tmp_path, 7)
-    result = run_cli("resume=auto", *resume_on, *([] if resume_on[-1].endswith("2") else
-                                                  ["train.grad_accum_steps=2"]), cwd=tmp_path)
+@pytest.mark.parametrize("strategy,resume_on,tolerance", [
+    (["strategy=ddp"], TWO_RANKS, 0),
+    (["strategy=fsdp", "strategy.state_dict_type=SHARDED"], TWO_RANKS, 1e-5),
+    (["strategy=fsdp", "strategy.state_dict_type=FULL"], ONE_RANK, 1e-5),  # a FULL checkpoint reshards
+    (["strategy=deepspeed", "strategy.zero_stage=2"], TWO_RANKS, 1e-5),
+], ids=["ddp", "fsdp sharded", "fsdp full, resumed on one process", "deepspeed zero-2"])
+def test_multi_process_kill_and_resume(strategy, resume_on, tolerance, uninterrupted, uninterrupted_ddp, tmp_path):
+    """Exactly the losses of the same strategy uninterrupted (ddp), or within 1e-5 of one process (sharded)."""
+    reference = uninterrupted_ddp if tolerance == 0 else uninterrupted
+    run_dir = kill_at_step([*ARGS, *TWO_RANKS, *strategy], tmp_path, 7)
+    result = run_cli("resume=auto", *resume_on, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     resumed = losses(run_dir)
-    assert sorted(resumed) == sorted(uninterrupted)
-    for step, loss in uninterrupted.items():
-        assert resumed[step] == pytest.approx(loss, rel=1e-5)
+    assert sorted(resumed) == sorted(reference)
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, rel=tolerance, abs=0)
 
 
 def test_sharded_checkpoint_on_another_process_count_is_refused(tmp_path):
