@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner import spec as spec_module
 from runner.checkpoint import complete_checkpoints
 from runner.spec import SpecError, load_spec, validate
-from runner.train import NonFiniteLoss
+from runner.train import NonFiniteLoss, Stopped
 
 
 class WorkerFailed(Exception):
@@ -29,6 +29,8 @@ class WorkerFailed(Exception):
 
 log = logging.getLogger("runner")
 USER_ERRORS = (HydraException, OmegaConfBaseException, SpecError)
+# Exit statuses: 0 done, 1 the job failed, 2 bad input (nothing started), 3 stopped by a signal with a checkpoint.
+EXIT_STOPPED = 3
 
 
 class LaunchRefused(BaseException):
@@ -66,6 +68,9 @@ def main() -> None:
     except (WorkerFailed, NonFiniteLoss) as failure:
         print(f"run: error: {failure}", file=sys.stderr)
         sys.exit(1)
+    except Stopped as stopped:
+        print(f"run: {stopped}", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
 
 
 def refuse(message: str) -> None:

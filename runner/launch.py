@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from runner.cli import WorkerFailed
+from runner.cli import EXIT_STOPPED, WorkerFailed
+from runner.train import Stopped
 
 if TYPE_CHECKING:
     from runner.spec import RunSpec
@@ -34,6 +35,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
     """Runs the job on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns the summary of
     this node's first rank (every rank computes the same one)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -49,6 +51,8 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
         rdzv_configs={"rank": hardware.node_rank, "timeout": 900},
         max_restarts=0,
         start_method="spawn",
+        # On SIGTERM the workers finish their step and checkpoint before the launcher would kill them.
+        shutdown_timeout=600,
         # Where each worker's error file goes, for the report below.
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
     )
@@ -62,9 +66,21 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
     try:
         results = elastic_launch(config, worker)(spec, run_dir, log_format)
     except ChildFailedError as error:
+        if all(failure.exitcode == EXIT_STOPPED for failure in error.failures.values()):
+            raise stopped(run_dir, "a signal") from None
         rank, failure = error.get_first_failure()
         raise WorkerFailed(failure_report(rank, failure)) from None
+    except SignalException as error:
+        raise stopped(run_dir, error.sigval.name) from None
     return results[min(results)]
+
+
+def stopped(run_dir: Path, cause: str) -> Stopped:
+    from runner.checkpoint import complete_checkpoints
+
+    found = complete_checkpoints(run_dir)
+    where = f"checkpoint {found[-1]}" if found else "no checkpoint"
+    return Stopped(f"stopped by {cause}, {where}; continue with: run resume={run_dir}")
 
 
 def failure_report(rank: int, failure: Any) -> str:
@@ -98,6 +114,9 @@ def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
         dist.init_process_group("gloo")
     try:
         return train(prepare_job(spec, run_dir, ranks))
+    except Stopped as stop:
+        logging.getLogger("runner").warning("%s", stop)
+        sys.exit(EXIT_STOPPED)  # the launcher sees the exit status, and the controller reports the stop
     finally:
         dist.destroy_process_group()
 

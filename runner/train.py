@@ -8,10 +8,11 @@ import math
 import os
 import resource
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +25,36 @@ log = logging.getLogger("runner")
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite; the run stops rather than train on garbage."""
+
+
+class Stopped(RuntimeError):
+    """A SIGTERM or SIGINT stopped the run after a step, with a checkpoint to resume from."""
+
+
+class GracefulStop:
+    """The first SIGTERM or SIGINT asks the loop to stop after the current step, with a checkpoint; another one
+    stops the process at once. Signals within a second of the first (a terminal's Ctrl-C reaching the whole
+    process group, then the launcher passing it on) count as that one request."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.requested: Optional[str] = None
+        self._at = 0.0
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested is None:
+            self.requested, self._at = signal.Signals(signum).name, time.monotonic()
+            log.warning("%s: stopping after this step, with a checkpoint (send it again to stop at once)",
+                        self.requested)
+        elif time.monotonic() - self._at > 1.0:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -44,6 +75,14 @@ class TrainConfig:
 
 
 def train(job: PreparedJob) -> dict[str, Any]:
+    stop = GracefulStop()
+    try:
+        return _train(job, stop)
+    finally:
+        stop.restore()
+
+
+def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     import torch
 
     from runner.strategy import describe, unwrapped
@@ -121,10 +160,14 @@ def train(job: PreparedJob) -> dict[str, Any]:
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             eval_loss = evaluate(job, step)
             model.train()
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps:
+        stopping = all_ranks_sum(stop.requested is not None) > 0  # every rank stops after the same step
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
             saved = checkpoint.save(job, step, {"tokens_seen": tokens_seen, "train_time": train_time,
                                                 "first_eval_loss": first_eval_loss})
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
+        if stopping:
+            raise Stopped(f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "
+                          f"continue with: run resume={job.run_dir}")
 
     model_dir = save_model(job) if cfg.save_model else None
     summary = {

@@ -146,3 +146,25 @@ def test_sharded_checkpoint_on_another_process_count_is_refused(tmp_path):
     result = run_cli("resume=auto", "hardware.nproc_per_node=1", "train.max_steps=6", cwd=tmp_path)
     assert result.returncode == 2
     assert "holds 2 ranks' shards (sharded) and this run has 1 processes" in result.stderr
+
+
+@pytest.mark.parametrize("strategy", [[], ["strategy=ddp", *TWO_RANKS]], ids=["single", "ddp"])
+def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninterrupted, uninterrupted_ddp,
+                                                               tmp_path):
+    job = subprocess.Popen([sys.executable, "-m", "runner", *ARGS, *strategy, "train.checkpoint_every=100"],
+                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        dirs = run_dirs(tmp_path)
+        if dirs and (dirs[0] / "metrics.jsonl").exists() and max(losses(dirs[0]), default=0) >= 4:
+            break
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=60) == 3
+    stopped_at = sorted((dirs[0] / "checkpoints").glob("step_*"))
+    assert len(stopped_at) == 1 and (stopped_at[0] / "meta.json").exists()
+    assert "continue with: run resume=" in job.stderr.read()
+    result = run_cli(f"resume={dirs[0]}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    reference = uninterrupted_ddp if strategy else uninterrupted
+    assert losses(dirs[0]) == reference
