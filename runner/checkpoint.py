@@ -9,7 +9,8 @@
         deepspeed/                  DeepSpeed: its engine's own checkpoint
 
 A checkpoint is written into `step_<N>.partial/` and renamed once every rank has finished, so that a directory
-named `step_<N>` is always complete. Tensors go to safetensors and everything else to JSON: loading never
+named `step_<N>` is always complete. On several nodes the run directory must be on a shared filesystem for the
+checkpoints to be whole. Tensors go to safetensors and everything else to JSON: loading never
 unpickles anything (DeepSpeed's engine checkpoint aside, which DeepSpeed itself reads).
 """
 
@@ -64,8 +65,9 @@ def save(job: PreparedJob, step: int, progress: dict[str, Any]) -> Path:
     partial = final.with_name(final.name + PARTIAL)
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
     _barrier()
+    # Every rank writes into the directory (on several nodes, a shared filesystem makes it one directory).
+    partial.mkdir(parents=True, exist_ok=True)
     kind = layout(job)
     if kind == "deepspeed":
         job.model.save_checkpoint(str(partial / "deepspeed"), tag="engine")

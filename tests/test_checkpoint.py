@@ -119,6 +119,7 @@ def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, f
     [checkpoint] = (tmp_path / "checkpoints").glob("step_*")
     written = {p.name for p in checkpoint.glob("*.safetensors") if not p.name.startswith("rng")}
     assert written == files
+    assert {p.suffix for p in checkpoint.iterdir()} == {".safetensors", ".json"}  # nothing to unpickle
 
 
 @pytest.mark.parametrize("strategy,resume_on,tolerance", [
@@ -126,7 +127,8 @@ def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, f
     (["strategy=fsdp", "strategy.state_dict_type=SHARDED"], TWO_RANKS, 1e-5),
     (["strategy=fsdp", "strategy.state_dict_type=FULL"], ONE_RANK, 1e-5),  # a FULL checkpoint reshards
     (["strategy=deepspeed", "strategy.zero_stage=2"], TWO_RANKS, 1e-5),
-], ids=["ddp", "fsdp sharded", "fsdp full, resumed on one process", "deepspeed zero-2"])
+    (["strategy=deepspeed", "strategy.zero_stage=3", "strategy.offload_optimizer=cpu"], TWO_RANKS, 1e-5),
+], ids=["ddp", "fsdp sharded", "fsdp full, resumed on one process", "deepspeed zero-2", "deepspeed zero-3 offload"])
 def test_multi_process_kill_and_resume(strategy, resume_on, tolerance, uninterrupted, uninterrupted_ddp, tmp_path):
     """Exactly the losses of the same strategy uninterrupted (ddp), or within 1e-5 of one process (sharded)."""
     reference = uninterrupted_ddp if tolerance == 0 else uninterrupted
