@@ -24,13 +24,13 @@ from runner.spec import SpecError, load_spec, validate
 from runner.train import NonFiniteLoss, Stopped
 
 
-class WorkerFailed(Exception):
-    """A worker process of a multi-process job raised or died; the message leads with that rank's error."""
-
-log = logging.getLogger("runner")
 USER_ERRORS = (HydraException, OmegaConfBaseException, SpecError)
 # Exit statuses: 0 done, 1 the job failed, 2 bad input (nothing started), 3 stopped by a signal with a checkpoint.
 EXIT_STOPPED = 3
+
+
+class WorkerFailed(Exception):
+    """A worker process of a multi-process job raised or died; the message leads with that rank's error."""
 
 
 class LaunchRefused(BaseException):
@@ -128,7 +128,8 @@ def run_job(config: DictConfig) -> float:
     try:
         load_data(spec)
     except SpecError as error:
-        discard_run_dir(run_dir)  # what the data turned out to hold ruled the job out: leave nothing behind
+        if not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
+            discard_run_dir(run_dir)
         raise LaunchRefused(str(error)) from None
     if isinstance(spec.strategy, SingleStrategy):
         return train(prepare_job(spec, run_dir))["eval_loss"]

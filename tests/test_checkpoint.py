@@ -6,6 +6,7 @@ import random
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -170,3 +171,21 @@ def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninter
     assert result.returncode == 0, result.stderr[-2000:]
     reference = uninterrupted_ddp if strategy else uninterrupted
     assert losses(dirs[0]) == reference
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    """The loop's handler: the first SIGINT asks for a stop after the step, a later one ends the process."""
+    probe = textwrap.dedent("""
+        import os, signal, time
+        from runner.train import GracefulStop
+        stop = GracefulStop()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.2)
+        print("first:", stop.requested, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(10)
+        print("still running", flush=True)
+    """)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "first: SIGINT"
+    assert result.returncode == -signal.SIGINT

@@ -43,6 +43,9 @@ def _inspect(ranks, cases, run_dir):
             "numel": sum(p.numel() for p in model.parameters()),
             "units": sum(isinstance(m, FSDPModule) for m in model.modules()),
             "checkpointing": unwrapped(model).is_gradient_checkpointing,
+            # FSDP2 keeps the explicit forward-prefetch list in its (private) per-module state.
+            "forward_prefetch": len(layer._get_fsdp_state()._states_to_forward_prefetch)
+            if isinstance(layer, FSDPModule) else 0,
             "devices": {p.device.type for p in model.parameters()},
             "opened_weights": bool(opened),
             "embed_sum": float(unwrapped(model).model.embed_tokens.weight.full_tensor().sum()),
@@ -74,6 +77,7 @@ def facts(pretrained, tmp_path_factory):
         "NO_WRAP": ["strategy.auto_wrap_policy=NO_WRAP"],
         "SIZE_BASED_WRAP": ["strategy.auto_wrap_policy=SIZE_BASED_WRAP", "strategy.min_num_params=40000"],
         "activation_checkpointing": ["strategy.activation_checkpointing=true"],
+        "forward_prefetch": ["strategy.forward_prefetch=2"],
         "offload_params": ["strategy.offload_params=true"],
         "loading everywhere": from_pretrained,
         "cpu_ram_efficient_loading": [*from_pretrained, "strategy.cpu_ram_efficient_loading=true"],
@@ -102,6 +106,11 @@ def test_wrap_policies_choose_the_units(facts):
     assert facts[0]["FULL_SHARD"]["units"] == layers + 1  # each decoder layer, and the root
     assert facts[0]["NO_WRAP"]["units"] == 1
     assert layers + 1 < facts[0]["SIZE_BASED_WRAP"]["units"]  # each large linear layer becomes a unit
+
+
+def test_forward_prefetch_issues_the_next_blocks_all_gathers_early(facts):
+    assert facts[0]["forward_prefetch"]["forward_prefetch"] == 2
+    assert facts[0]["FULL_SHARD"]["forward_prefetch"] == 0
 
 
 def test_activation_checkpointing_is_on(facts):
