@@ -85,6 +85,7 @@ def train(job: PreparedJob) -> dict[str, Any]:
 def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     import torch
 
+    from runner import checkpoint
     from runner.strategy import describe, unwrapped
 
     spec, model = job.spec, job.model
@@ -96,8 +97,6 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         describe(spec.strategy, spec.hardware), type(unwrapped(model)).__name__, n_params / 1e6,
         job.global_batch_size, cfg.micro_batch_size, job.dp_size, cfg.grad_accum_steps, cfg.max_steps,
     )
-
-    from runner import checkpoint
 
     progress = job.progress
     if job.start_step:
@@ -130,9 +129,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
 
         step_loss = all_ranks_sum(step_loss.item())  # also waits for the device, so the timing is the step's own
         if not math.isfinite(step_loss):
-            from runner.checkpoint import complete_checkpoints
-
-            last_good = complete_checkpoints(job.run_dir)
+            last_good = checkpoint.complete_checkpoints(job.run_dir)
             raise NonFiniteLoss(f"the loss is {step_loss} at step {step}; the last good checkpoint is "
                                 f"{last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
         elapsed = time.perf_counter() - tic
