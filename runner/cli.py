@@ -125,6 +125,7 @@ def run_job(config: DictConfig) -> float:
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.runtime.output_dir)
     (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
+    logging.getLogger("runner").info("run directory %s | reading and tokenizing the data", run_dir)
     try:
         load_data(spec)
     except SpecError as error:
