@@ -63,6 +63,13 @@ def main() -> None:
         hydra_main()
     except USER_ERRORS as error:
         refuse(one_line(error))
+    except AssertionError as error:
+        # OmegaConf asserts when an override reaches into a section that is null, such as an unselected tracker.
+        if not str(error).startswith("Unexpected type for root: NoneType"):
+            raise
+        keys = [arg.split("=", 1)[0] for arg in sys.argv[1:] if "=" in arg and not arg.startswith("-")]
+        refuse(f"a key in {', '.join(keys)} sits in a section this spec leaves unset; select it first "
+               "(for example tracker=wandb before tracker.wandb.project=...)")
     except LaunchRefused as refusal:
         refuse(str(refusal))
     except (WorkerFailed, NonFiniteLoss) as failure:
@@ -125,6 +132,8 @@ def run_job(config: DictConfig) -> float:
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.runtime.output_dir)
     (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
+    scrub_secrets(run_dir, spec)
+    identity = run_identity(hydra_config, run_dir)
     logging.getLogger("runner").info("run directory %s | reading and tokenizing the data", run_dir)
     try:
         load_data(spec)
@@ -133,9 +142,33 @@ def run_job(config: DictConfig) -> float:
             discard_run_dir(run_dir)
         raise LaunchRefused(str(error)) from None
     if isinstance(spec.strategy, SingleStrategy):
-        return train(prepare_job(spec, run_dir))["eval_loss"]
+        return train(prepare_job(spec, run_dir, identity=identity))["eval_loss"]
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
-    return launch(spec, run_dir, log_format)["eval_loss"]
+    return launch(spec, run_dir, log_format, identity)["eval_loss"]
+
+
+def run_identity(hydra_config: Any, run_dir: Path) -> Any:
+    """A sweep's jobs form one tracker group, the sweep directory, each named by its overrides."""
+    from hydra.types import RunMode
+
+    from runner.tracker import RunIdentity
+
+    if hydra_config.mode == RunMode.MULTIRUN:
+        overrides = ",".join(hydra_config.overrides.task) or run_dir.name
+        return RunIdentity(name=overrides, group=str(Path(hydra_config.sweep.dir)))
+    return RunIdentity(name=f"{run_dir.parent.name}/{run_dir.name}")
+
+
+def scrub_secrets(run_dir: Path, spec: spec_module.RunSpec) -> None:
+    """Hydra's files and spec.yaml's header keep the overrides as typed, a secret's value included: hide it."""
+    from runner.tracker import REDACTED, secrets
+
+    values = secrets(OmegaConf.to_container(OmegaConf.structured(spec), resolve=True, enum_to_str=True))
+    for path in [run_dir / "spec.yaml", *(run_dir / ".hydra").glob("*.yaml")] if values else []:
+        text = path.read_text()
+        for value in values:
+            text = text.replace(value, REDACTED)
+        path.write_text(text)
 
 
 def discard_run_dir(run_dir: Path) -> None:
@@ -268,3 +301,5 @@ def quiet_libraries() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

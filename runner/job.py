@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
 
 from runner import checkpoint, data, model as model_module, optim, precision, scheduler, strategy, tracker
 from runner.hardware import Accelerator
 from runner.launch import Ranks
-from runner.spec import RunSpec, SpecError
+from runner.spec import RunSpec, SpecError, to_plain
 from runner.strategy import DeepSpeedStrategy, DeepSpeedStepper, FSDPStrategy, Stepper, TorchStepper
 
 if TYPE_CHECKING:
@@ -71,7 +71,9 @@ def load_data(spec: RunSpec) -> tuple[PreTrainedTokenizerBase, datasets.Dataset,
     return tokenizer, train_set, eval_set
 
 
-def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> PreparedJob:
+def prepare_job(
+    spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks(), identity: Optional[tracker.RunIdentity] = None
+) -> PreparedJob:
     import torch
 
     cuda = spec.hardware.accelerator is Accelerator.cuda
@@ -126,5 +128,6 @@ def prepare_job(spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks()) -> Prepare
         progress = checkpoint.load(job, Path(spec.resume))
         job.start_step, job.progress = progress.pop("step"), progress
     if ranks.rank == 0:
-        job.trackers = tracker.build_trackers(spec.tracker, run_dir, job.start_step)
+        identity = identity or tracker.RunIdentity(name=run_dir.name)
+        job.trackers = tracker.build_trackers(spec.tracker, run_dir, to_plain(spec), identity, job.start_step)
     return job

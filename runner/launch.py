@@ -22,6 +22,7 @@ from runner.train import Stopped
 
 if TYPE_CHECKING:
     from runner.spec import RunSpec
+    from runner.tracker import RunIdentity
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Ranks:
     world_size: int = 1
 
 
-def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str, Any]:
+def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
     """Runs the job on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns the summary of
     this node's first rank (every rank computes the same one)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -64,7 +65,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, worker)(spec, run_dir, log_format)
+        results = elastic_launch(config, worker)(spec, run_dir, log_format, identity)
     except ChildFailedError as error:
         if all(failure.exitcode == EXIT_STOPPED for failure in error.failures.values()):
             raise stopped(run_dir, "a signal") from None
@@ -94,7 +95,7 @@ def failure_report(rank: int, failure: Any) -> str:
 
 
 @record
-def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str, Any]:
+def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -113,7 +114,7 @@ def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str]) -> dict[str
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
         dist.init_process_group("gloo")
     try:
-        return train(prepare_job(spec, run_dir, ranks))
+        return train(prepare_job(spec, run_dir, ranks, identity))
     except Stopped as stop:
         logging.getLogger("runner").warning("%s", stop)
         sys.exit(EXIT_STOPPED)  # the launcher sees the exit status, and the controller reports the stop

@@ -1,8 +1,9 @@
 """The run spec: Hydra composes the config groups into one typed RunSpec, and `validate` checks what spans fields.
 
 Each group's schemas live in the group's own module (runner/strategy.py for conf/strategy/ ...) and are
-registered here under `schema/<group>/<name>`; every option in conf/ starts from one of them, so an unknown key
-or a value of the wrong type fails while Hydra composes.
+registered here under `schema/<group>/<name>`; every option in conf/ starts from one of them (or, for the
+tracker group, whose options combine, from the RunSpec field's type), so an unknown key or a value of the wrong
+type fails while Hydra composes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from runner.strategy import (
     StrategyConfig,
     hybrid_group_size,
 )
-from runner.tracker import NoTracker, TrackerConfig
+from runner.tracker import TrackerConfig
 from runner.train import TrainConfig
 
 
@@ -61,7 +62,6 @@ SCHEMAS = {
     "hardware": {"base": HardwareConfig},
     "strategy": {"single": SingleStrategy, "ddp": DDPStrategy, "fsdp": FSDPStrategy, "deepspeed": DeepSpeedStrategy},
     "precision": {"base": PrecisionConfig},
-    "tracker": {"none": NoTracker},
     "model": {"base": ModelConfig},
     "data": {"base": DataConfig},
     "optim": {"adamw": AdamWConfig, "sgd": SGDConfig},
@@ -198,6 +198,7 @@ def _check_hardware(spec: RunSpec) -> RunSpec:
         _check_deepspeed(replace(spec, hardware=machine))
     if spec.resume:
         _check_resume(spec, machine)
+    _check_trackers(spec)
     if spec.precision.compute_dtype is ComputeDtype.bf16 and machine.accelerator is Accelerator.cuda:
         _require(hw.cuda_supports_bf16(),
                  f"precision=bf16 needs a GPU with bf16 (compute capability 8.0+), and {machine.device_name} "
@@ -228,6 +229,27 @@ def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:
         _require(strategy.min_num_params >= 1, f"strategy.min_num_params={strategy.min_num_params} must be >= 1")
         _require(strategy.forward_prefetch >= 0 and strategy.backward_prefetch >= 0,
                  "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0")
+
+
+def _check_trackers(spec: RunSpec) -> None:
+    import importlib.util
+
+    needs = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard"),
+             "mlflow": ("mlflow", "mlflow-skinny")}
+    for section, (module, package) in needs.items():
+        if getattr(spec.tracker, section) is not None:
+            _require(importlib.util.find_spec(module) is not None,
+                     f"tracker={section} needs the {package} package: pip install 'runner[trackers]'")
+    if spec.tracker.wandb:
+        _require(spec.tracker.wandb.mode in ("offline", "online"),
+                 f"tracker.wandb.mode={spec.tracker.wandb.mode} must be offline or online")
+
+
+def to_plain(spec: RunSpec) -> dict:
+    """The resolved spec as plain data, with secrets hidden: what trackers record and spec.yaml shows."""
+    from runner.tracker import redacted
+
+    return redacted(OmegaConf.to_container(OmegaConf.structured(spec), resolve=True, enum_to_str=True))
 
 
 def _check_resume(spec: RunSpec, machine: HardwareConfig) -> None:
@@ -275,4 +297,4 @@ def _check_deepspeed(spec: RunSpec) -> None:
 
 
 def to_yaml(spec: RunSpec) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(spec))
+    return OmegaConf.to_yaml(OmegaConf.create(to_plain(spec)))

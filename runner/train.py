@@ -9,6 +9,7 @@ import os
 import resource
 import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,8 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     spec, model = job.spec, job.model
     cfg = spec.train
     n_params = sum(p.numel() for p in model.parameters())  # a sharded DTensor counts its whole size
+    flops_per_token = training_flops_per_token(unwrapped(model).config, n_params, spec.data.seq_len)
+    peak_flops = spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size
     log.info(
         "%s | model %s, %.2fM parameters | global batch %d = micro batch %d x %d data-parallel ranks"
         " x %d accumulation steps | %d steps",
@@ -109,6 +112,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     window_loss, window_tokens, window_time, window_steps = 0.0, 0, 0.0, 0
     started = time.perf_counter()
     batches = job.train_batches(job.start_step)
+    bar = ProgressBar(job.ranks.rank == 0 and sys.stdout.isatty(), job.start_step, cfg.max_steps)
 
     for step in range(job.start_step + 1, cfg.max_steps + 1):
         tic = time.perf_counter()
@@ -137,6 +141,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         train_time, tokens_seen = train_time + elapsed, tokens_seen + step_tokens
         window_loss, window_tokens = window_loss + step_loss, window_tokens + step_tokens
         window_time, window_steps = window_time + elapsed, window_steps + 1
+        bar.advance(step_loss, step_tokens / elapsed)
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             record = {
@@ -145,7 +150,10 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
                 "grad_norm": grad_norm,
                 "tokens_per_s": window_tokens / window_time,
                 "tokens_seen": tokens_seen,
+                "peak_memory_gib": peak_memory_gib(job.device),
             }
+            if peak_flops:
+                record["mfu"] = record["tokens_per_s"] * flops_per_token / peak_flops
             for tracker in job.trackers:
                 tracker.log(record, step)
             log.info(
@@ -166,6 +174,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
             raise Stopped(f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "
                           f"continue with: run resume={job.run_dir}")
 
+    bar.close()
     model_dir = save_model(job) if cfg.save_model else None
     summary = {
         "steps": cfg.max_steps,
@@ -190,6 +199,39 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     )
     log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
     return summary
+
+
+class ProgressBar:
+    """On a terminal, a bar with the step, loss, tokens/s and time left, the log lines printed above it;
+    elsewhere (CI, SLURM logs) nothing but the periodic log lines."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self._bar = self._redirect = None
+        if enabled:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
+            # A terminal that reports no size (0 x 0) would get a hidden bar.
+            size = shutil.get_terminal_size()
+            self._bar = tqdm(total=total, initial=start, unit="step", ncols=size.columns or 100, nrows=size.lines or 24)
+
+    def advance(self, loss: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_s:.0f}", refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._redirect.__exit__(None, None, None)
+
+
+def training_flops_per_token(config: Any, n_params: int, seq_len: int) -> float:
+    """Forward and backward FLOPs per token: 6 per parameter, plus attention's 12 x layers x width x sequence
+    (Chowdhery et al., 2022, "PaLM", appendix B), the count MFU is usually quoted against."""
+    return 6 * n_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
 def count_label_tokens(batch: Batch) -> int:

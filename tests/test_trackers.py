@@ -1,0 +1,128 @@
+"""Each tracker's record of a real short run, read back with the tracker's own reader, matches metrics.jsonl."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICK, run_cli, run_dirs
+
+ARGS = [*QUICK, "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
+        "train.micro_batch_size=4"]
+LOGGED = {"loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "peak_memory_gib"}
+
+
+def jsonl_steps(run_dir: Path, key: str) -> list[int]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in records if key in r]
+
+
+def wandb_records(run_dir: Path) -> list[dict]:
+    """Every record of the run's offline .wandb file, as wandb's own `leet inspect` prints them."""
+    [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def wandb_summary(run_dir: Path) -> dict:
+    [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("tracked")
+    result = run_cli(*ARGS, "tracker=[wandb,tensorboard,mlflow]", cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wandb:" not in result.stdout + result.stderr  # the trackers keep quiet
+    return run_dirs(cwd)[0]
+
+
+def test_wandb_offline_run_matches_metrics_jsonl(tracked):
+    history = [r["history"] for r in wandb_records(tracked) if r.get("type") == "history"]
+    for key in (*LOGGED, "eval_loss"):
+        logged = sorted({int(h["step"].get("num", 0)) for h in history if key in h["item"]})
+        assert logged == jsonl_steps(tracked, key), key
+    summary = wandb_summary(tracked)
+    assert summary["state"] == "finished"
+    assert summary["config"]["train"]["max_steps"] == 6
+
+
+def test_tensorboard_events_match_metrics_jsonl(tracked):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tracked / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for key in (*LOGGED, "eval_loss"):
+        assert [e.step for e in events.Scalars(key)] == jsonl_steps(tracked, key), key
+
+
+def test_mlflow_run_matches_metrics_jsonl(tracked, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a directory store behind this switch
+    client = MlflowClient((tracked / "mlruns").as_uri())
+    run = client.get_run((tracked / "mlflow_run_id").read_text().strip())
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == f"{tracked.parent.name}/{tracked.name}"
+    assert run.data.params["train.max_steps"] == "6"
+    for key in (*LOGGED, "eval_loss"):
+        assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == jsonl_steps(tracked, key), key
+
+
+def test_api_keys_appear_in_no_file_of_the_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "env-secret-0123456789")
+    result = run_cli(*ARGS, "tracker=[wandb,tensorboard,mlflow]", "tracker.wandb.api_key=spec-secret-9876543210",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path)
+    leaks = [p for p in run_dir.rglob("*") if p.is_file() and
+             any(s in p.read_bytes() for s in (b"env-secret-0123456789", b"spec-secret-9876543210"))]
+    assert leaks == []
+    assert "api_key: <redacted>" in (run_dir / "spec.yaml").read_text()
+
+
+def test_a_sweep_makes_one_finished_wandb_run_per_job_in_one_group(tmp_path):
+    result = run_cli("-m", *ARGS, "tracker=wandb", "seed=0,1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    jobs = sorted(p.parent for p in tmp_path.glob("outputs/multirun/*/*/*/summary.json"))
+    assert len(jobs) == 2
+    groups = set()
+    for job in jobs:
+        [run] = [r["run"] for r in wandb_records(job) if r.get("type") == "run"]
+        groups.add(run["run_group"])
+        assert run["display_name"].endswith(f"seed={jobs.index(job)}")
+        assert wandb_summary(job)["state"] == "finished"
+    assert groups == {str(jobs[0].parent.relative_to(tmp_path))}  # the sweep directory
+
+
+def test_a_terminal_gets_a_progress_bar_and_mfu_where_the_peak_is_known(tmp_path):
+    """On a terminal: a bar with loss and tokens/s above which the log lines still print."""
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    job = subprocess.Popen([sys.executable, "-m", "runner", *ARGS, "hardware.peak_bf16_tflops=0.001"],
+                           cwd=tmp_path, stdin=terminal, stdout=terminal, stderr=terminal, close_fds=True)
+    os.close(terminal)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # the terminal closed: the run is over
+            break
+        if not chunk:
+            break
+        screen += chunk
+    assert job.wait(timeout=60) == 0
+    text = screen.decode(errors="replace")
+    assert "6/6" in text and "tokens_per_s=" in text and "loss=" in text  # the bar
+    assert "done: train loss" in text  # the log lines
+    [run_dir] = run_dirs(tmp_path)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < r["mfu"] for r in records if "loss" in r)
