@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Protocol
 
-SECRET_KEY = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
+# Key names (or their _-separated parts) that hold secrets: api_key, hub_token, password; not tokenizer.
+SECRET_KEY = re.compile(r"(^|_)(api_?key|token|secret|password)(_|$)", re.IGNORECASE)
 REDACTED = "<redacted>"
 
 
@@ -89,7 +90,7 @@ class WandbTracker:
         os.environ.setdefault("WANDB_MODE", config.mode)  # read at import: offline then reaches for no server
         import wandb
 
-        if config.api_key and config.mode == "online":
+        if config.api_key and config.api_key != REDACTED and config.mode == "online":  # a resumed spec hides it
             wandb.login(key=config.api_key, verify=False)
         self._run = wandb.init(
             dir=str(run_dir), mode=config.mode, project=config.project, entity=config.entity, name=identity.name,

@@ -126,3 +126,20 @@ def test_a_terminal_gets_a_progress_bar_and_mfu_where_the_peak_is_known(tmp_path
     [run_dir] = run_dirs(tmp_path)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["mfu"] for r in records if "loss" in r)
+
+
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    first = run_cli(*ARGS, "tracker=[wandb,mlflow]", "train.checkpoint_every=3", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    [run_dir] = run_dirs(tmp_path)
+    again = run_cli(f"resume={run_dir}", "train.max_steps=8", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((run_dir / "mlruns").as_uri())
+    [experiment] = [e for e in client.search_experiments() if e.name == "runner"]
+    [run] = client.search_runs([experiment.experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4, 6, 8]
+    wandb_ids = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
+    assert len(wandb_ids) == 1  # both parts log to one wandb run, which `wandb sync` joins
