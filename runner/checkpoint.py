@@ -21,7 +21,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -214,11 +214,3 @@ def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
-
-def find(resume: str, run_dir: Path) -> Optional[Path]:
-    """The checkpoint a `resume` value names: a checkpoint directory, or the latest complete one of a run."""
-    path = Path(resume)
-    if (path / "meta.json").is_file():
-        return path
-    found = complete_checkpoints(run_dir)
-    return found[-1] if found else None

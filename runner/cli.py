@@ -163,7 +163,7 @@ def scrub_secrets(run_dir: Path, spec: spec_module.RunSpec) -> None:
     """Hydra's files and spec.yaml's header keep the overrides as typed, a secret's value included: hide it."""
     from runner.tracker import REDACTED, secrets
 
-    values = secrets(OmegaConf.to_container(OmegaConf.structured(spec), resolve=True, enum_to_str=True))
+    values = secrets(spec_module.to_plain(spec, hide_secrets=False))
     for path in [run_dir / "spec.yaml", *(run_dir / ".hydra").glob("*.yaml")] if values else []:
         text = path.read_text()
         for value in values:

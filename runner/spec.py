@@ -29,7 +29,6 @@ from runner.strategy import (
     DeepSpeedStrategy,
     OffloadDevice,
     FSDPStrategy,
-    ShardingStrategy,
     SingleStrategy,
     StrategyConfig,
     hybrid_group_size,
@@ -111,7 +110,14 @@ def validate(spec: RunSpec) -> RunSpec:
     _check_ranges(spec)
     _check_model(spec.model)
     _check_data(spec.data)
-    return _check_hardware(spec)
+    spec = replace(spec, hardware=_check_hardware(spec))
+    _check_strategy(spec.strategy, spec.hardware)
+    if isinstance(spec.strategy, DeepSpeedStrategy):
+        _check_deepspeed(spec)
+    if spec.resume:
+        _check_resume(spec)
+    _check_trackers(spec)
+    return spec
 
 
 def _require(condition: bool, message: str) -> None:
@@ -173,7 +179,8 @@ def _check_data(data: DataConfig) -> None:
         _require(len(kinds) == 1, f"data.files={data.files} mixes file kinds ({', '.join(sorted(kinds))}); pick one")
 
 
-def _check_hardware(spec: RunSpec) -> RunSpec:
+def _check_hardware(spec: RunSpec) -> HardwareConfig:
+    """The hardware the spec declares, checked against this machine and filled in from it."""
     from runner import hardware as hw
 
     declared = spec.hardware
@@ -193,17 +200,11 @@ def _check_hardware(spec: RunSpec) -> RunSpec:
         _require(machine.nproc_per_node <= hw.cuda_device_count(),
                  f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
                  f"{hw.cuda_device_count()} this machine has")
-    _check_strategy(spec.strategy, machine)
-    if isinstance(spec.strategy, DeepSpeedStrategy):
-        _check_deepspeed(replace(spec, hardware=machine))
-    if spec.resume:
-        _check_resume(spec, machine)
-    _check_trackers(spec)
     if spec.precision.compute_dtype is ComputeDtype.bf16 and machine.accelerator is Accelerator.cuda:
         _require(hw.cuda_supports_bf16(),
                  f"precision=bf16 needs a GPU with bf16 (compute capability 8.0+), and {machine.device_name} "
                  "has none; use precision=fp32")
-    return replace(spec, hardware=machine)
+    return machine
 
 
 def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:
@@ -213,9 +214,8 @@ def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:
                  f"strategy=single runs one process but the hardware gives {machine.world_size} {processes}; "
                  "choose strategy=ddp or strategy=fsdp, or set hardware.nproc_per_node=1")
     if isinstance(strategy, FSDPStrategy):
-        hybrid = strategy.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
         group = hybrid_group_size(strategy, machine)
-        if hybrid:
+        if strategy.hybrid:
             _require(group >= 1 and machine.world_size % group == 0,
                      f"strategy.hybrid_shard_size={group} does not divide the {machine.world_size} processes "
                      f"{processes}; pick a divisor of {machine.world_size}")
@@ -245,23 +245,24 @@ def _check_trackers(spec: RunSpec) -> None:
                  f"tracker.wandb.mode={spec.tracker.wandb.mode} must be offline or online")
 
 
-def to_plain(spec: RunSpec) -> dict:
-    """The resolved spec as plain data, with secrets hidden: what trackers record and spec.yaml shows."""
+def to_plain(spec: RunSpec, hide_secrets: bool = True) -> dict:
+    """The resolved spec as plain data, secrets hidden unless asked: what trackers record and spec.yaml shows."""
     from runner.tracker import redacted
 
-    return redacted(OmegaConf.to_container(OmegaConf.structured(spec), resolve=True, enum_to_str=True))
+    plain = OmegaConf.to_container(OmegaConf.structured(spec), resolve=True, enum_to_str=True)
+    return redacted(plain) if hide_secrets else plain
 
 
-def _check_resume(spec: RunSpec, machine: HardwareConfig) -> None:
+def _check_resume(spec: RunSpec) -> None:
     import json
 
     meta = Path(spec.resume) / "meta.json"
     _require(meta.is_file(), f"resume={spec.resume} is not a complete checkpoint")
     written = json.loads(meta.read_text())
     if written["layout"] in ("sharded", "deepspeed"):
-        _require(written["world_size"] == machine.world_size,
+        _require(written["world_size"] == spec.hardware.world_size,
                  f"the checkpoint {spec.resume} holds {written['world_size']} ranks' shards ({written['layout']}) and "
-                 f"this run has {machine.world_size} processes; resume on {written['world_size']}, or write FULL "
+                 f"this run has {spec.hardware.world_size} processes; resume on {written['world_size']}, or write FULL "
                  "checkpoints (strategy.state_dict_type=FULL), which resume on any number")
     _require(written["strategy"] == type(spec.strategy).__name__ or written["layout"] == "full",
              f"the checkpoint {spec.resume} was written by {written['strategy']}, this run uses "

@@ -89,6 +89,10 @@ class FSDPStrategy(StrategyConfig):
     forward_prefetch: int = 0
     backward_prefetch: int = 1
 
+    @property
+    def hybrid(self) -> bool:
+        return self.sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
+
 
 class OffloadDevice(str, Enum):
     none = "none"
@@ -115,12 +119,11 @@ def data_parallel_size(strategy: StrategyConfig, world_size: int) -> int:
 def shard_mesh_shape(strategy: FSDPStrategy, hardware: HardwareConfig) -> tuple[int, int]:
     """(replicate, shard) sizes of the FSDP device mesh."""
     world = hardware.world_size
-    match strategy.sharding_strategy:
-        case ShardingStrategy.NO_SHARD:
-            return world, 1
-        case ShardingStrategy.HYBRID_SHARD | ShardingStrategy.HYBRID_SHARD_ZERO2:
-            group = hybrid_group_size(strategy, hardware)
-            return world // group, group
+    if strategy.sharding_strategy is ShardingStrategy.NO_SHARD:
+        return world, 1
+    if strategy.hybrid:
+        group = hybrid_group_size(strategy, hardware)
+        return world // group, group
     return 1, world
 
 
