@@ -97,7 +97,8 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     log.info(
         "%s | model %s, %.2fM parameters | global batch %d = micro batch %d x %d data-parallel ranks"
         " x %d accumulation steps | %d steps",
-        describe(spec.strategy, spec.hardware), type(unwrapped(model)).__name__, n_params / 1e6,
+        # fully_shard swaps the model's class for an FSDP<Name> subclass; the name users know is the original.
+        describe(spec.strategy, spec.hardware), type(unwrapped(model)).__name__.removeprefix("FSDP"), n_params / 1e6,
         job.global_batch_size, cfg.micro_batch_size, job.dp_size, cfg.grad_accum_steps, cfg.max_steps,
     )
 
