@@ -30,6 +30,8 @@ class HardwareConfig:
     host_memory_gib: Optional[float] = None
     # Dense bf16 peak per device, for MFU; 0 where unknown.
     peak_bf16_tflops: float = 0.0
+    # CUDA compute capability (8.0 for A100, 8.9 for RTX 4090, 9.0 for H100): what bf16 and fp8 need.
+    compute_capability: Optional[float] = None
 
     @property
     def world_size(self) -> int:
@@ -75,6 +77,7 @@ def detect(config: HardwareConfig) -> HardwareConfig:
         device_memory_gib=config.device_memory_gib or round(props.total_memory / GIB, 1),
         host_memory_gib=config.host_memory_gib or round(host_memory, 1),
         peak_bf16_tflops=config.peak_bf16_tflops or peak,
+        compute_capability=config.compute_capability or float(f"{props.major}.{props.minor}"),
     )
 
 

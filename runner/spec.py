@@ -8,6 +8,7 @@ type fails while Hydra composes.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sysconfig
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -22,7 +23,7 @@ from runner.data import DataConfig
 from runner.hardware import Accelerator, HardwareConfig
 from runner.model import BYTES, ModelConfig
 from runner.optim import AdamWConfig, OptimConfig, SGDConfig
-from runner.precision import ComputeDtype, PrecisionConfig
+from runner.precision import Dtype, Float8Backend, Float8Recipe, PrecisionConfig
 from runner.scheduler import SchedulerConfig
 from runner.strategy import (
     DDPStrategy,
@@ -112,6 +113,7 @@ def validate(spec: RunSpec) -> RunSpec:
     _check_data(spec.data)
     spec = replace(spec, hardware=_check_hardware(spec))
     _check_strategy(spec.strategy, spec.hardware)
+    _check_precision(spec)
     if isinstance(spec.strategy, DeepSpeedStrategy):
         _check_deepspeed(spec)
     if spec.resume:
@@ -200,11 +202,56 @@ def _check_hardware(spec: RunSpec) -> HardwareConfig:
         _require(machine.nproc_per_node <= hw.cuda_device_count(),
                  f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
                  f"{hw.cuda_device_count()} this machine has")
-    if spec.precision.compute_dtype is ComputeDtype.bf16 and machine.accelerator is Accelerator.cuda:
-        _require(hw.cuda_supports_bf16(),
-                 f"precision=bf16 needs a GPU with bf16 (compute capability 8.0+), and {machine.device_name} "
-                 "has none; use precision=fp32")
     return machine
+
+
+def _check_precision(spec: RunSpec) -> None:
+    precision, machine = spec.precision, spec.hardware
+    _require(precision.param_dtype in (Dtype.fp32, Dtype.bf16),
+             f"precision.param_dtype={precision.param_dtype.value} is not supported: fp16 weights need fp32 master "
+             "copies; use precision=fp16 (fp32 weights, fp16 forward)")
+    if precision.param_dtype is Dtype.bf16:
+        _require(precision.compute_dtype is Dtype.bf16,
+                 "precision.param_dtype=bf16 needs precision.compute_dtype=bf16 (or choose precision=pure_bf16)")
+        _require(not isinstance(spec.strategy, DeepSpeedStrategy),
+                 "strategy=deepspeed keeps fp32 master weights itself; precision.param_dtype=bf16 applies to "
+                 "single, ddp and fsdp (use precision=bf16)")
+    capability = machine.compute_capability or 0.0
+    if precision.compute_dtype is Dtype.bf16 and machine.accelerator is Accelerator.cuda:
+        _require(capability >= 8.0,
+                 f"precision.compute_dtype=bf16 needs a GPU of compute capability 8.0+ (A100, RTX 30xx or newer), "
+                 f"and {machine.device_name} has {capability}; use precision=fp16")
+    fp8 = precision.fp8
+    if fp8 is None:
+        return
+    _require(precision.compute_dtype in (Dtype.bf16, Dtype.fp32),
+             f"precision.fp8 runs its other operations in bf16 or fp32, not "
+             f"precision.compute_dtype={precision.compute_dtype.value}")
+    _require(precision.param_dtype is Dtype.fp32, "precision.fp8 keeps fp32 master weights; set precision.param_dtype=fp32")
+    _require(fp8.min_features >= 16, f"precision.fp8.min_features={fp8.min_features} must be >= 16 (fp8 kernels "
+             "need dimensions that are multiples of 16)")
+    if fp8.all_gather:
+        _require(isinstance(spec.strategy, FSDPStrategy),
+                 "precision.fp8.all_gather=true is FSDP's float8 all-gather; it needs strategy=fsdp")
+        _require(fp8.recipe is Float8Recipe.tensorwise,
+                 f"precision.fp8.all_gather=true needs precision.fp8.recipe=tensorwise, not {fp8.recipe.value}")
+    if fp8.backend is Float8Backend.transformer_engine:
+        _require(importlib.util.find_spec("transformer_engine") is not None,
+                 "precision.fp8.backend=transformer_engine needs TransformerEngine: pip install "
+                 "'transformer-engine[pytorch]' (on a CUDA machine), or use precision.fp8.backend=torchao")
+        _require(machine.accelerator is Accelerator.cuda and not fp8.emulate,
+                 "precision.fp8.backend=transformer_engine runs on CUDA GPUs only and cannot emulate; "
+                 "use precision.fp8.backend=torchao")
+    else:
+        _require(importlib.util.find_spec("torchao") is not None,
+                 "precision=fp8 needs torchao: pip install 'runner[fp8]'")
+    if not fp8.emulate:
+        has = machine.device_name if machine.accelerator is Accelerator.cuda else "a CPU"
+        _require(machine.accelerator is Accelerator.cuda and capability >= 8.9,
+                 f"precision=fp8 needs a GPU with fp8 tensor cores (CUDA compute capability 8.9+: H100, H200, L40S, "
+                 f"RTX 4090) and this run has {has}"
+                 f"{f' (compute capability {capability})' if machine.accelerator is Accelerator.cuda else ''}; "
+                 "set precision.fp8.emulate=true to emulate fp8 (same numerics, no speed-up)")
 
 
 def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:

@@ -281,7 +281,7 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
     """The DeepSpeed config the spec implies, with the user's config file's other keys added."""
     import json
 
-    from runner.precision import ComputeDtype
+    from runner.precision import Dtype
 
     strategy, train = spec.strategy, spec.train
     zero: dict[str, Any] = {"stage": strategy.zero_stage}
@@ -295,7 +295,7 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
         "train_batch_size": train.micro_batch_size * train.grad_accum_steps * spec.hardware.world_size,
         "gradient_clipping": train.max_grad_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": spec.precision.compute_dtype is ComputeDtype.bf16},
+        "bf16": {"enabled": spec.precision.compute_dtype is Dtype.bf16},
         # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam).
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,

@@ -11,7 +11,7 @@ BAD_INPUTS = {
     "unknown key added with +": (["+optim.foo=1"], "unknown key optim.foo"),
     "unknown top-level key": (["+foo=1"], "unknown key foo"),
     "unknown option": (["strategy=zero9"], "strategy=zero9 is not an option"),
-    "unknown precision": (["precision=fp9"], "precision=fp9 is not an option; choose one of: bf16, fp32"),
+    "unknown precision": (["precision=fp9"], "precision=fp9 is not an option; choose one of: bf16, fp16, fp32, fp8, pure_bf16"),
     "wrong type": (["optim.lr=abc"], "optim.lr: Value 'abc'"),
     "out of range": (["train.max_steps=-3"], "train.max_steps=-3 must be a positive integer"),
     "more processes than the strategy runs": (["hardware.nproc_per_node=2"], "strategy=single runs one process"),
