@@ -1,7 +1,7 @@
 """Checkpoints: what a run needs to continue exactly, written atomically, only the last few kept.
 
     <run dir>/checkpoints/step_00000050/
-        meta.json                   step, tokens seen, first eval loss, world size, layout, scheduler state
+        meta.json                   step, tokens seen, first eval loss, world size, layout, scheduler and loss scale
         model.safetensors           FULL: the whole model, written by rank 0
         optimizer.safetensors       FULL: the whole optimizer state's tensors; optimizer.json its param groups
         model-rank<N>.safetensors   SHARDED: each rank's own shards (and optimizer-rank<N>.*)
@@ -81,6 +81,7 @@ def save(job: PreparedJob, step: int, progress: dict[str, Any]) -> Path:
             "layout": kind,
             "strategy": type(job.spec.strategy).__name__,
             "scheduler": job.scheduler.state_dict(),
+            "stepper": job.stepper.state_dict(),
             **progress,
         }
         (partial / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -104,6 +105,7 @@ def load(job: PreparedJob, path: Path) -> dict[str, Any]:
     else:
         _load_model_and_optimizer(job, path, sharded=meta["layout"] == "sharded")
     job.scheduler.load_state_dict(meta["scheduler"])
+    job.stepper.load_state_dict(meta.get("stepper", {}))
     rng = path / f"rng-rank{job.ranks.rank}.safetensors"
     if rng.exists():
         _set_rng_state(load_file(rng))

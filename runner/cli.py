@@ -125,6 +125,8 @@ def run_job(config: DictConfig) -> float:
 
     from runner.job import load_data, prepare_job
     from runner.launch import launch
+    from runner.model import build_model
+    from runner.precision import fp8_layer_names
     from runner.strategy import SingleStrategy
     from runner.train import train
 
@@ -136,7 +138,9 @@ def run_job(config: DictConfig) -> float:
     identity = run_identity(hydra_config, run_dir)
     logging.getLogger("runner").info("run directory %s | reading and tokenizing the data", run_dir)
     try:
-        load_data(spec)
+        tokenizer, _, _ = load_data(spec)
+        if spec.precision.fp8:
+            fp8_layer_names(build_model(spec.model, tokenizer, weights=False), spec.precision.fp8)
     except SpecError as error:
         if not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
@@ -303,3 +307,11 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    quiet_loggers()
+
+
+def quiet_loggers() -> None:
+    """torchao, which transformers imports whenever it is installed, warns about kernels this machine does not
+    need and about its own deprecated calls into torch; errors still show."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 from runner import checkpoint, data, model as model_module, optim, precision, scheduler, strategy, tracker
 from runner.hardware import Accelerator
 from runner.launch import Ranks
 from runner.spec import RunSpec, SpecError, to_plain
 from runner.strategy import DeepSpeedStrategy, DeepSpeedStepper, FSDPStrategy, Stepper, TorchStepper
+
+log = logging.getLogger("runner")
 
 if TYPE_CHECKING:
     import datasets
@@ -38,6 +41,8 @@ class PreparedJob:
     gradient_sync: Callable[[bool], ContextManager]
     trackers: list[tracker.Tracker]
     dp_size: int
+    # The dtypes really in use (forward, weights, master weights, optimizer states, fp8 layers), read from the tensors.
+    precision_in_effect: Callable[[], dict[str, Any]]
     # Where a resumed run starts: the checkpoint's step and what the loop had counted by then.
     start_step: int = 0
     progress: dict = field(default_factory=dict)
@@ -84,20 +89,28 @@ def prepare_job(
 
     torch.manual_seed(spec.seed)
     model = model_module.build_model(spec.model, tokenizer, weights=strategy.loads_weights(spec.strategy, ranks.rank))
+    # In this order: fp8 layers, the weights' dtype, then the strategy's wrapping and sharding.
+    fp8_layers = precision.convert_to_fp8(model, spec.precision.fp8) if spec.precision.fp8 else []
+    if fp8_layers:
+        log.info("fp8: %d linear layers converted: %s", len(fp8_layers), precision.summarize_names(fp8_layers))
+    model = precision.cast_weights(model, spec.precision)
+    low_precision = spec.precision.compute_dtype is not precision.Dtype.fp32
     if isinstance(spec.strategy, DeepSpeedStrategy):
         # DeepSpeed wraps model and optimizer together, and casts through its own precision blocks.
         optimizer = optim.build_optimizer(model, spec.optim)
         model = strategy.deepspeed_engine(model, optimizer, spec)
         stepper: Stepper = DeepSpeedStepper(model)
         autocast: Callable[[], ContextManager] = contextlib.nullcontext
+        cast_by = "DeepSpeed engine" if low_precision else ""
     else:
         # FSDP casts through its mixed-precision policy; the other strategies autocast the forward.
         sharded = isinstance(spec.strategy, FSDPStrategy)
-        mixed_precision = precision.fsdp_mixed_precision(spec.precision) if sharded else None
-        model = strategy.apply_strategy(model, spec.strategy, spec.hardware, device, mixed_precision)
+        model = strategy.apply_strategy(model, spec.strategy, spec.hardware, device, spec.precision)
         optimizer = optim.build_optimizer(model, spec.optim)
-        stepper = TorchStepper(model, optimizer, train.max_grad_norm)
-        autocast = contextlib.nullcontext if sharded else lambda: precision.autocast(spec.precision, device)
+        scaler = precision.grad_scaler(spec.precision, device, sharded)
+        stepper = TorchStepper(model, optimizer, train.max_grad_norm, scaler)
+        autocast = lambda: precision.autocast(spec.precision, device, compute_dtype=not sharded)  # noqa: E731
+        cast_by = ("FSDP mixed-precision policy" if sharded else "autocast") if low_precision else ""
     lr_schedule = scheduler.build_scheduler(optimizer, spec.scheduler, train.max_steps)
 
     pad = tokenizer.pad_token_id
@@ -123,11 +136,15 @@ def prepare_job(
         gradient_sync=lambda enabled: strategy.gradient_sync(model, spec.strategy, enabled),
         trackers=[],
         dp_size=dp_size,
+        precision_in_effect=lambda: precision.in_effect(
+            model, optimizer, spec.precision, cast_by, len(fp8_layers), gradient_reduce=dp_size > 1,
+        ),
     )
     if spec.resume:
         progress = checkpoint.load(job, Path(spec.resume))
         job.start_step, job.progress = progress.pop("step"), progress
     if ranks.rank == 0:
         identity = identity or tracker.RunIdentity(name=run_dir.name)
-        job.trackers = tracker.build_trackers(spec.tracker, run_dir, to_plain(spec), identity, job.start_step)
+        config = {**to_plain(spec), "precision_in_effect": job.precision_in_effect()}
+        job.trackers = tracker.build_trackers(spec.tracker, run_dir, config, identity, job.start_step)
     return job

@@ -142,9 +142,14 @@ def quiet_worker(accelerator: str) -> None:
     """A spawned worker starts with fresh warning filters: the controller's do not reach it."""
     import warnings
 
+    from runner.cli import quiet_loggers
+
+    quiet_loggers()
     os.environ.setdefault("DS_ACCELERATOR", accelerator)
     # DeepSpeed still calls collectives that torch has renamed, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\..* is deprecated")
+    # FSDP's sharded fp16 loss scaler hands DTensor a one-element tensor for its overflow flag, as designed.
+    warnings.filterwarnings("ignore", category=UserWarning, message=r"Found a non-scalar tensor with numel=1")
 
 
 def free_port() -> int:

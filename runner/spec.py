@@ -211,11 +211,25 @@ def _check_precision(spec: RunSpec) -> None:
              f"precision.param_dtype={precision.param_dtype.value} is not supported: fp16 weights need fp32 master "
              "copies; use precision=fp16 (fp32 weights, fp16 forward)")
     if precision.param_dtype is Dtype.bf16:
-        _require(precision.compute_dtype is Dtype.bf16,
-                 "precision.param_dtype=bf16 needs precision.compute_dtype=bf16 (or choose precision=pure_bf16)")
+        _require(precision.compute_dtype is Dtype.bf16 and precision.reduce_dtype is Dtype.bf16,
+                 "precision.param_dtype=bf16 needs precision.compute_dtype=bf16 and precision.reduce_dtype=bf16 "
+                 "(bf16 weights have bf16 gradients); choose precision=pure_bf16")
         _require(not isinstance(spec.strategy, DeepSpeedStrategy),
                  "strategy=deepspeed keeps fp32 master weights itself; precision.param_dtype=bf16 applies to "
                  "single, ddp and fsdp (use precision=bf16)")
+    scale = precision.initial_loss_scale
+    _require(scale >= 1 and float(scale).is_integer() and (int(scale) & (int(scale) - 1)) == 0,
+             f"precision.initial_loss_scale={scale:g} must be a power of two (65536 is usual)")
+    _require(precision.loss_scale_growth_interval > 0,
+             f"precision.loss_scale_growth_interval={precision.loss_scale_growth_interval} must be a positive integer")
+    if isinstance(spec.strategy, DDPStrategy) and precision.reduce_dtype not in (Dtype.fp32, precision.param_dtype):
+        _require(machine.accelerator is Accelerator.cuda,
+                 f"precision.reduce_dtype={precision.reduce_dtype.value} under strategy=ddp uses torch's gradient "
+                 "compression hook, which needs NCCL (a GPU); leave precision.reduce_dtype=fp32 on a CPU")
+    if isinstance(spec.strategy, DeepSpeedStrategy) and precision.compute_dtype is Dtype.fp16:
+        _require(machine.accelerator is Accelerator.cuda,
+                 "strategy=deepspeed with precision=fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); "
+                 "use precision=bf16, or precision=fp16 with strategy=single, ddp or fsdp")
     capability = machine.compute_capability or 0.0
     if precision.compute_dtype is Dtype.bf16 and machine.accelerator is Accelerator.cuda:
         _require(capability >= 8.0,
@@ -236,6 +250,9 @@ def _check_precision(spec: RunSpec) -> None:
         _require(fp8.recipe is Float8Recipe.tensorwise,
                  f"precision.fp8.all_gather=true needs precision.fp8.recipe=tensorwise, not {fp8.recipe.value}")
     if fp8.backend is Float8Backend.transformer_engine:
+        _require(not isinstance(spec.strategy, DeepSpeedStrategy),
+                 "precision.fp8.backend=transformer_engine works with strategy=single, ddp or fsdp; "
+                 "use precision.fp8.backend=torchao with strategy=deepspeed")
         _require(importlib.util.find_spec("transformer_engine") is not None,
                  "precision.fp8.backend=transformer_engine needs TransformerEngine: pip install "
                  "'transformer-engine[pytorch]' (on a CUDA machine), or use precision.fp8.backend=torchao")

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any, ContextManager, List, Optional, Protocol
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from runner.hardware import HardwareConfig
+    from runner.precision import PrecisionConfig
     from runner.spec import RunSpec
 
 
@@ -156,34 +158,39 @@ def loads_weights(strategy: StrategyConfig, rank: int) -> bool:
 
 def apply_strategy(
     model: nn.Module, strategy: StrategyConfig, hardware: HardwareConfig, device: torch.device,
-    mixed_precision: Optional[object] = None,
+    precision: PrecisionConfig,
 ) -> nn.Module:
+    from runner.precision import ddp_reduce_hook, fsdp_mixed_precision
+
     match strategy:
         case SingleStrategy():
             return model.to(device)
         case DDPStrategy():
             from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(
+            ddp = DistributedDataParallel(
                 model.to(device),
                 device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=strategy.find_unused_parameters,
                 bucket_cap_mb=strategy.bucket_cap_mb,
             )
+            if hook := ddp_reduce_hook(precision):
+                ddp.register_comm_hook(None, hook)
+            return ddp
         case FSDPStrategy():
-            return apply_fsdp(model, strategy, hardware, device, mixed_precision)
+            return apply_fsdp(model, strategy, hardware, device, fsdp_mixed_precision(precision))
     raise TypeError(f"unknown strategy {type(strategy).__name__}")
 
 
 def apply_fsdp(
     model: nn.Module, strategy: FSDPStrategy, hardware: HardwareConfig, device: torch.device,
-    mixed_precision: Optional[object],
+    mixed_precision: MixedPrecisionPolicy,
 ) -> nn.Module:
     """Activation checkpointing, then `fully_shard` on each unit and the root, then the weights into the shards."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     if strategy.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -194,7 +201,7 @@ def apply_fsdp(
     options = {
         "mesh": mesh,
         "reshard_after_forward": reshard,
-        "mp_policy": mixed_precision or MixedPrecisionPolicy(),
+        "mp_policy": mixed_precision,
         "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda") if strategy.offload_params else OffloadPolicy(),
     }
     if strategy.cpu_ram_efficient_loading:
@@ -280,10 +287,11 @@ def set_prefetch(units: list[nn.Module], strategy: FSDPStrategy) -> None:
 def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
     """The DeepSpeed config the spec implies, with the user's config file's other keys added."""
     import json
+    import math
 
     from runner.precision import Dtype
 
-    strategy, train = spec.strategy, spec.train
+    strategy, train, precision = spec.strategy, spec.train, spec.precision
     zero: dict[str, Any] = {"stage": strategy.zero_stage}
     for key in ("offload_optimizer", "offload_param"):
         device = getattr(strategy, key)
@@ -295,7 +303,14 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
         "train_batch_size": train.micro_batch_size * train.grad_accum_steps * spec.hardware.world_size,
         "gradient_clipping": train.max_grad_norm,
         "zero_optimization": zero,
-        "bf16": {"enabled": spec.precision.compute_dtype is Dtype.bf16},
+        "bf16": {"enabled": precision.compute_dtype is Dtype.bf16},
+        "fp16": {
+            "enabled": precision.compute_dtype is Dtype.fp16,
+            "loss_scale": 0,  # dynamic
+            "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
+            "loss_scale_window": precision.loss_scale_growth_interval,
+        },
+        "communication_data_type": precision.reduce_dtype.value,
         # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam).
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,
@@ -355,14 +370,28 @@ def deepspeed_checkpoint_types() -> list:
     return [LossScaler, ZeroStageEnum, fragment_address]
 
 
+@dataclass
+class StepOutcome:
+    grad_norm: float
+    # False when fp16's loss scale overflowed and the update was skipped (the schedule then waits too).
+    applied: bool = True
+    loss_scale: Optional[float] = None
+
+
 class Stepper(Protocol):
     """Backward on each micro batch, then one optimizer step; how depends on the strategy."""
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def step(self) -> float:
-        """Clips, updates and clears the gradients; returns the gradient norm before clipping."""
+    def step(self) -> StepOutcome:
+        """Clips, updates and clears the gradients; the norm is the one before clipping."""
         ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs beyond model and optimizer (fp16's loss scale)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -370,28 +399,47 @@ class TorchStepper:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     max_grad_norm: float
+    scaler: Optional[torch.amp.GradScaler] = None
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self) -> float:
+    def step(self) -> StepOutcome:
         import torch
 
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the shards' partial norms, combined
             norm = norm.full_tensor()
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
-        self.optimizer.step()
+        if self.scaler:
+            # The scaler skips the update when a gradient overflowed, and then lowers the scale.
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            outcome = StepOutcome(float(norm), self.scaler.get_scale() >= scale, self.scaler.get_scale())
+        else:
+            self.optimizer.step()
+            outcome = StepOutcome(float(norm))
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return outcome
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and "loss_scaler" in state:
+            self.scaler.load_state_dict(state["loss_scaler"])
 
 
 @dataclass
 class DeepSpeedStepper:
     """DeepSpeed's engine steps after every backward and updates only at the accumulation boundary, which it
-    counts itself (gradient_accumulation_steps in its config matches train.grad_accum_steps)."""
+    counts itself (gradient_accumulation_steps in its config matches train.grad_accum_steps). Its fp16 loss
+    scale lives in its own checkpoint."""
 
     engine: Any
 
@@ -399,8 +447,15 @@ class DeepSpeedStepper:
         self.engine.backward(loss, scale_wrt_gas=False)  # the loss is already a share of the global batch
         self.engine.step()
 
-    def step(self) -> float:
-        return float(self.engine.get_global_grad_norm() or 0.0)
+    def step(self) -> StepOutcome:
+        scale = getattr(self.engine.optimizer, "cur_scale", None) if self.engine.fp16_enabled() else None
+        return StepOutcome(float(self.engine.get_global_grad_norm() or 0.0), self.engine.was_step_applied(), scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 def gradient_sync(model: nn.Module, strategy: StrategyConfig, enabled: bool) -> ContextManager:

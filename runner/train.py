@@ -87,6 +87,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     import torch
 
     from runner import checkpoint
+    from runner.precision import describe as describe_precision
     from runner.strategy import describe, unwrapped
 
     spec, model = job.spec, job.model
@@ -102,6 +103,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         job.global_batch_size, cfg.micro_batch_size, job.dp_size, cfg.grad_accum_steps, cfg.max_steps,
     )
 
+    log.info("precision: %s", describe_precision(job.precision_in_effect()))
     progress = job.progress
     if job.start_step:
         log.info("resuming from step %d of %s", job.start_step, spec.resume)
@@ -110,6 +112,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         first_eval_loss = eval_loss = evaluate(job, step=0)
     model.train()
     train_time, tokens_seen = progress.get("train_time", 0.0), progress.get("tokens_seen", 0)
+    skipped_steps = progress.get("skipped_steps", 0)
     window_loss, window_tokens, window_time, window_steps = 0.0, 0, 0.0, 0
     started = time.perf_counter()
     batches = job.train_batches(job.start_step)
@@ -129,8 +132,13 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
                 loss = causal_lm_loss_sum(logits, batch["labels"]) / label_tokens
                 job.stepper.backward(loss * job.dp_size)
             step_loss += loss.detach()
-        grad_norm = job.stepper.step()
-        job.scheduler.step()
+        outcome = job.stepper.step()
+        if outcome.applied:
+            job.scheduler.step()
+        else:  # fp16's loss scale overflowed: no update, so the schedule does not advance either
+            skipped_steps += 1
+            log.warning("step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
+                        step, cfg.max_steps, outcome.loss_scale)
 
         step_loss = all_ranks_sum(step_loss.item())  # also waits for the device, so the timing is the step's own
         if not math.isfinite(step_loss):
@@ -148,18 +156,20 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
             record = {
                 "loss": window_loss / window_steps,
                 "lr": job.scheduler.get_last_lr()[0],
-                "grad_norm": grad_norm,
+                "grad_norm": outcome.grad_norm,
                 "tokens_per_s": window_tokens / window_time,
                 "tokens_seen": tokens_seen,
                 "peak_memory_gib": peak_memory_gib(job.device),
             }
+            if outcome.loss_scale is not None:
+                record["loss_scale"] = outcome.loss_scale
             if peak_flops:
                 record["mfu"] = record["tokens_per_s"] * flops_per_token / peak_flops
             for tracker in job.trackers:
                 tracker.log(record, step)
             log.info(
                 "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s",
-                step, cfg.max_steps, record["loss"], record["lr"], grad_norm, record["tokens_per_s"],
+                step, cfg.max_steps, record["loss"], record["lr"], outcome.grad_norm, record["tokens_per_s"],
             )
             train_loss = record["loss"]
             window_loss, window_tokens, window_time, window_steps = 0.0, 0, 0.0, 0
@@ -169,7 +179,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         stopping = all_ranks_sum(stop.requested is not None) > 0  # every rank stops after the same step
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
             saved = checkpoint.save(job, step, {"tokens_seen": tokens_seen, "train_time": train_time,
-                                                "first_eval_loss": first_eval_loss})
+                                                "first_eval_loss": first_eval_loss, "skipped_steps": skipped_steps})
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
             raise Stopped(f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "
@@ -183,11 +193,13 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         "first_eval_loss": first_eval_loss,
         "eval_loss": eval_loss,
         "tokens_seen": tokens_seen,
+        "skipped_steps": skipped_steps,
         "tokens_per_s": tokens_seen / train_time,
         "peak_memory_gib": peak_memory_gib(job.device),
         "wall_time_s": time.perf_counter() - started,
         "run_dir": str(job.run_dir),
         "model_dir": str(model_dir) if model_dir else None,
+        "precision": job.precision_in_effect(),
     }
     if job.ranks.rank == 0:
         write_json_atomically(job.run_dir / "summary.json", summary)

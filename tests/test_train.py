@@ -21,9 +21,13 @@ from runner.train import train
 spec_module.register(RECIPES_DIR)
 
 
-def resolved_spec(overrides):
+def compose_config(overrides):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return validate(load_spec(compose("config", overrides=overrides)))
+        return compose("config", overrides=overrides)
+
+
+def resolved_spec(overrides):
+    return validate(load_spec(compose_config(overrides)))
 
 
 @pytest.fixture(scope="module")
