@@ -189,8 +189,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    # safetensors stores each tensor once: tied weights and views get their own contiguous copies.
-    save_file({name: t.detach().to("cpu").clone().contiguous() for name, t in tensors.items()}, path)
+    save_file({name: cpu_copy(t) for name, t in tensors.items()}, path)
+
+
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain, contiguous CPU copy: safetensors stores each tensor once (tied weights and views get their own
+    copies), and a tensor subclass (torchao's float8 all-gather weights) becomes the plain tensor it wraps."""
+    import torch
+
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

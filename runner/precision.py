@@ -58,7 +58,7 @@ class PrecisionConfig:
     # The weights the optimizer updates and its states. fp32 unless asked otherwise (precision=pure_bf16): weights
     # cast to bf16 stay in bf16, and small updates are lost to rounding.
     param_dtype: Dtype = Dtype.fp32
-    # The dtype FSDP reduces gradients in across ranks.
+    # The dtype gradients are reduced in across data-parallel ranks.
     reduce_dtype: Dtype = Dtype.fp32
     # fp16's dynamic loss scale: where it starts, and how many steps without an overflow before it doubles.
     initial_loss_scale: float = 2.0**16
@@ -87,10 +87,10 @@ def fp8_layer_names(model: nn.Module, fp8: Float8Config) -> list[str]:
     error when there is none."""
     from torch import nn
 
+    from runner.spec import SpecError
+
     def skipped(name: str) -> bool:
         return any(name == s or name.endswith(f".{s}") for s in fp8.skip)
-
-    from runner.spec import SpecError
 
     names = [
         name for name, module in model.named_modules()

@@ -481,5 +481,8 @@ def full_state_dict(model: nn.Module, strategy: StrategyConfig) -> dict[str, tor
         return model.module.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    from runner.checkpoint import cpu_copy
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: cpu_copy(tensor) for name, tensor in state.items()}
 

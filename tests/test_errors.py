@@ -28,6 +28,8 @@ BAD_INPUTS = {
          "hardware.nproc_per_node=4"], "strategy.hybrid_shard_size=3 does not divide the 4 processes"),
     "several nodes without a rendezvous endpoint": (["strategy=ddp", "hardware.nnodes=2"],
                                                     "needs hardware.rdzv_endpoint"),
+    "fp8 on a machine without it": (["precision=fp8"], "precision=fp8 needs a GPU with fp8 tensor cores (CUDA "
+                                                       "compute capability 8.9+"),
     "parameter offload below ZeRO-3": (["strategy=deepspeed", "strategy.offload_param=cpu"],
                                        "strategy.offload_param=cpu needs strategy.zero_stage=3"),
 }

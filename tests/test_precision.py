@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import QUICK
 from distributed import run_in_workers
@@ -42,7 +43,9 @@ CASES = {
     "ddp": {name: ["strategy=ddp", *TWO_RANKS, *overrides] for name, overrides in PRECISIONS.items()},
     "fsdp": {
         **{name: ["strategy=fsdp", *TWO_RANKS, *overrides] for name, overrides in PRECISIONS.items()},
-        "fp8 float8 all-gather": ["strategy=fsdp", *TWO_RANKS, *FP8, "precision.fp8.all_gather=true"],
+        # float8 all-gather weights are tensor subclasses: checkpoints and the saved model must still be plain.
+        "fp8 float8 all-gather": ["strategy=fsdp", *TWO_RANKS, *FP8, "precision.fp8.all_gather=true",
+                                  "strategy.state_dict_type=SHARDED", "train.save_model=true"],
         "bf16 reduced in bf16": ["strategy=fsdp", *TWO_RANKS, "precision=bf16", "precision.reduce_dtype=bf16"],
     },
     # DeepSpeed's fp16 needs a GPU and it keeps fp32 master weights itself (pure bf16 is refused); see below.
@@ -135,6 +138,19 @@ def test_fp16_overflow_skips_the_step_and_the_schedule(strategy_facts):
     assert all(math.isfinite(r["loss"]) for r in facts["records"] if "loss" in r)
 
 
+def test_float8_all_gather_saves_plain_checkpoints_and_model(strategy_facts):
+    strategy, all_facts = strategy_facts
+    if strategy != "fsdp":
+        pytest.skip("float8 all-gather is FSDP's")
+    summary = all_facts["fp8 float8 all-gather"]["summary"]
+    checkpoint = Path(summary["run_dir"]) / "checkpoints" / f"step_{STEPS:08d}"
+    assert sorted(p.name for p in checkpoint.glob("model-rank*.safetensors")) == [
+        "model-rank0.safetensors", "model-rank1.safetensors"]
+    model = AutoModelForCausalLM.from_pretrained(summary["model_dir"])
+    assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_fp16_loss_scale_survives_a_checkpoint(tmp_path):
     # The scale doubles after every step without overflow: 1024 -> 4096 after two.
     growing = [*BASE, *FP16, "precision.loss_scale_growth_interval=1"]
@@ -183,6 +199,16 @@ REFUSED = {
     "DDP bf16 reduce on a CPU": (["strategy=ddp", *TWO_RANKS, "precision=bf16", "precision.reduce_dtype=bf16"],
                                 "needs NCCL"),
 }
+
+
+def test_fp8_needs_compute_capability_8_9():
+    """What validation says of the declared GPU (this machine has none, so the detection step is left out)."""
+    from runner.spec import _check_precision
+
+    with pytest.raises(SpecError, match=r"NVIDIA A100-SXM4-80GB \(compute capability 8.0\)"):
+        _check_precision(load_spec(compose_config(["hardware=a100_80gb", "precision=fp8"])))
+    _check_precision(load_spec(compose_config(["hardware=h100_80gb", "precision=fp8"])))
+    _check_precision(load_spec(compose_config(["hardware=2xrtx4090", "strategy=fsdp", "precision=fp8"])))
 
 
 @pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))

@@ -51,6 +51,7 @@ def test_wandb_offline_run_matches_metrics_jsonl(tracked):
     summary = wandb_summary(tracked)
     assert summary["state"] == "finished"
     assert summary["config"]["train"]["max_steps"] == 6
+    assert summary["config"]["precision_in_effect"]["master_weights"] == "fp32"
 
 
 def test_tensorboard_events_match_metrics_jsonl(tracked):
@@ -71,6 +72,7 @@ def test_mlflow_run_matches_metrics_jsonl(tracked, monkeypatch):
     assert run.info.status == "FINISHED"
     assert run.info.run_name == f"{tracked.parent.name}/{tracked.name}"
     assert run.data.params["train.max_steps"] == "6"
+    assert run.data.params["precision_in_effect.forward"] == "fp32"
     for key in (*LOGGED, "eval_loss"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == jsonl_steps(tracked, key), key
 
