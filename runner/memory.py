@@ -92,6 +92,7 @@ DEEPSPEED_DEFAULTS = {
     "stage3_max_live_parameters": 1_000_000_000,
     "stage3_param_persistence_threshold": 100_000,
     "stage3_model_persistence_threshold": 2**63 - 1,
+    "sub_group_size": 1_000_000_000,
 }
 # A transient that PyTorch's buffered all-reduce caps (DeepSpeed ZeRO-0's elements_per_buffer).
 DEEPSPEED_ALLREDUCE_BUCKET = 500_000_000
@@ -122,8 +123,8 @@ class LayerShape:
 
 @dataclass
 class ModelFacts:
-    model: Any  # the nn.Module on the meta device
-    parameters: int
+    model: Any  # the nn.Module, on the meta device
+    parameters: int  # tied parameters once
     parameter_shapes: list[tuple[int, ...]]
     buffer_bytes: int
     linear_parameters: int  # in nn.Linear modules: what autocast casts to the compute dtype
@@ -134,53 +135,57 @@ class ModelFacts:
     largest_parameter: int
 
 
-_META_MODELS: dict[str, Any] = {}
+_FACTS: dict[str, ModelFacts] = {}
 
 
-def meta_model(model: ModelConfig) -> nn.Module:
-    """The model the run trains (runner.model.build_model), on the meta device; kept for the next call."""
+def facts_of(model: ModelConfig) -> ModelFacts:
+    """The facts of the model the run trains, built on the meta device; kept for the next call (validation and
+    the fit check's re-estimates ask again)."""
     from runner.model import build_model, build_tokenizer
 
     key = repr(model)
-    if key not in _META_MODELS:
+    if key not in _FACTS:
         tokenizer = build_tokenizer(model) if model.architecture else None
         try:
-            _META_MODELS[key] = build_model(model, tokenizer, weights=False)
+            module = build_model(model, tokenizer, weights=False)
         except (OSError, ValueError, KeyError) as error:
-            raise SpecError(f"cannot build the model's architecture: {one_line(error)}") from None
-        if len(_META_MODELS) > 8:
-            _META_MODELS.pop(next(iter(_META_MODELS)))
-    return _META_MODELS[key]
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            raise SpecError(f"cannot build the model's architecture: {lines[0] if lines else error!r}") from None
+        if len(_FACTS) >= 8:
+            _FACTS.pop(next(iter(_FACTS)))
+        _FACTS[key] = model_facts(module)
+    return _FACTS[key]
 
 
-def one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
+def meta_model(model: ModelConfig) -> nn.Module:
+    return facts_of(model).model
 
 
 def model_facts(model: nn.Module) -> ModelFacts:
     from torch import nn
 
-    parameters = list(model.parameters())  # tied parameters once
     config = model.config
-    hidden = config.hidden_size
-    heads = config.num_attention_heads
-    layer_module = _first_layer(model)
-    names = [name for name, module in layer_module.named_modules() if isinstance(module, nn.Linear)]
-    ends = lambda *suffixes: sum(any(name.endswith(s) for s in suffixes) for name in names)  # noqa: E731
-    gated = ends("gate_proj", "gate_up_proj", "w1", "w3") > 0
-    dropout = lambda *keys: any((getattr(config, key, 0.0) or 0.0) > 0 for key in keys)  # noqa: E731
-    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    parameters = list(model.parameters())
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    block = _first_block(model)
+    linear_names = [name for name, module in block.named_modules() if isinstance(module, nn.Linear)]
+
+    def named(*suffixes: str) -> int:
+        return sum(any(name.endswith(suffix) for suffix in suffixes) for name in linear_names)
+
+    def dropout(*keys: str) -> bool:
+        return any((getattr(config, key, 0.0) or 0.0) > 0 for key in keys)
+
     layer = LayerShape(
         hidden=hidden,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or hidden // heads,
-        intermediate=intermediate,
-        gated_mlp=gated,
-        rms_norm=any("RMSNorm" in type(m).__name__ for m in layer_module.modules()),
-        attention_projections=3 if ends("q_proj", "k_proj", "v_proj", "query", "key", "value") >= 3 else 1,
-        mlp_projections=2 if ends("gate_proj", "up_proj", "w1", "w3") >= 2 else 1,
+        intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        gated_mlp=named("gate_proj", "gate_up_proj", "w1", "w3") > 0,
+        rms_norm=any("RMSNorm" in type(module).__name__ for module in block.modules()),
+        attention_projections=3 if named("q_proj", "k_proj", "v_proj", "query", "key", "value") >= 3 else 1,
+        mlp_projections=2 if named("gate_proj", "up_proj", "w1", "w3") >= 2 else 1,
         eager_attention=getattr(config, "_attn_implementation", "sdpa") == "eager",
         attention_dropout=dropout("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"),
         hidden_dropout=dropout("hidden_dropout_prob", "hidden_dropout", "resid_pdrop"),
@@ -200,16 +205,13 @@ def model_facts(model: nn.Module) -> ModelFacts:
     )
 
 
-def _first_layer(model: nn.Module) -> nn.Module:
+def _first_block(model: nn.Module) -> nn.Module:
     """The first transformer block: an instance of a class the model names as not to be split."""
     block_classes = set(getattr(model, "_no_split_modules", None) or [])
-    for module in model.modules():
-        if type(module).__name__ in block_classes:
-            return module
-    return model
+    return next((m for m in model.modules() if type(m).__name__ in block_classes), model)
 
 
-def fp8_linear_parameters(model: nn.Module, spec: RunSpec) -> tuple[int, bool]:
+def fp8_linears(model: nn.Module, spec: RunSpec) -> tuple[int, bool]:
     """Parameters of the linear layers precision.fp8 converts, and whether the transformer blocks' are among them."""
     from torch import nn
 
@@ -217,16 +219,17 @@ def fp8_linear_parameters(model: nn.Module, spec: RunSpec) -> tuple[int, bool]:
     if fp8 is None:
         return 0, False
     converted, in_blocks = 0, False
+    block_classes = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [name for name, m in model.named_modules() if type(m).__name__ in block_classes]
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or any(name == s or name.endswith("." + s) for s in fp8.skip):
             continue
-        skipped = any(name == s or name.endswith("." + s) for s in fp8.skip)
-        if skipped or min(module.in_features, module.out_features) < fp8.min_features:
+        if min(module.in_features, module.out_features) < fp8.min_features:
             continue
         if module.in_features % 16 or module.out_features % 16:
             continue
         converted += module.weight.numel()
-        in_blocks = in_blocks or ".layers." in f".{name}" or ".layer." in f".{name}" or ".h." in f".{name}"
+        in_blocks = in_blocks or any(name.startswith(block + ".") for block in blocks)
     return converted, in_blocks
 
 
@@ -282,7 +285,7 @@ def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: Activ
     per_layer = layer_activation_bytes(layer, seq_len, dtypes)
     head_input = (FP32 + dtypes.stream) * layer.hidden + dtypes.compute * layer.hidden  # final norm, lm_head input
     logits = (dtypes.compute + FP32) * facts.vocab  # the logits, and the loss's fp32 log-softmax
-    if checkpointing:
+    if checkpointing:  # each layer keeps its input; one layer at a time is recomputed in backward
         blocks = facts.layers * dtypes.stream * layer.hidden + per_layer
     else:
         blocks = facts.layers * per_layer
@@ -306,7 +309,7 @@ class Part:
 
 @dataclass
 class Estimate:
-    """Bytes per device (rank 0, which holds the largest shards) and per node's RAM, with what each holds."""
+    """Bytes per device (rank 0, which holds the largest shards) and per node's CPU RAM, with what each holds."""
 
     weights: Part
     gradients: Part
@@ -318,14 +321,14 @@ class Estimate:
     step: Part = field(default_factory=Part)  # transient, during the optimizer step
     loading: Part = field(default_factory=Part)  # on the device while the model is placed, before training
     host_offload: Part = field(default_factory=Part)  # the node's CPU RAM: what offload moves there
-    host_loading: Part = field(default_factory=Part)  # the node's CPU RAM while the processes build the model
+    host_loading: Part = field(default_factory=Part)  # the node's CPU RAM while its processes build the model
     accumulating: bool = False  # gradients live through forward and backward (train.grad_accum_steps > 1)
 
     def phases(self) -> dict[str, int]:
         kept = self.weights.bytes + self.optimizer_states.bytes + self.buffers.bytes
+        accumulated = self.gradients.bytes if self.accumulating else 0
         phases = {
-            "at the start of backward": kept + self.activations.bytes + self.backward_start.bytes
-            + (self.gradients.bytes if self.accumulating else 0),
+            "at the start of backward": kept + self.activations.bytes + self.backward_start.bytes + accumulated,
             "at the end of backward": kept + self.gradients.bytes + self.backward_end.bytes,
             "at the optimizer step": kept + self.gradients.bytes + self.step.bytes,
         }
@@ -347,36 +350,6 @@ class Estimate:
         return max(self.host_offload.bytes, self.host_loading.bytes)
 
 
-def _bytes(dtype: Dtype) -> int:
-    return FP32 if dtype is Dtype.fp32 else 2
-
-
-def _states(optim: OptimConfig) -> tuple[int, str]:
-    match optim:
-        case AdamWConfig():
-            return 2, "AdamW: 2 states"
-        case SGDConfig() if optim.momentum > 0:
-            return 1, "SGD with momentum: 1 state"
-        case SGDConfig():
-            return 0, "SGD without momentum: no state"
-    raise TypeError(f"unknown optimizer {type(optim).__name__}")
-
-
-def _step_copies(optim: OptimConfig) -> int:
-    """Parameter-sized temporaries of torch's foreach optimizer step."""
-    if isinstance(optim, SGDConfig):
-        return int(optim.weight_decay > 0 or optim.nesterov)
-    return 1  # AdamW: the square root of the second moment
-
-
-def _dtype_name(size: int) -> str:
-    return {4: "fp32", 2: "16-bit", 1: "fp8"}[size]
-
-
-def _share(denominator: int) -> str:
-    return f", a 1/{denominator} shard" if denominator > 1 else ""
-
-
 def estimate(spec: RunSpec, facts: ModelFacts) -> Estimate:
     """The run's memory per device and per node, from its spec and its model's shapes."""
     tokens = spec.train.micro_batch_size * spec.data.seq_len
@@ -393,12 +366,46 @@ def estimate(spec: RunSpec, facts: ModelFacts) -> Estimate:
     return result
 
 
+def _bytes(dtype: Dtype) -> int:
+    return FP32 if dtype is Dtype.fp32 else 2
+
+
+def _dtype_name(size: int) -> str:
+    return {4: "fp32", 2: "16-bit", 1: "fp8"}[size]
+
+
+def _share(shards: int) -> str:
+    return f", a 1/{shards} shard" if shards > 1 else ""
+
+
+def _processes(count: int) -> str:
+    return f"{count} process{'es' if count != 1 else ''}"
+
+
+def _states(optim: OptimConfig) -> tuple[int, str]:
+    """States per parameter, and their name."""
+    match optim:
+        case AdamWConfig():
+            return 2, "AdamW's 2 states"
+        case SGDConfig() if optim.momentum > 0:
+            return 1, "SGD's momentum"
+        case SGDConfig():
+            return 0, "none (SGD without momentum)"
+    raise TypeError(f"unknown optimizer {type(optim).__name__}")
+
+
+def _step_copies(optim: OptimConfig) -> int:
+    """Parameter-sized temporaries of torch's foreach optimizer step."""
+    if isinstance(optim, SGDConfig):
+        return int(optim.weight_decay > 0 or optim.nesterov)
+    return 1  # AdamW: the square root of the second moment
+
+
 def _activations(spec: RunSpec, facts: ModelFacts, tokens: int, dtypes: ActivationDtypes,
                  checkpointing: bool) -> Part:
     attention = "eager attention (s x s scores)" if facts.layer.eager_attention else "sdpa (no s x s scores)"
     note = (f"{spec.train.micro_batch_size} x {spec.data.seq_len} tokens, {facts.layers} layers, {attention}, "
-            f"{'activation checkpointing' if checkpointing else 'no checkpointing'}, "
-            f"{_dtype_name(dtypes.compute)} compute; logits")
+            f"{'activation checkpointing' if checkpointing else 'no checkpointing'}; the logits")
     return Part(activation_bytes(facts, tokens, spec.data.seq_len, dtypes, checkpointing), note)
 
 
@@ -406,19 +413,19 @@ def _replicated(spec: RunSpec, facts: ModelFacts, tokens: int) -> Estimate:
     """single and ddp: a whole copy of everything on each device."""
     precision, P = spec.precision, facts.parameters
     w, c = _bytes(precision.param_dtype), _bytes(precision.compute_dtype)
-    k, optimizer = _states(spec.optim)
+    k, states = _states(spec.optim)
     autocast = c < w
-    fp8_params, fp8_blocks = fp8_linear_parameters(facts.model, spec)
-    # Autocast caches one cast of each linear weight from its first use until backward has used it.
-    copies = (c * (facts.linear_parameters - fp8_params) if autocast else 0) + fp8_params
+    fp8_parameters, fp8_blocks = fp8_linears(facts.model, spec)
+    # Autocast keeps one cast of each linear weight from its first use until backward has used it.
+    copies = (c * (facts.linear_parameters - fp8_parameters) if autocast else 0) + fp8_parameters
     dtypes = ActivationDtypes(compute=c, stream=w, casts=autocast, fp8=fp8_blocks)
-    start_notes = ["the loss gradient"] + (["autocast's casts of the linear weights"] if copies else [])
     result = Estimate(
         weights=Part(P * w + facts.buffer_bytes, f"{_dtype_name(w)}, whole"),
         gradients=Part(P * w, f"{_dtype_name(w)}, whole"),
-        optimizer_states=Part(k * P * w, f"{optimizer}, {_dtype_name(w)}"),
+        optimizer_states=Part(k * P * w, f"{states}, {_dtype_name(w)}"),
         activations=_activations(spec, facts, tokens, dtypes, checkpointing=False),
-        backward_start=Part(copies + loss_gradient_bytes(facts, tokens), ", ".join(start_notes)),
+        backward_start=Part(copies + loss_gradient_bytes(facts, tokens),
+                            "the loss gradient" + (", autocast's casts of the linear weights" if copies else "")),
         step=Part(_step_copies(spec.optim) * P * w, "the optimizer's foreach temporaries"),
         host_loading=Part((spec.hardware.nproc_per_node or 1) * FP32 * P, "each process builds the fp32 model"),
     )
@@ -438,41 +445,40 @@ def _fsdp(spec: RunSpec, facts: ModelFacts, tokens: int) -> Estimate:
     w = _bytes(precision.param_dtype)
     gathered = min(w, _bytes(precision.compute_dtype))  # FSDP's mixed-precision policy gathers in compute dtype
     reduce = _bytes(precision.reduce_dtype)
-    k, optimizer = _states(spec.optim)
+    k, states = _states(spec.optim)
     local = sharded_elements(facts.parameter_shapes, shards)
     root, largest = fsdp_units(facts.model, strategy)
-    _, fp8_blocks = fp8_linear_parameters(facts.model, spec)
+    _, fp8_blocks = fp8_linears(facts.model, spec)
     dtypes = ActivationDtypes(compute=gathered, stream=gathered, casts=False, fp8=fp8_blocks)
-    reshards = strategy.sharding_strategy not in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
-    prefetch = max(strategy.forward_prefetch, strategy.backward_prefetch)
-    if reshards:
-        # The root unit stays gathered from forward to backward; each other unit is gathered, copied out of the
-        # all-gather buffer, and the next ones prefetched.
-        all_gathered = gathered * (root + (2 + prefetch) * largest)
-        gather_note = f"{_dtype_name(gathered)} all-gathers: the root unit and {2 + prefetch} x the largest unit"
-    else:
+    if strategy.sharding_strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2):
         all_gathered = gathered * (P + largest)
         gather_note = f"{_dtype_name(gathered)} all-gathers: every unit stays gathered from forward to backward"
+    else:
+        # The root unit stays gathered from forward to backward; each other unit is gathered, copied out of the
+        # all-gather buffer, and the next ones prefetched.
+        prefetch = max(strategy.forward_prefetch, strategy.backward_prefetch)
+        all_gathered = gathered * (root + (2 + prefetch) * largest)
+        gather_note = f"{_dtype_name(gathered)} all-gathers: the root unit and {2 + prefetch} x the largest unit"
     share = _share(shards)
+    nproc = spec.hardware.nproc_per_node or 1
+    loaders = 1 if strategy.cpu_ram_efficient_loading else nproc
     result = Estimate(
         weights=Part(local * w + facts.buffer_bytes, f"{_dtype_name(w)}{share} ({strategy.sharding_strategy.value})"),
         gradients=Part(local * w, f"{_dtype_name(w)}{share}"),
-        optimizer_states=Part(k * local * w, f"{optimizer}, {_dtype_name(w)}{share}"),
+        optimizer_states=Part(k * local * w, f"{states}, {_dtype_name(w)}{share}"),
         activations=_activations(spec, facts, tokens, dtypes, strategy.activation_checkpointing),
         backward_start=Part(all_gathered + loss_gradient_bytes(facts, tokens) + largest * (gathered + reduce),
                             f"{gather_note}; the loss gradient; a unit's reduce-scatter"),
-        # The root's gradients are reduced last, its parameters still gathered.
+        # The root unit's gradients are reduced last, its parameters still gathered.
         backward_end=Part(root * gathered + root * (gathered + reduce) + largest * gathered,
                           "the root unit's reduce-scatter"),
         step=Part(_step_copies(spec.optim) * local * w, "the optimizer's foreach temporaries"),
+        host_loading=Part(loaders * FP32 * P, "each process builds the fp32 model" if loaders > 1
+                          else "one process builds the fp32 model"),
     )
-    loaders = 1 if strategy.cpu_ram_efficient_loading else (spec.hardware.nproc_per_node or 1)
-    result.host_loading = Part(loaders * FP32 * P, "each process builds the fp32 model"
-                               if loaders > 1 else "rank 0 builds the fp32 model (cpu_ram_efficient_loading)")
     if strategy.offload_params:
-        moved = (2 + k) * local * w
-        result.host_offload = Part((spec.hardware.nproc_per_node or 1) * moved,
-                                   f"offload_params: each process's weights, gradients and {optimizer}{share}")
+        result.host_offload = Part(nproc * (2 + k) * local * w,
+                                   f"offload_params: each process's weights, gradients and {states}{share}")
         result.weights = Part(facts.buffer_bytes, "in CPU RAM (offload_params); buffers only")
         result.gradients = Part(0, "in CPU RAM (offload_params)")
         result.optimizer_states = Part(0, "in CPU RAM (offload_params); the step runs on the CPU")
@@ -487,105 +493,102 @@ def _deepspeed(spec: RunSpec, facts: ModelFacts, tokens: int) -> Estimate:
     zero = {**DEEPSPEED_DEFAULTS, **deepspeed_config(spec).get("zero_optimization", {})}
     stage = strategy.zero_stage
     m = 2 if spec.precision.compute_dtype is not Dtype.fp32 else FP32  # DeepSpeed casts the module itself
-    k, optimizer = _states(spec.optim)
-    _, fp8_blocks = fp8_linear_parameters(facts.model, spec)
-    dtypes = ActivationDtypes(compute=m, stream=m, casts=False, fp8=fp8_blocks)
-    activations = _activations(spec, facts, tokens, dtypes, checkpointing=False)
-    loss_gradient = loss_gradient_bytes(facts, tokens)
-    nproc = (spec.hardware.nproc_per_node or 1)
-    host_loading = Part(nproc * FP32 * P, "each process builds the fp32 model")
-    loading = Part(m * P + facts.buffer_bytes, "deepspeed.initialize moves the whole module onto each device")
     module = _dtype_name(m)
+    k, states = _states(spec.optim)
+    _, fp8_blocks = fp8_linears(facts.model, spec)
+    dtypes = ActivationDtypes(compute=m, stream=m, casts=False, fp8=fp8_blocks)
+    nproc = spec.hardware.nproc_per_node or 1
+    common = dict(
+        activations=_activations(spec, facts, tokens, dtypes, checkpointing=False),
+        loading=Part(m * P + facts.buffer_bytes, "deepspeed.initialize moves the whole module onto each device"),
+        host_loading=Part(nproc * FP32 * P, "each process builds the fp32 model"),
+    )
+    loss_gradient = loss_gradient_bytes(facts, tokens)
 
     if stage == 0:
-        master = FP32 * P if m < FP32 else 0
+        master = FP32 * P if m < FP32 else 0  # 16-bit: DeepSpeed's FP16_Optimizer keeps whole fp32 weights
         return Estimate(
             weights=Part(m * P + master + facts.buffer_bytes,
                          f"{module}, whole" + (" + fp32 master weights" if master else "")),
             gradients=Part(m * P, f"{module}, whole"),
-            optimizer_states=Part(k * FP32 * P, f"{optimizer}, fp32, whole"),
-            activations=activations,
+            optimizer_states=Part(k * FP32 * P, f"{states}, fp32, whole"),
             backward_start=Part(loss_gradient, "the loss gradient"),
-            backward_end=Part(min(P, DEEPSPEED_ALLREDUCE_BUCKET) * m, "the all-reduce's flat gradient buckets"),
-            step=Part((2 if master else 1) * FP32 * P, "fp32 gradients and the step's temporaries"),
-            loading=loading, host_loading=host_loading,
+            backward_end=Part(min(P, DEEPSPEED_ALLREDUCE_BUCKET) * m, "the all-reduce's flat gradient bucket"),
+            step=Part((2 if master else 1) * FP32 * P, "the step's temporaries" + (", fp32 gradients" if master else "")),
+            **common,
         )
 
-    partition = math.ceil(P / N)
+    share = _share(N)
     reduce_bucket = int(zero["reduce_bucket_size"])
     overlap = zero.get("overlap_comm", stage == 3)
-    offload_optimizer = strategy.offload_optimizer is not OffloadDevice.none
-    share = _share(N)
     if stage in (1, 2):
-        # A parameter that straddles a partition boundary keeps its whole gradient on both ranks.
+        partition = math.ceil(P / N)
+        # A parameter that straddles a partition's edge keeps its whole gradient on both ranks.
         straddling = min(N - 1, 2) * facts.largest_parameter
         result = Estimate(
             weights=Part(m * P + FP32 * partition + facts.buffer_bytes,
                          f"{module}, whole, + fp32 master weights{share}"),
             gradients=Part(m * (partition + straddling), f"{module}{share} (+ whole gradients at its edges)"),
-            optimizer_states=Part(k * FP32 * partition, f"{optimizer}, fp32{share}"),
-            activations=activations,
+            optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share}"),
             buffers=Part(reduce_bucket * m * (2 if overlap else 1),
-                         f"the reduce bucket: reduce_bucket_size={reduce_bucket:.0e} elements"
-                         + (", twice (overlap_comm)" if overlap else "")),
+                         f"the reduce bucket of {reduce_bucket:.0e} elements" + (", twice (overlap_comm)" if overlap
+                                                                                  else "")),
             backward_start=Part(loss_gradient, "the loss gradient"),
             # ZeRO-1 reduces once, after backward: the whole gradients exist until then.
             backward_end=Part(m * P if stage == 1 else 0, "ZeRO-1's whole gradients before their reduction"
                               if stage == 1 else ""),
             step=Part(2 * FP32 * partition, "fp32 gradients of the partition, the step's temporaries"),
-            loading=loading, host_loading=host_loading,
+            **common,
         )
+        persistent = 0
     else:
-        persistent = _persistent_parameters(facts, zero)
         partition = sum(math.ceil(math.prod(shape) / N) for shape in facts.parameter_shapes)
+        persistent = _persistent_parameters(facts, zero)
         live = min(int(zero["stage3_max_live_parameters"]),
                    facts.largest_module + int(zero["stage3_prefetch_bucket_size"]))
         result = Estimate(
-            weights=Part(m * partition + m * persistent + FP32 * partition + facts.buffer_bytes,
+            weights=Part(m * (partition + persistent) + FP32 * partition + facts.buffer_bytes,
                          f"{module}{share} (+ {persistent:,} small parameters whole), + fp32 master weights{share}"),
             gradients=Part(m * partition, f"{module}{share}"),
-            optimizer_states=Part(k * FP32 * partition, f"{optimizer}, fp32{share}"),
-            activations=activations,
-            buffers=Part(reduce_bucket * m, f"the reduce bucket: reduce_bucket_size={reduce_bucket:.0e} elements"),
+            optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share}"),
+            buffers=Part(reduce_bucket * m, f"the reduce bucket of {reduce_bucket:.0e} elements"),
             backward_start=Part(live * m + loss_gradient,
                                 "gathered parameters (the largest module + the prefetch bucket); the loss gradient"),
             backward_end=Part(live * m, "gathered parameters"),
-            step=Part(2 * FP32 * partition, "fp32 gradients of the partition, the step's temporaries"),
-            loading=loading, host_loading=host_loading,
+            # The optimizer steps the partition in sub-groups of sub_group_size elements.
+            step=Part(2 * FP32 * min(partition, int(zero["sub_group_size"])),
+                      "fp32 gradients of a sub-group, the step's temporaries"),
+            **common,
         )
         if strategy.offload_param is not OffloadDevice.none:
-            result.weights = Part(m * persistent + (0 if offload_optimizer else FP32 * partition) + facts.buffer_bytes,
-                                  f"the {persistent:,} small parameters kept whole; partitions offloaded")
+            result.weights = Part(m * persistent + FP32 * partition + facts.buffer_bytes,
+                                  f"{persistent:,} small parameters whole, + fp32 master weights{share}; "
+                                  f"the weight partitions on {strategy.offload_param.value} (offload_param)")
             if strategy.offload_param is OffloadDevice.cpu:
                 result.host_offload = Part(nproc * m * partition, f"offload_param: {module} weight partitions")
-    if offload_optimizer:
-        moved = (2 * FP32 + k * FP32) * partition
-        if stage in (1, 2):
-            result.weights = Part(m * P + facts.buffer_bytes, f"{module}, whole; fp32 master weights offloaded")
-        elif strategy.offload_param is OffloadDevice.none:
-            result.weights = Part(m * partition + m * persistent + facts.buffer_bytes,
-                                  f"{module}{share} (+ {persistent:,} small parameters whole); fp32 master offloaded")
-        result.gradients = Part(0, f"reduced into {strategy.offload_optimizer.value} buffers (offload_optimizer)")
-        result.optimizer_states = Part(0, f"offloaded to {strategy.offload_optimizer.value}; the step runs on the CPU")
+    if strategy.offload_optimizer is not OffloadDevice.none:
+        device = strategy.offload_optimizer.value
+        result.weights = Part(result.weights.bytes - FP32 * partition,
+                              result.weights.note.replace(f", + fp32 master weights{share}", f"; fp32 master on {device}"))
+        result.gradients = Part(0, f"reduced into {device} buffers (offload_optimizer)")
+        result.optimizer_states = Part(0, f"on {device} (offload_optimizer); the step runs on the CPU")
         result.step = Part(0, "on the CPU")
         if strategy.offload_optimizer is OffloadDevice.cpu:
-            result.host_offload = Part(
-                result.host_offload.bytes + nproc * moved,
-                "offload_optimizer: fp32 master weights, their gradients and "
-                f"{optimizer}{share}" + (", + weight partitions" if result.host_offload.bytes else ""))
+            moved = nproc * (2 * FP32 + k * FP32) * partition
+            note = f"offload_optimizer: fp32 master weights, their gradients and {states}{share}"
+            if result.host_offload.bytes:
+                note += f"; {result.host_offload.note}"
+            result.host_offload = Part(result.host_offload.bytes + moved, note)
     return result
 
 
 def _persistent_parameters(facts: ModelFacts, zero: dict) -> int:
     """ZeRO-3 keeps parameters of at most stage3_param_persistence_threshold elements whole on every rank, up to
     stage3_model_persistence_threshold elements in all (DeepSpeed's mark_persistent_parameters)."""
-    threshold, budget, kept = int(zero["stage3_param_persistence_threshold"]), int(
-        zero["stage3_model_persistence_threshold"]), 0
-    for shape in facts.parameter_shapes:
-        numel = math.prod(shape)
-        if numel + kept > budget:
-            continue
-        if numel <= threshold:
+    threshold, budget = int(zero["stage3_param_persistence_threshold"]), int(zero["stage3_model_persistence_threshold"])
+    kept = 0
+    for numel in (math.prod(shape) for shape in facts.parameter_shapes):
+        if numel <= threshold and numel + kept <= budget:
             kept += numel
     return kept
 
@@ -598,9 +601,9 @@ def _persistent_parameters(facts: ModelFacts, zero: dict) -> int:
 class Fit:
     device: Optional[float]  # GiB each device has (None: unknown)
     host: Optional[float]  # GiB of CPU RAM per node (None: unknown)
-    device_needs: int  # bytes per device, or on a CPU the whole node's processes together
-    host_needs: int  # bytes of CPU RAM per node beyond the devices
-    shared: bool  # the devices are this machine's CPU: the processes share its RAM
+    device_needs: int  # bytes per device; on a CPU, of the node's processes together
+    host_needs: int  # bytes of CPU RAM per node besides the devices'
+    shared: bool  # the devices are this machine's CPU: its processes share one RAM
 
     @property
     def device_fits(self) -> bool:
@@ -618,7 +621,6 @@ class Fit:
 def fit(spec: RunSpec, result: Estimate) -> Fit:
     hardware = spec.hardware
     if hardware.accelerator is Accelerator.cpu:
-        # One RAM for every process, and for what they offload.
         needs = (hardware.nproc_per_node or 1) * result.peak + result.host_offload.bytes
         return Fit(hardware.device_memory_gib, None, max(needs, result.host_loading.bytes), 0, shared=True)
     return Fit(hardware.device_memory_gib, hardware.host_memory_gib, result.peak, result.host_peak, shared=False)
@@ -626,79 +628,81 @@ def fit(spec: RunSpec, result: Estimate) -> Fit:
 
 @dataclass(frozen=True)
 class Change:
-    """One change to the spec that saves memory, as the overrides a user would type."""
+    """A change to the spec that saves memory, as the overrides a user would type."""
 
     overrides: tuple[str, ...]
-    cost: float  # how much throughput it roughly costs: the cheapest fitting changes are proposed first
+    cost: float  # roughly what it costs in throughput: the cheapest changes that fit are proposed first
     apply: Callable[[RunSpec], RunSpec]
 
 
+def _strategy_change(override: str, cost: float, **keys: Any) -> Change:
+    return Change((override,), cost, lambda spec: replace(spec, strategy=replace(spec.strategy, **keys)))
+
+
 def _changes(spec: RunSpec) -> list[Change]:
-    """The changes that apply to this spec (each returns the changed spec)."""
+    """The changes that apply to this spec."""
     strategy, train = spec.strategy, spec.train
-    changes: list[Change] = []
-    set_strategy = lambda **keys: (lambda s: replace(s, strategy=replace(s.strategy, **keys)))  # noqa: E731
+    changes = []
     if isinstance(strategy, FSDPStrategy):
         if strategy.sharding_strategy is not ShardingStrategy.FULL_SHARD and spec.hardware.world_size > 1:
-            changes.append(Change(("strategy.sharding_strategy=FULL_SHARD",), 1.0,
-                                  set_strategy(sharding_strategy=ShardingStrategy.FULL_SHARD, hybrid_shard_size=None)))
+            changes.append(_strategy_change("strategy.sharding_strategy=FULL_SHARD", 1.0,
+                                            sharding_strategy=ShardingStrategy.FULL_SHARD, hybrid_shard_size=None))
         if not strategy.activation_checkpointing:
-            changes.append(Change(("strategy.activation_checkpointing=true",), 2.0,
-                                  set_strategy(activation_checkpointing=True)))
+            changes.append(_strategy_change("strategy.activation_checkpointing=true", 2.0,
+                                            activation_checkpointing=True))
         if not strategy.offload_params:
-            changes.append(Change(("strategy.offload_params=true",), 3.0, set_strategy(offload_params=True)))
+            changes.append(_strategy_change("strategy.offload_params=true", 3.0, offload_params=True))
         if not strategy.cpu_ram_efficient_loading:
-            changes.append(Change(("strategy.cpu_ram_efficient_loading=true",), 0.5,
-                                  set_strategy(cpu_ram_efficient_loading=True, sync_module_states=True)))
-    elif isinstance(strategy, DeepSpeedStrategy):
-        for stage in range(strategy.zero_stage + 1, 4):
-            changes.append(Change((f"strategy.zero_stage={stage}",), 0.5 + 0.25 * stage,
-                                  set_strategy(zero_stage=stage)))
-        if strategy.offload_optimizer is OffloadDevice.none and strategy.zero_stage >= 1:
-            changes.append(Change(("strategy.offload_optimizer=cpu",), 3.0,
-                                  set_strategy(offload_optimizer=OffloadDevice.cpu)))
-        if strategy.offload_param is OffloadDevice.none and strategy.zero_stage == 3:
-            changes.append(Change(("strategy.offload_param=cpu",), 3.0, set_strategy(offload_param=OffloadDevice.cpu)))
+            changes.append(_strategy_change("strategy.cpu_ram_efficient_loading=true", 0.5,
+                                            cpu_ram_efficient_loading=True, sync_module_states=True))
     else:
-        changes.append(Change(("strategy=fsdp",), 1.0, lambda s: replace(s, strategy=FSDPStrategy())))
+        changes.append(Change(("strategy=fsdp",), 1.5, lambda s: replace(s, strategy=FSDPStrategy())))
+    if isinstance(strategy, DeepSpeedStrategy):
+        for stage in range(strategy.zero_stage + 1, 4):
+            changes.append(_strategy_change(f"strategy.zero_stage={stage}", 0.5 + 0.25 * stage, zero_stage=stage))
+        if strategy.offload_optimizer is OffloadDevice.none and strategy.zero_stage >= 1:
+            changes.append(_strategy_change("strategy.offload_optimizer=cpu", 3.0,
+                                            offload_optimizer=OffloadDevice.cpu))
+        if strategy.offload_param is OffloadDevice.none and strategy.zero_stage == 3:
+            changes.append(_strategy_change("strategy.offload_param=cpu", 3.0, offload_param=OffloadDevice.cpu))
     if spec.precision.compute_dtype is Dtype.fp32 and (spec.hardware.compute_capability or 0) >= 8.0:
         changes.append(Change(("precision=bf16",), 0.5,
                               lambda s: replace(s, precision=replace(s.precision, compute_dtype=Dtype.bf16))))
+    # A smaller micro batch with more accumulation steps: the same global batch.
     micro = train.micro_batch_size // 2
     while micro >= 1:
-        accumulation = train.grad_accum_steps * train.micro_batch_size // micro
-        if micro * accumulation == train.micro_batch_size * train.grad_accum_steps:
+        steps = train.grad_accum_steps * train.micro_batch_size // micro
+        if micro * steps == train.micro_batch_size * train.grad_accum_steps:
             changes.append(Change(
-                (f"train.micro_batch_size={micro}", f"train.grad_accum_steps={accumulation}"),
+                (f"train.micro_batch_size={micro}", f"train.grad_accum_steps={steps}"),
                 1.0 + 0.1 * math.log2(train.micro_batch_size / micro),
-                lambda s, micro=micro, accumulation=accumulation: replace(
-                    s, train=replace(s.train, micro_batch_size=micro, grad_accum_steps=accumulation))))
+                lambda s, micro=micro, steps=steps: replace(
+                    s, train=replace(s.train, micro_batch_size=micro, grad_accum_steps=steps))))
         micro //= 2
     return changes
 
 
-def cheapest_fits(spec: RunSpec, model: nn.Module, limit: int = 3, depth: int = 3) -> list[tuple[Change, Fit]]:
-    """Up to `limit` sets of changes, cheapest first, each checked by estimating the changed spec again."""
+def cheapest_fits(spec: RunSpec, facts: ModelFacts, limit: int = 3, depth: int = 3) -> list[tuple[Change, Fit]]:
+    """Up to `limit` sets of up to `depth` changes, cheapest first, each checked by estimating the changed spec."""
     found: list[tuple[Change, Fit]] = []
     frontier = [Change((), 0.0, lambda s: s)]
     for _ in range(depth):
-        grown = []
+        grown: list[Change] = []
         for base in frontier:
-            changed = base.apply(spec)
-            for change in _changes(changed):
-                keys = {o.split("=")[0] for o in base.overrides}
-                if keys & {o.split("=")[0] for o in change.overrides}:
+            keys = {override.split("=")[0] for override in base.overrides}
+            for change in _changes(base.apply(spec)):
+                if keys & {override.split("=")[0] for override in change.overrides}:
                     continue
-                combined = Change(tuple(sorted(base.overrides + change.overrides)), base.cost + change.cost,
+                combined = Change(base.overrides + change.overrides, base.cost + change.cost,
                                   lambda s, base=base, change=change: change.apply(base.apply(s)))
                 if any(set(c.overrides) <= set(combined.overrides) for c, _ in found):
-                    continue  # a subset of these changes fits already
-                if any(g.overrides == combined.overrides for g in grown):
+                    continue  # fewer of these changes fit already
+                if any(set(g.overrides) == set(combined.overrides) for g in grown):
                     continue
-                new_spec = combined.apply(spec)
-                result = fit(new_spec, estimate(new_spec, model_facts_for(model)))
-                if result.fits:
-                    found.append((combined, result))
+                changed = combined.apply(spec)
+                verdict = fit(changed, estimate(changed, facts))
+                if verdict.fits:
+                    found.append((combined, verdict))
                 else:
                     grown.append(combined)
         frontier = sorted(grown, key=lambda c: c.cost)[:40]
@@ -706,71 +710,72 @@ def cheapest_fits(spec: RunSpec, model: nn.Module, limit: int = 3, depth: int = 
     return found[:limit]
 
 
-_FACTS: dict[int, ModelFacts] = {}
-
-
-def model_facts_for(model: nn.Module) -> ModelFacts:
-    if id(model) not in _FACTS:
-        _FACTS.clear()
-        _FACTS[id(model)] = model_facts(model)
-    return _FACTS[id(model)]
+def _proposals(fixes: list[tuple[Change, Fit]]) -> str:
+    return " | ".join(f"{' '.join(change.overrides)} ({readable(verdict.device_needs)}"
+                      + (f", {readable(verdict.host_needs)} of CPU RAM" if verdict.host_needs and verdict.host
+                         else "") + ")" for change, verdict in fixes)
 
 
 def check_fit(spec: RunSpec) -> None:
     """Refuses, in one line, a run that cannot fit its hardware, naming the cheapest changes that would."""
-    model = meta_model(spec.model)
-    result = fit(spec, estimate(spec, model_facts_for(model)))
-    if result.fits:
+    facts = facts_of(spec.model)
+    verdict = fit(spec, estimate(spec, facts))
+    if verdict.fits:
         return
-    if not result.device_fits:
-        where = "this machine's RAM" if result.shared else (
-            f"the {result.device:g} GiB of {spec.hardware.device_name or 'each device'}")
-        per = f" for {(spec.hardware.nproc_per_node or 1)} processes" if result.shared else " per device"
-        problem = f"the run does not fit: an estimated {gib(result.device_needs)} GiB{per} of {where}"
+    hardware = spec.hardware
+    if not verdict.device_fits and verdict.shared:
+        problem = (f"an estimated {readable(verdict.device_needs)} for {_processes(hardware.nproc_per_node or 1)} "
+                   f"of this machine's RAM ({verdict.device:g} GiB)")
+    elif not verdict.device_fits:
+        problem = (f"an estimated {readable(verdict.device_needs)} per device of the {verdict.device:g} GiB of "
+                   f"{hardware.device_name or 'each device'}")
     else:
-        problem = (f"the run does not fit in CPU RAM: an estimated {gib(result.host_needs)} GiB of the "
-                   f"{result.host:g} GiB of each node")
-    fixes = cheapest_fits(spec, model)
-    if fixes:
-        options = " | ".join(f"{' '.join(change.overrides)} ({gib(f.device_needs)} GiB"
-                             + (f", {gib(f.host_needs)} GiB RAM" if f.host_needs and not f.shared else "") + ")"
-                             for change, f in fixes)
-        advice = f"it fits with: {options}"
-    else:
-        advice = "no change tried fits (sharding, checkpointing, offload, micro batch 1): use more or larger devices"
-    raise SpecError(f"{problem}; {advice}; `run task=estimate` with the same overrides shows the breakdown, "
-                    "task.fit_check=false launches anyway")
+        problem = f"an estimated {readable(verdict.host_needs)} of CPU RAM of the {verdict.host:g} GiB of each node"
+    fixes = cheapest_fits(spec, facts)
+    advice = (f"it fits with: {_proposals(fixes)}" if fixes else
+              "no change tried fits (sharding, checkpointing, offload, a micro batch of 1): use more or larger devices")
+    raise SpecError(f"the run does not fit: {problem}; {advice}; `run task=estimate` with the same overrides shows "
+                    "the breakdown, task.fit_check=false launches anyway")
 
 
 def check_causal_lm(spec: RunSpec) -> None:
     """The runner trains causal language models; an encoder such as BERT sees the tokens it should predict."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    model = meta_model(spec.model)
-    model_type = model.config.model_type
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not getattr(model.config, "is_decoder", True):
-        raise SpecError(f"{model_type} is not a causal language model (an encoder: its attention sees the tokens it "
-                        "predicts), and the runner trains causal LMs only; choose a decoder such as model=tiny_llama "
-                        "or model=llama3_8b, or use task=estimate for its memory")
+    config = meta_model(spec.model).config
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not getattr(config, "is_decoder", True):
+        raise SpecError(f"{config.model_type} is not a causal language model (an encoder: its attention sees the "
+                        "tokens it predicts), and the runner trains causal LMs only; choose a decoder such as "
+                        "model=tiny_llama or model=llama3_8b, or use task=estimate for its memory")
 
 
 def gib(size: int) -> str:
     return f"{size / GIB:.2f}"
 
 
+def readable(size: int) -> str:
+    """GiB, or MiB below one GiB."""
+    return f"{size / GIB:.2f} GiB" if size >= GIB or size == 0 else f"{size / 2**20:.2f} MiB"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # accelerate's view
 
 
-def accelerate_sizes(model: nn.Module) -> dict[str, tuple[int, int, int, int]]:
-    """accelerate `estimate-memory`'s training table (commands/estimate.py, estimate_training_usage), per dtype:
-    model, gradients, backward pass, optimizer step, from b = the bytes of the model's parameters and buffers in
-    fp32 as `AutoModel` builds it, without an LM head. float32: b, b, 2b, 4b; float16: b, b + b//2, 2b, 2b."""
+def _base_model(model: nn.Module) -> nn.Module:
+    """What accelerate's create_empty_model builds: AutoModel, with no LM head, in fp32, without weights."""
     import torch
     from transformers import AutoModel
 
     with torch.device("meta"):
-        base = AutoModel.from_config(model.config, dtype=torch.float32)
+        return AutoModel.from_config(model.config, dtype=torch.float32)
+
+
+def accelerate_sizes(model: nn.Module) -> dict[str, tuple[int, int, int, int]]:
+    """accelerate `estimate-memory`'s training table (commands/estimate.py, estimate_training_usage), per dtype:
+    model, gradients, backward pass, optimizer step, from b = the bytes of the base model's parameters and
+    buffers in fp32 (utils/modeling.py, compute_module_sizes). float32: b, b, 2b, 4b; float16: b, b + b//2, 2b, 2b."""
+    base = _base_model(model)
     size = sum(t.numel() * t.element_size() for t in [*base.parameters(), *base.buffers()])
     return {"float32": (size, size, 2 * size, 4 * size), "float16": (size, size + size // 2, 2 * size, 2 * size)}
 
@@ -785,20 +790,15 @@ def accelerate_bytes(size: float) -> str:
 
 
 def format_accelerate_view(model: nn.Module) -> str:
-    import torch
-    from transformers import AutoModel
-
-    with torch.device("meta"):
-        base = AutoModel.from_config(model.config, dtype=torch.float32)
-    count = sum(p.numel() for p in base.parameters())
+    base = _base_model(model)
     rows = [["dtype", "Model", "Gradients", "Backward pass", "Optimizer step"]]
     rows += [[dtype, *map(accelerate_bytes, sizes)] for dtype, sizes in accelerate_sizes(model).items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = ["  " + "   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join([
-        f"accelerate estimate-memory's view ({type(base).__name__}, no LM head: {count:,} parameters, with its "
-        "buffers; Adam, batch size 1, no activations, one device; MB and GB are MiB and GiB):",
-        *lines,
+        f"accelerate estimate-memory's view ({type(base).__name__}, no LM head: "
+        f"{sum(p.numel() for p in base.parameters()):,} parameters, with its buffers; Adam, batch size 1, no "
+        "activations, one device; MB and GB are MiB and GiB):",
+        *("  " + "   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows),
     ])
 
 
@@ -808,22 +808,24 @@ def format_accelerate_view(model: nn.Module) -> str:
 
 def report(spec: RunSpec) -> str:
     """What `run task=estimate` prints."""
-    model = meta_model(spec.model)
-    facts = model_facts_for(model)
+    facts = facts_of(spec.model)
     result = estimate(spec, facts)
     verdict = fit(spec, result)
     hardware, precision = spec.hardware, spec.precision
     dtypes = f"{precision.compute_dtype.value} compute, {precision.param_dtype.value} weights"
     if precision.fp8 is not None:
         dtypes += ", fp8 linear layers"
-    device = hardware.device_name or hardware.accelerator.value
     memory = f"{hardware.device_memory_gib:g} GiB" if hardware.device_memory_gib else "memory not declared"
-    row = lambda label, part: f"  {label:<22} {gib(part.bytes):>9} GiB  {part.note}".rstrip()  # noqa: E731
+    nproc = hardware.nproc_per_node or 1
+
+    def row(label: str, part: Part) -> str:
+        return f"  {label:<22} {readable(part.bytes):>12}  {part.note}".rstrip()
+
     lines = [
-        f"memory estimate: {type(model).__name__} ({facts.parameters:,} parameters), "
+        f"memory estimate: {type(facts.model).__name__} ({facts.parameters:,} parameters), "
         f"{describe(spec.strategy, hardware)}, {dtypes}, {type(spec.optim).__name__.removesuffix('Config')}, "
         f"micro batch {spec.train.micro_batch_size} x {spec.data.seq_len} tokens",
-        f"per device ({device}, {memory}), rank 0:",
+        f"per device ({hardware.device_name or hardware.accelerator.value}, {memory}), rank 0:",
         row("weights", result.weights),
         row("gradients", result.gradients),
         row("optimizer states", result.optimizer_states),
@@ -834,26 +836,24 @@ def report(spec: RunSpec) -> str:
         row("  end of backward", result.backward_end),
         row("  optimizer step", result.step),
         *([row("model loading", result.loading)] if result.loading.bytes else []),
-        f"  {'peak':<22} {gib(result.peak):>9} GiB  {result.peak_phase}: {_peak_formula(result)}",
+        row("peak", Part(result.peak, f"{result.peak_phase}: {_peak_formula(result)}")),
     ]
     if verdict.shared:
-        lines.append(f"  fits: {_verdict(verdict.device_fits, verdict.device)} ({hardware.nproc_per_node or 1} "
-                     f"process(es) share this machine's RAM: {gib(verdict.device_needs)} GiB of {memory})")
+        lines.append(f"  fits: {_verdict(verdict.device_fits, verdict.device)} ({readable(verdict.device_needs)} "
+                     f"for {_processes(nproc)} in this machine's RAM of {memory})")
     else:
         host = f"{hardware.host_memory_gib:g} GiB" if hardware.host_memory_gib else "RAM not declared"
         lines += [
             f"  fits: {_verdict(verdict.device_fits, verdict.device)}",
-            f"CPU RAM per node ({hardware.nproc_per_node or 1} processes, {host}):",
+            f"CPU RAM per node ({_processes(nproc)}, {host}):",
             row("offloaded", result.host_offload if result.host_offload.bytes else Part(0, "nothing")),
             row("model loading", result.host_loading),
             f"  fits: {_verdict(verdict.host_fits, verdict.host)}",
         ]
     if not verdict.fits:
-        fixes = cheapest_fits(spec, model)
-        lines.append("cheapest changes that fit: " + (" | ".join(
-            f"{' '.join(c.overrides)} ({gib(f.device_needs)} GiB)" for c, f in fixes) or "none found"))
+        lines.append(f"cheapest changes that fit: {_proposals(cheapest_fits(spec, facts)) or 'none found'}")
     if isinstance(spec.task, EstimateTask) and spec.task.accelerate_view:
-        lines += ["", format_accelerate_view(model)]
+        lines += ["", format_accelerate_view(facts.model)]
     return "\n".join(lines)
 
 

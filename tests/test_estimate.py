@@ -43,8 +43,8 @@ def test_accelerate_view_reproduces_the_reference_table_for_bert_base_cased():
 
 def test_llama3_8b_counts_every_parameter_and_explains_the_slides_28_21_gb():
     spec = composed(["model=llama3_8b"])
-    model = memory.meta_model(spec.model)
-    facts = memory.model_facts(model)
+    facts = memory.facts_of(spec.model)
+    model = facts.model
     assert facts.parameters == 8_030_261_248
     assert model.config.vocab_size == 128_256  # the architecture's own, not the byte tokenizer's 259
     assert memory.gib(memory.estimate(spec, facts).weights.bytes) == "29.92"  # fp32, one process
@@ -72,7 +72,7 @@ def test_activation_formula_is_korthikantis_for_their_gpt_layer():
 
 def test_activation_checkpointing_keeps_one_input_per_layer():
     spec = composed(["model=llama3_8b", "strategy=fsdp", "precision=bf16"])
-    facts = memory.model_facts(memory.meta_model(spec.model))
+    facts = memory.facts_of(spec.model)
     dtypes = memory.ActivationDtypes(compute=2, stream=2, casts=False)
     tokens = 8 * 256
     full = memory.activation_bytes(facts, tokens, 256, dtypes, checkpointing=False)
@@ -84,7 +84,7 @@ def test_activation_checkpointing_keeps_one_input_per_layer():
 def test_estimates_of_8b_and_70b_answer_in_seconds_without_weights():
     for name, parameters in (("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496)):
         spec = composed([f"model={name}", "hardware=8xh100_80gb", "strategy=fsdp", "precision=bf16"])
-        memory._META_MODELS.clear()
+        memory._FACTS.clear()
         started = time.perf_counter()
         text = memory.report(spec)
         assert time.perf_counter() - started < 10, name
@@ -111,7 +111,7 @@ def test_fit_check_refuses_llama3_8b_full_shard_on_two_rtx4090_and_names_what_fi
 def test_fit_check_accepts_it_with_offload_params():
     spec = composed([*SEED_SCENARIO, "strategy.offload_params=true"])
     memory.check_fit(spec)
-    result = memory.estimate(spec, memory.model_facts(memory.meta_model(spec.model)))
+    result = memory.estimate(spec, memory.facts_of(spec.model))
     assert result.peak < 23.6 * GIB
     assert memory.fit(spec, result).host_needs < 128 * GIB  # the sharded fp32 states, in the node's RAM
 
@@ -119,19 +119,19 @@ def test_fit_check_accepts_it_with_offload_params():
 def test_every_proposed_change_fits_when_estimated_again():
     spec = composed(["model=llama3_8b", "hardware=8xh100_80gb", "strategy=fsdp", "precision=bf16",
                      "strategy.sharding_strategy=NO_SHARD", "train.micro_batch_size=1", "data.seq_len=2048"])
-    model = memory.meta_model(spec.model)
-    fixes = memory.cheapest_fits(spec, model)
+    facts = memory.facts_of(spec.model)
+    fixes = memory.cheapest_fits(spec, facts)
     assert fixes and fixes[0][0].overrides == ("strategy.sharding_strategy=FULL_SHARD",)
     for change, _ in fixes:
         changed = change.apply(spec)
-        assert memory.fit(changed, memory.estimate(changed, memory.model_facts(model))).fits, change.overrides
+        assert memory.fit(changed, memory.estimate(changed, facts)).fits, change.overrides
 
 
 def test_the_default_runs_pass_the_fit_check_and_it_can_be_skipped():
     resolved_spec(QUICK)
     resolved_spec([*QUICK, "strategy=fsdp", "hardware.nproc_per_node=2"])
     tight = [*QUICK, "hardware=cpu", "hardware.device_memory_gib=0.01"]
-    with pytest.raises(SpecError, match=r"^the run does not fit: .* for 1 processes of this machine's RAM"):
+    with pytest.raises(SpecError, match=r"^the run does not fit: an estimated .* for 1 process of this machine's RAM"):
         resolved_spec(tight)
     resolved_spec([*tight, "task.fit_check=false"])
 
@@ -274,7 +274,7 @@ def _held_bytes(ranks, specs):
 def _compare(cases, nproc, measured_by_rank):
     for name, overrides in cases.items():
         spec = resolved_spec([*TINY, *overrides, f"hardware.nproc_per_node={nproc}"])
-        result = memory.estimate(spec, memory.model_facts(memory.meta_model(spec.model)))
+        result = memory.estimate(spec, memory.facts_of(spec.model))
         estimated = {"weights": result.weights.bytes, "gradients": result.gradients.bytes,
                      "optimizer states": result.optimizer_states.bytes}
         for part, value in estimated.items():
@@ -314,5 +314,5 @@ def test_hybrid_shard_shards_within_its_group_only():
     held = run_in_workers(_held_bytes, specs, nproc=4)
     _compare(FOUR_RANKS, 4, held)
     full_copy = resolved_spec([*TINY, "strategy=ddp", "hardware.nproc_per_node=4"])
-    whole = memory.estimate(full_copy, memory.model_facts(memory.meta_model(full_copy.model))).gradients.bytes
+    whole = memory.estimate(full_copy, memory.facts_of(full_copy.model)).gradients.bytes
     assert math.isclose(held[0]["fsdp HYBRID_SHARD (2 x 2)"]["gradients"], whole / 2, rel_tol=0.01)
