@@ -333,3 +333,7 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # transformers imports torchao, where installed, as it builds a model (validation builds one on the meta device):
+    # torchao warns about its optional kernels, and torch about torchao's enum registrations.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -12,11 +12,14 @@ Weights, gradients and optimizer states, per device:
     fsdp              weights P_S.w      gradients P_S.w      states k.P_S.w
                       P_S = sum over parameters of ceil(rows / S) x columns: FSDP2 shards dim 0, padded evenly;
                       S = N (FULL_SHARD, SHARD_GRAD_OP), 1 (NO_SHARD), the group (HYBRID_SHARD*: replicated across)
-    deepspeed 0       fp32: as ddp;      bf16/fp16: weights 2P + 4P (fp32 master), gradients 2P, states 4k.P
+    deepspeed 0       fp32: as single;   bf16/fp16: weights 2P + 4P (fp32 master), gradients 2P, states 4k.P
     deepspeed 1, 2    weights m.P + 4.P/N (m = 2 in bf16/fp16, else 4), gradients m.P/N, states 4k.P/N
                       (+ the whole gradient of a parameter that straddles the partition's edge, at most 2)
     deepspeed 3       weights m.P/N + m.P_persist + 4.P/N, gradients m.P/N, states 4k.P/N
                       (P_persist: parameters of at most stage3_param_persistence_threshold elements stay whole)
+
+The optim group has no 8-bit optimizer yet; one (bitsandbytes' or torchao's AdamW8bit) would hold 2 bytes of states
+per parameter plus a scale per block instead of AdamW's 8.
 
 Offload moves to CPU RAM: fsdp offload_params the sharded weights, gradients and states ((2 + k).P_S.w per
 process); deepspeed offload_optimizer the fp32 master, its gradients and the states ((8 + 4k).P/N), offload_param
@@ -94,7 +97,8 @@ DEEPSPEED_DEFAULTS = {
     "stage3_model_persistence_threshold": 2**63 - 1,
     "sub_group_size": 1_000_000_000,
 }
-# A transient that PyTorch's buffered all-reduce caps (DeepSpeed ZeRO-0's elements_per_buffer).
+# DeepSpeed ZeRO-0 all-reduces the gradients through flat copies of at most this many elements
+# (engine.buffered_allreduce_fallback's elements_per_buffer).
 DEEPSPEED_ALLREDUCE_BUCKET = 500_000_000
 
 
@@ -148,9 +152,9 @@ def facts_of(model: ModelConfig) -> ModelFacts:
         tokenizer = build_tokenizer(model) if model.architecture else None
         try:
             module = build_model(model, tokenizer, weights=False)
-        except (OSError, ValueError, KeyError) as error:
+        except Exception as error:  # noqa: BLE001 - whatever transformers says of the config is the user's to fix
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-            raise SpecError(f"cannot build the model's architecture: {lines[0] if lines else error!r}") from None
+            raise SpecError(f"cannot build the model's architecture: {lines[-1] if lines else repr(error)}") from None
         if len(_FACTS) >= 8:
             _FACTS.pop(next(iter(_FACTS)))
         _FACTS[key] = model_facts(module)

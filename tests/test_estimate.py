@@ -179,15 +179,6 @@ def test_any_local_config_json_is_estimated_without_weights(tmp_path):
     assert "Qwen2ForCausalLM (" in text and "Qwen2Model, no LM head" in text
 
 
-def test_training_an_encoder_is_a_one_line_error(workdir):
-    result = run_cli("model=bert_base_cased", cwd=workdir)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith("run: error: bert is not a causal language model"), result.stderr[-2000:]
-    assert len([line for line in lines if line.startswith("run: error")]) == 1
-    assert not (workdir / "outputs").exists()
-
-
 # ---- what each rank's tensors hold, against the estimate
 
 # A tiny Llama wide enough for ZeRO-3 to partition its MLP matrices and keep the small ones whole, with an
