@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from runner import spec as spec_module
 from runner.checkpoint import complete_checkpoints
 from runner.spec import SpecError, load_spec, validate
+from runner.task import EstimateTask
 from runner.train import NonFiniteLoss, Stopped
 
 
@@ -35,6 +36,10 @@ class WorkerFailed(Exception):
 
 class LaunchRefused(BaseException):
     """A spec rejected before launch. Hydra turns a callback's Exception into a mere warning; this stops it."""
+
+
+class NothingToLaunch(BaseException):
+    """task=estimate: the estimate is printed, and Hydra stops before it makes a run directory."""
 
 
 def bundled(name: str) -> Path:
@@ -72,6 +77,8 @@ def main() -> None:
                "(for example tracker=wandb before tracker.wandb.project=...)")
     except LaunchRefused as refusal:
         refuse(str(refusal))
+    except NothingToLaunch:
+        return
     except (WorkerFailed, NonFiniteLoss) as failure:
         print(f"run: error: {failure}", file=sys.stderr)
         sys.exit(1)
@@ -125,8 +132,6 @@ def run_job(config: DictConfig) -> float:
 
     from runner.job import load_data, prepare_job
     from runner.launch import launch
-    from runner.model import build_model
-    from runner.precision import fp8_layer_names
     from runner.strategy import SingleStrategy
     from runner.train import train
 
@@ -138,9 +143,7 @@ def run_job(config: DictConfig) -> float:
     identity = run_identity(hydra_config, run_dir)
     logging.getLogger("runner").info("run directory %s | reading and tokenizing the data", run_dir)
     try:
-        tokenizer, _, _ = load_data(spec)
-        if spec.precision.fp8:
-            fp8_layer_names(build_model(spec.model, tokenizer, weights=False), spec.precision.fp8)
+        load_data(spec)
     except SpecError as error:
         if not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
@@ -199,10 +202,17 @@ class ValidateSpec(Callback):
     """Validates every job's spec before Hydra creates a directory or starts a job."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        spec = self._validated(config)
+        if isinstance(spec.task, EstimateTask):
+            print(estimate_report(spec), flush=True)
+            raise NothingToLaunch()
+
+    @staticmethod
+    def _validated(config: DictConfig, prefix: str = "") -> spec_module.RunSpec:
         try:
-            validate(load_spec(config))
+            return validate(load_spec(config))
         except USER_ERRORS as error:
-            raise LaunchRefused(one_line(error)) from None
+            raise LaunchRefused(f"{prefix}{one_line(error)}") from None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -214,11 +224,27 @@ class ValidateSpec(Callback):
             return
         overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
         loader = GlobalHydra.instance().config_loader()
+        specs = {}
         for job_overrides in BasicSweeper.split_arguments(overrides, None)[0]:
-            try:
-                validate(load_spec(loader.load_sweep_config(config, job_overrides)))
-            except USER_ERRORS as error:
-                raise LaunchRefused(f"{' '.join(job_overrides)}: {one_line(error)}") from None
+            name = " ".join(job_overrides)
+            specs[name] = self._validated(loader.load_sweep_config(config, job_overrides), prefix=f"{name}: ")
+        estimates = {name: spec for name, spec in specs.items() if isinstance(spec.task, EstimateTask)}
+        if estimates and len(estimates) < len(specs):
+            raise LaunchRefused("a sweep is either all task=estimate or all training jobs")
+        if estimates:
+            for name, spec in estimates.items():
+                print(f"== {name}\n{estimate_report(spec)}\n", flush=True)
+            raise NothingToLaunch()
+
+
+def estimate_report(spec: spec_module.RunSpec) -> str:
+    """What task=estimate prints instead of launching (runner/memory.py)."""
+    from runner import memory
+
+    try:
+        return memory.report(spec)
+    except USER_ERRORS as error:
+        raise LaunchRefused(one_line(error)) from None
 
 
 def spec_file(spec: spec_module.RunSpec, hydra_config: Any, run_dir: Path) -> str:
@@ -311,7 +337,8 @@ def quiet_libraries() -> None:
 
 
 def quiet_loggers() -> None:
-    """torchao, which transformers imports whenever it is installed, warns about kernels this machine does not
-    need and about its own deprecated calls into torch; errors still show."""
+    """torchao, which transformers imports whenever it is installed (validation builds a model on the meta
+    device), warns about kernels this machine does not need, and torch about torchao's enum registrations;
+    errors still show."""
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -34,6 +34,7 @@ from runner.strategy import (
     StrategyConfig,
     hybrid_group_size,
 )
+from runner.task import EstimateTask, TaskConfig, TrainTask
 from runner.tracker import TrackerConfig
 from runner.train import TrainConfig
 
@@ -52,6 +53,7 @@ class RunSpec:
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     scheduler: SchedulerConfig = MISSING
+    task: TaskConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
     # The checkpoint to continue from; the command line's resume=auto or resume=<run dir> is resolved to it.
@@ -66,6 +68,7 @@ SCHEMAS = {
     "data": {"base": DataConfig},
     "optim": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "scheduler": {"base": SchedulerConfig},
+    "task": {"train": TrainTask, "estimate": EstimateTask},
 }
 
 
@@ -111,7 +114,8 @@ def validate(spec: RunSpec) -> RunSpec:
     _check_ranges(spec)
     _check_model(spec.model)
     _check_data(spec.data)
-    spec = replace(spec, hardware=_check_hardware(spec))
+    estimating = isinstance(spec.task, EstimateTask)
+    spec = replace(spec, hardware=_planned_hardware(spec) if estimating else _check_hardware(spec))
     _check_strategy(spec.strategy, spec.hardware)
     _check_precision(spec)
     if isinstance(spec.strategy, DeepSpeedStrategy):
@@ -119,6 +123,7 @@ def validate(spec: RunSpec) -> RunSpec:
     if spec.resume:
         _check_resume(spec)
     _check_trackers(spec)
+    _check_task(spec)
     return spec
 
 
@@ -203,6 +208,29 @@ def _check_hardware(spec: RunSpec) -> HardwareConfig:
                  f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
                  f"{hw.cuda_device_count()} this machine has")
     return machine
+
+
+def _planned_hardware(spec: RunSpec) -> HardwareConfig:
+    """task=estimate plans for the CUDA hardware the spec declares, which need not be this machine's."""
+    declared = spec.hardware
+    if declared.accelerator is not Accelerator.cuda:
+        return _check_hardware(spec)
+    _require(declared.nproc_per_node is not None and declared.nproc_per_node >= 1,
+             "task=estimate for CUDA hardware needs hardware.nproc_per_node (or a hardware option such as 2xrtx4090)")
+    _require(declared.nnodes >= 1, f"hardware.nnodes={declared.nnodes} must be >= 1")
+    return declared
+
+
+def _check_task(spec: RunSpec) -> None:
+    """A training run must train a causal LM, and fit its hardware's memory (runner/memory.py)."""
+    if isinstance(spec.task, TrainTask):
+        from runner import memory
+
+        memory.check_causal_lm(spec)
+        if spec.precision.fp8:  # an fp8 run without an fp8 layer is an error, not a bf16 run
+            memory.fp8_linears(memory.meta_model(spec.model), spec)
+        if spec.task.fit_check:
+            memory.check_fit(spec)
 
 
 def _check_precision(spec: RunSpec) -> None:

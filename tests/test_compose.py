@@ -13,9 +13,16 @@ from runner.spec import RunSpec, SpecError, load_spec, validate
 
 spec_module.register(RECIPES_DIR)
 
+def config_dir(tmp: Path) -> Path:
+    """A directory with nothing but a transformers config.json: what validation reads of a pretrained model."""
+    (tmp / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, '
+                                     '"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}')
+    return tmp
+
+
 # Options whose `???` keys the user must give, with a value that exists on any machine.
 REQUIRED = {
-    ("model", "pretrained"): lambda tmp: [f"model.pretrained={tmp}"],
+    ("model", "pretrained"): lambda tmp: [f"model.pretrained={config_dir(tmp)}"],
     ("data", "text_files"): lambda tmp: [f"data.files={Path(__file__)}"],
     ("data", "instruction_files"): lambda tmp: [f"data.files={Path(__file__)}"],
     ("data", "hub"): lambda tmp: ["data.hub_dataset=stanfordnlp/imdb"],
@@ -47,6 +54,13 @@ def test_option_composes_and_validates(group, option, tmp_path):
         with pytest.raises(SpecError, match="CUDA"):
             validate(spec)
         return
+    if group == "model" and spec.model.architecture.get("vocab_size"):
+        # Published architectures, there for memory estimates: training one needs a machine it fits (or a decoder).
+        try:
+            validate(spec)
+        except SpecError as error:
+            assert str(error).startswith(("the run does not fit", "bert is not a causal language model")), error
+        spec = composed([*overrides, "task=estimate"])
     resolved = validate(spec)
     assert resolved.hardware.accelerator is not Accelerator.auto
     assert resolved.hardware.nproc_per_node >= 1

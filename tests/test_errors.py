@@ -32,6 +32,11 @@ BAD_INPUTS = {
                                                        "compute capability 8.9+"),
     "parameter offload below ZeRO-3": (["strategy=deepspeed", "strategy.offload_param=cpu"],
                                        "strategy.offload_param=cpu needs strategy.zero_stage=3"),
+    "an architecture that cannot be built": (["model.architecture.num_attention_heads=3"],
+                                             "cannot build the model's architecture: ValueError: The hidden size "
+                                             "(128) is not a multiple of the number of attention heads (3)"),
+    "an encoder to train": (["model=bert_base_cased"], "bert is not a causal language model"),
+    "a run that cannot fit": (["hardware=cpu", "hardware.device_memory_gib=0.01"], "the run does not fit"),
 }
 
 

@@ -1,0 +1,309 @@
+"""The memory estimate: accelerate's reference table to the hundredth, Llama-3-8B's counts, the bytes each rank's
+tensors really hold under every strategy, the fit check of the seed scenario, and `run task=estimate`."""
+
+import math
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import QUICK, run_cli
+from distributed import run_in_workers
+from runner import memory
+from runner.cli import CONF_DIR
+from runner.spec import SpecError, load_spec
+from test_train import resolved_spec
+
+GIB = 1024**3
+
+
+def composed(overrides):
+    """The typed spec, not validated: its hardware is planned, not this machine's."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return load_spec(compose("config", overrides=overrides))
+
+
+# ---- accelerate's reference table and Llama-3-8B's counts
+
+
+def test_accelerate_view_reproduces_the_reference_table_for_bert_base_cased():
+    model = memory.meta_model(composed(["model=bert_base_cased"]).model)
+    rows = {dtype: [memory.accelerate_bytes(size) for size in sizes]
+            for dtype, sizes in memory.accelerate_sizes(model).items()}
+    assert rows == {
+        "float32": ["413.18 MB", "413.18 MB", "826.36 MB", "1.61 GB"],
+        "float16": ["413.18 MB", "619.77 MB", "826.36 MB", "826.36 MB"],
+    }
+    assert "BertModel, no LM head: 108,310,272 parameters" in memory.format_accelerate_view(model)
+
+
+def test_llama3_8b_counts_every_parameter_and_explains_the_slides_28_21_gb():
+    spec = composed(["model=llama3_8b"])
+    facts = memory.facts_of(spec.model)
+    model = facts.model
+    assert facts.parameters == 8_030_261_248
+    assert model.config.vocab_size == 128_256  # the architecture's own, not the byte tokenizer's 259
+    assert memory.gib(memory.estimate(spec, facts).weights.bytes) == "29.92"  # fp32, one process
+    model_bytes = memory.accelerate_sizes(model)["float32"][0]
+    assert memory.accelerate_bytes(model_bytes) == "27.96 GB"  # AutoModel: no LM head
+    lm_head = 128_256 * 4096
+    assert facts.parameters - lm_head == (model_bytes - 512) // 4 and lm_head == 525_336_576  # 512: rotary buffers
+    # The transformers of the slides' day also kept cos and sin caches (8192 positions x head_dim 128, fp32) in
+    # each of the 32 layers' rotary embedding, and an inv_freq there rather than one for the model.
+    old_rotary_caches = 32 * (2 * 8192 * 128 * 4 + 64 * 4)
+    assert memory.accelerate_bytes(model_bytes - 512 + old_rotary_caches) == "28.21 GB"
+
+
+def test_activation_formula_is_korthikantis_for_their_gpt_layer():
+    """Korthikanti et al., 2022, eq. 1: sbh(34 + 5as/h) bytes per layer in 16-bit, with dropout and eager scores."""
+    h, a, s = 1024, 16, 2048
+    gpt = memory.LayerShape(hidden=h, heads=a, kv_heads=a, head_dim=h // a, intermediate=4 * h, gated_mlp=False,
+                            rms_norm=False, attention_projections=1, mlp_projections=1, eager_attention=True,
+                            softmax_fp32=False, attention_dropout=True, hidden_dropout=True)
+    sixteen_bit = memory.ActivationDtypes(compute=2, stream=2, casts=False)
+    assert memory.layer_activation_bytes(gpt, s, sixteen_bit) == h * (34 + 5 * a * s / h)
+    flash = memory.layer_activation_bytes(memory.replace(gpt, eager_attention=False), s, sixteen_bit)
+    assert flash == h * 34  # sdpa and flash attention store no s x s scores: the 5as/h term goes
+
+
+def test_activation_checkpointing_keeps_one_input_per_layer():
+    spec = composed(["model=llama3_8b", "strategy=fsdp", "precision=bf16"])
+    facts = memory.facts_of(spec.model)
+    dtypes = memory.ActivationDtypes(compute=2, stream=2, casts=False)
+    tokens = 8 * 256
+    full = memory.activation_bytes(facts, tokens, 256, dtypes, checkpointing=False)
+    kept = memory.activation_bytes(facts, tokens, 256, dtypes, checkpointing=True)
+    per_layer = memory.layer_activation_bytes(facts.layer, 256, dtypes)
+    assert full - kept == tokens * (facts.layers * per_layer - facts.layers * 2 * 4096 - per_layer)
+
+
+def test_estimates_of_8b_and_70b_answer_in_seconds_without_weights():
+    for name, parameters in (("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496)):
+        spec = composed([f"model={name}", "hardware=8xh100_80gb", "strategy=fsdp", "precision=bf16"])
+        memory._FACTS.clear()
+        started = time.perf_counter()
+        text = memory.report(spec)
+        assert time.perf_counter() - started < 10, name
+        assert f"({parameters:,} parameters)" in text
+        assert all(p.device.type == "meta" for p in memory.meta_model(spec.model).parameters())
+
+
+# ---- the fit check
+
+
+SEED_SCENARIO = ["model=llama3_8b", "hardware=2xrtx4090", "strategy=fsdp", "precision=bf16"]
+
+
+def test_fit_check_refuses_llama3_8b_full_shard_on_two_rtx4090_and_names_what_fits():
+    with pytest.raises(SpecError) as refused:
+        memory.check_fit(composed(SEED_SCENARIO))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("the run does not fit: an estimated ") and "GiB per device of the 23.6 GiB" in message
+    assert "it fits with: strategy.offload_params=true (" in message
+    assert "task.fit_check=false" in message
+
+
+def test_fit_check_accepts_it_with_offload_params():
+    spec = composed([*SEED_SCENARIO, "strategy.offload_params=true"])
+    memory.check_fit(spec)
+    result = memory.estimate(spec, memory.facts_of(spec.model))
+    assert result.peak < 23.6 * GIB
+    assert memory.fit(spec, result).host_needs < 128 * GIB  # the sharded fp32 states, in the node's RAM
+
+
+def test_every_proposed_change_fits_when_estimated_again():
+    spec = composed(["model=llama3_8b", "hardware=8xh100_80gb", "strategy=fsdp", "precision=bf16",
+                     "strategy.sharding_strategy=NO_SHARD", "train.micro_batch_size=1", "data.seq_len=2048"])
+    facts = memory.facts_of(spec.model)
+    fixes = memory.cheapest_fits(spec, facts)
+    assert fixes and fixes[0][0].overrides == ("strategy.sharding_strategy=FULL_SHARD",)
+    for change, _ in fixes:
+        changed = change.apply(spec)
+        assert memory.fit(changed, memory.estimate(changed, facts)).fits, change.overrides
+
+
+def test_the_default_runs_pass_the_fit_check_and_it_can_be_skipped():
+    resolved_spec(QUICK)
+    resolved_spec([*QUICK, "strategy=fsdp", "hardware.nproc_per_node=2"])
+    tight = [*QUICK, "hardware=cpu", "hardware.device_memory_gib=0.01"]
+    with pytest.raises(SpecError, match=r"^the run does not fit: an estimated .* for 1 process of this machine's RAM"):
+        resolved_spec(tight)
+    resolved_spec([*tight, "task.fit_check=false"])
+
+
+# ---- the command
+
+
+def test_run_task_estimate_prints_the_table_in_one_process_and_writes_nothing(workdir):
+    probe = textwrap.dedent(
+        """
+        import sys
+        sys.argv = ["run", "task=estimate", "model=bert_base_cased"]
+        from runner.cli import main
+        main()
+        print("launched:", "runner.launch" in sys.modules or "runner.job" in sys.modules)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "float32   413.18 MB   413.18 MB   826.36 MB       1.61 GB" in out
+    assert "float16   413.18 MB   619.77 MB   826.36 MB       826.36 MB" in out
+    for row in ("weights", "gradients", "optimizer states", "activations", "transient buffers", "peak"):
+        assert f"\n  {row} " in out or f"\n  {row}\n" in out, row
+    assert "launched: False" in out
+    assert not (workdir / "outputs").exists()
+
+
+def test_run_task_estimate_plans_for_gpus_this_machine_lacks(workdir):
+    result = run_cli("task=estimate", *SEED_SCENARIO, "task.accelerate_view=false", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "per device (NVIDIA GeForce RTX 4090, 23.6 GiB)" in result.stdout
+    assert "fits: NO" in result.stdout and "cheapest changes that fit: strategy.offload_params=true" in result.stdout
+    assert not (workdir / "outputs").exists()
+
+
+def test_any_local_config_json_is_estimated_without_weights(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    spec = composed(["task=estimate", "model=pretrained", f"model.pretrained={tmp_path}"])
+    text = memory.report(spec)
+    assert "Qwen2ForCausalLM (" in text and "Qwen2Model, no LM head" in text
+
+
+# ---- what each rank's tensors hold, against the estimate
+
+# A tiny Llama wide enough for ZeRO-3 to partition its MLP matrices and keep the small ones whole, with an
+# embedding of 259 rows that FSDP pads to equal shards.
+TINY = [*QUICK, "train.micro_batch_size=2", "model.architecture.hidden_size=192",
+        "model.architecture.intermediate_size=640"]
+TWO_RANKS = {
+    "ddp": ["strategy=ddp"],
+    "ddp, SGD with momentum": ["strategy=ddp", "optim=sgd"],
+    "fsdp FULL_SHARD": ["strategy=fsdp"],
+    "fsdp SHARD_GRAD_OP": ["strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP"],
+    "fsdp NO_SHARD, SGD without momentum": ["strategy=fsdp", "strategy.sharding_strategy=NO_SHARD", "optim=sgd",
+                                            "optim.momentum=0"],
+    "deepspeed ZeRO-1": ["strategy=deepspeed", "strategy.zero_stage=1"],
+    "deepspeed ZeRO-2, bf16": ["strategy=deepspeed", "strategy.zero_stage=2", "precision=bf16"],
+    "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3"],
+}
+FOUR_RANKS = {"fsdp HYBRID_SHARD (2 x 2)": ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD"]}
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind the tensors (views of one flat buffer count once)."""
+    storages = {}
+    for tensor in tensors:
+        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def tensors_in(value) -> list:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    return [t for item in value for t in tensors_in(item)] if isinstance(value, (list, tuple)) else []
+
+
+def _held_bytes(ranks, specs):
+    """After one step, then a forward and backward: the bytes of this rank's weights, gradients and states."""
+    from runner import model as model_module
+    from runner import optim, strategy
+
+    held = {}
+    for name, spec in specs.items():
+        torch.manual_seed(0)
+        model = model_module.build_model(spec.model, model_module.build_tokenizer(spec.model))
+        optimizer = optim.build_optimizer(model, spec.optim)
+        deepspeed = isinstance(spec.strategy, strategy.DeepSpeedStrategy)
+        if deepspeed:
+            model = strategy.deepspeed_engine(model, optimizer, spec)
+        else:
+            model = strategy.apply_strategy(model, spec.strategy, spec.hardware, torch.device("cpu"))
+            optimizer = optim.build_optimizer(model, spec.optim)
+        batch = torch.randint(0, 259, (spec.train.micro_batch_size, 64))
+        for step in range(2):
+            loss = model(input_ids=batch).logits.float().square().mean()
+            model.backward(loss) if deepspeed else loss.backward()
+            if step == 0:
+                if deepspeed:
+                    model.step()
+                else:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        params, buffers = list(model.parameters()), list(model.buffers())
+        if deepspeed:
+            zero = model.optimizer
+            weights = [p.data for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
+            weights += tensors_in(getattr(zero, "single_partition_of_fp32_groups", []))  # ZeRO-1/2 fp32 master
+            weights += tensors_in(getattr(zero, "fp32_partitioned_groups_flat", []))  # ZeRO-3 fp32 master
+            gradients = tensors_in(getattr(zero, "averaged_gradients", []))
+            gradients += tensors_in(getattr(zero, "grad_partitions_flat_buffer", None))
+            states = zero.optimizer.state
+        else:
+            weights, gradients, states = params, [p.grad for p in params if p.grad is not None], optimizer.state
+        held[name] = {
+            "weights": storage_bytes(weights + buffers),
+            "gradients": storage_bytes(gradients),
+            "optimizer states": storage_bytes(t for state in states.values() for t in state.values()
+                                              if torch.is_tensor(t) and t.dim() > 0),
+        }
+    return held
+
+
+def _compare(cases, nproc, measured_by_rank):
+    for name, overrides in cases.items():
+        spec = resolved_spec([*TINY, *overrides, f"hardware.nproc_per_node={nproc}"])
+        result = memory.estimate(spec, memory.facts_of(spec.model))
+        estimated = {"weights": result.weights.bytes, "gradients": result.gradients.bytes,
+                     "optimizer states": result.optimizer_states.bytes}
+        for part, value in estimated.items():
+            measured = max(rank[name][part] for rank in measured_by_rank)  # rank 0 holds the largest shards
+            # Exact for the torch strategies; DeepSpeed's ZeRO-1/2 keep whole gradients at partition edges,
+            # which the estimate bounds by the largest parameter.
+            assert measured <= value <= measured * 1.03 + 1, (name, part, value, measured)
+
+
+@pytest.fixture(scope="module")
+def held_on_two_ranks():
+    specs = {name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=2"])
+             for name, overrides in TWO_RANKS.items()}
+    return run_in_workers(_held_bytes, specs, nproc=2)
+
+
+def test_single_process_holds_what_the_estimate_says():
+    spec = resolved_spec(TINY)
+    held = _held_bytes_single(spec)
+    _compare({"single": []}, 1, [{"single": held}])
+
+
+def _held_bytes_single(spec):
+    from runner.launch import Ranks
+
+    return _held_bytes(Ranks(), {"single": spec})["single"]
+
+
+@pytest.mark.parametrize("case", TWO_RANKS, ids=list(TWO_RANKS))
+def test_each_rank_holds_what_the_estimate_says(case, held_on_two_ranks):
+    _compare({case: TWO_RANKS[case]}, 2, held_on_two_ranks)
+
+
+def test_hybrid_shard_shards_within_its_group_only():
+    specs = {name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=4"])
+             for name, overrides in FOUR_RANKS.items()}
+    held = run_in_workers(_held_bytes, specs, nproc=4)
+    _compare(FOUR_RANKS, 4, held)
+    full_copy = resolved_spec([*TINY, "strategy=ddp", "hardware.nproc_per_node=4"])
+    whole = memory.estimate(full_copy, memory.facts_of(full_copy.model)).gradients.bytes
+    assert math.isclose(held[0]["fsdp HYBRID_SHARD (2 x 2)"]["gradients"], whole / 2, rel_tol=0.01)
