@@ -230,7 +230,7 @@ def _held_bytes(ranks, specs):
         if deepspeed:
             model = strategy.deepspeed_engine(model, optimizer, spec)
         else:
-            model = strategy.apply_strategy(model, spec.strategy, spec.hardware, torch.device("cpu"))
+            model = strategy.apply_strategy(model, spec.strategy, spec.hardware, torch.device("cpu"), spec.precision)
             optimizer = optim.build_optimizer(model, spec.optim)
         batch = torch.randint(0, 259, (spec.train.micro_batch_size, 64))
         for step in range(2):
