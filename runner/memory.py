@@ -509,7 +509,8 @@ def _deepspeed(spec: RunSpec, facts: ModelFacts, tokens: int) -> Estimate:
             optimizer_states=Part(k * FP32 * P, f"{states}, fp32, whole"),
             backward_start=Part(loss_gradient, "the loss gradient"),
             backward_end=Part(min(P, DEEPSPEED_ALLREDUCE_BUCKET) * m, "the all-reduce's flat gradient bucket"),
-            step=Part((2 if master else 1) * FP32 * P, "the step's temporaries" + (", fp32 gradients" if master else "")),
+            step=Part((2 if master else 1) * FP32 * P,
+                      "the step's temporaries" + (", fp32 gradients" if master else "")),
             **common,
         )
 
@@ -563,8 +564,8 @@ def _deepspeed(spec: RunSpec, facts: ModelFacts, tokens: int) -> Estimate:
                 result.host_offload = Part(nproc * m * partition, f"offload_param: {module} weight partitions")
     if strategy.offload_optimizer is not OffloadDevice.none:
         device = strategy.offload_optimizer.value
-        result.weights = Part(result.weights.bytes - FP32 * partition,
-                              result.weights.note.replace(f", + fp32 master weights{share}", f"; fp32 master on {device}"))
+        note = result.weights.note.replace(f", + fp32 master weights{share}", f"; fp32 master on {device}")
+        result.weights = Part(result.weights.bytes - FP32 * partition, note)
         result.gradients = Part(0, f"reduced into {device} buffers (offload_optimizer)")
         result.optimizer_states = Part(0, f"on {device} (offload_optimizer); the step runs on the CPU")
         result.step = Part(0, "on the CPU")

@@ -81,6 +81,22 @@ def test_activation_checkpointing_keeps_one_input_per_layer():
     assert full - kept == tokens * (facts.layers * per_layer - facts.layers * 2 * 4096 - per_layer)
 
 
+def test_precisions_change_what_is_counted_as_documented():
+    def estimate(precision):
+        spec = composed(["model=llama3_8b", "hardware=h100_80gb", f"precision={precision}"])
+        return memory.estimate(spec, memory.facts_of(spec.model))
+
+    facts = memory.facts_of(composed(["model=llama3_8b"]).model)
+    P, buffers = facts.parameters, facts.buffer_bytes
+    fp32, bf16, pure, fp8 = (estimate(p) for p in ("fp32", "bf16", "pure_bf16", "fp8"))
+    assert bf16.weights.bytes == fp32.weights.bytes == 4 * P + buffers  # fp32 master weights
+    assert bf16.optimizer_states.bytes == fp32.optimizer_states.bytes == 8 * P
+    assert bf16.backward_start.bytes - fp32.backward_start.bytes == 2 * facts.linear_parameters  # autocast's casts
+    assert (pure.weights.bytes - buffers, pure.gradients.bytes, pure.optimizer_states.bytes) == (2 * P, 2 * P, 4 * P)
+    assert fp8.activations.bytes < bf16.activations.bytes < fp32.activations.bytes  # fp8 linears keep 1-byte inputs
+    assert fp8.backward_start.bytes < bf16.backward_start.bytes  # fp8 weight casts, 1 byte
+
+
 def test_estimates_of_8b_and_70b_answer_in_seconds_without_weights():
     for name, parameters in (("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496)):
         spec = composed([f"model={name}", "hardware=8xh100_80gb", "strategy=fsdp", "precision=bf16"])

@@ -41,14 +41,14 @@ def test_hybrid_shard_on_four_processes_trains_on_a_2x2_mesh(workdir):
 
 def test_a_worker_that_raises_ends_the_job_with_its_error_first(workdir):
     started = time.monotonic()
-    # Fewer embeddings than the tokenizer has tokens: the model builds (and validates), the first forward fails.
-    result = run_cli("strategy=ddp", "hardware.nproc_per_node=2", *SHORT, "model.architecture.vocab_size=100",
+    # 4 query heads cannot share 3 key-value heads: the model builds (and validates), its first forward fails.
+    result = run_cli("strategy=ddp", "hardware.nproc_per_node=2", *SHORT, "model.architecture.num_key_value_heads=3",
                      cwd=workdir)
     assert result.returncode != 0
     assert time.monotonic() - started < 120
     report = result.stderr[result.stderr.index("run: error: "):]
     assert report.startswith("run: error: rank ") and " failed: " in report.splitlines()[0]
-    assert "index out of range" in report.splitlines()[0]
+    assert "must match the size of tensor b (3)" in report.splitlines()[0]
     assert "traceback" in report
 
 def test_killing_one_rank_ends_the_job_within_30_seconds_and_leaves_no_process(workdir):
