@@ -86,8 +86,3 @@ def cuda_device_count() -> int:
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-
-def cuda_supports_bf16() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

@@ -259,7 +259,7 @@ def _check_precision(spec: RunSpec) -> None:
                  "strategy=deepspeed with precision=fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16); "
                  "use precision=bf16, or precision=fp16 with strategy=single, ddp or fsdp")
     capability = machine.compute_capability or 0.0
-    if precision.compute_dtype is Dtype.bf16 and machine.accelerator is Accelerator.cuda:
+    if precision.compute_dtype is Dtype.bf16 and machine.accelerator is Accelerator.cuda and machine.compute_capability:
         _require(capability >= 8.0,
                  f"precision.compute_dtype=bf16 needs a GPU of compute capability 8.0+ (A100, RTX 30xx or newer), "
                  f"and {machine.device_name} has {capability}; use precision=fp16")
@@ -291,12 +291,14 @@ def _check_precision(spec: RunSpec) -> None:
         _require(importlib.util.find_spec("torchao") is not None,
                  "precision=fp8 needs torchao: pip install 'runner[fp8]'")
     if not fp8.emulate:
-        has = machine.device_name if machine.accelerator is Accelerator.cuda else "a CPU"
+        if machine.accelerator is Accelerator.cuda:
+            has = f"{machine.device_name} (compute capability {capability or 'unknown: set hardware.compute_capability'})"
+        else:
+            has = "a CPU"
         _require(machine.accelerator is Accelerator.cuda and capability >= 8.9,
                  f"precision=fp8 needs a GPU with fp8 tensor cores (CUDA compute capability 8.9+: H100, H200, L40S, "
-                 f"RTX 4090) and this run has {has}"
-                 f"{f' (compute capability {capability})' if machine.accelerator is Accelerator.cuda else ''}; "
-                 "set precision.fp8.emulate=true to emulate fp8 (same numerics, no speed-up)")
+                 f"RTX 4090) and this run has {has}; set precision.fp8.emulate=true to emulate fp8 (same numerics, "
+                 "no speed-up)")
 
 
 def _check_strategy(strategy: StrategyConfig, machine: HardwareConfig) -> None:
