@@ -209,10 +209,14 @@ def model_facts(model: nn.Module) -> ModelFacts:
     )
 
 
-def _first_block(model: nn.Module) -> nn.Module:
-    """The first transformer block: an instance of a class the model names as not to be split."""
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks: instances of the classes the model names as not to be split."""
     block_classes = set(getattr(model, "_no_split_modules", None) or [])
-    return next((m for m in model.modules() if type(m).__name__ in block_classes), model)
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in block_classes]
+
+
+def _first_block(model: nn.Module) -> nn.Module:
+    return next((block for _, block in _blocks(model)), model)
 
 
 def fp8_linears(model: nn.Module, spec: RunSpec) -> tuple[int, bool]:
@@ -222,8 +226,7 @@ def fp8_linears(model: nn.Module, spec: RunSpec) -> tuple[int, bool]:
     if spec.precision.fp8 is None:
         return 0, False
     names = fp8_layer_names(model, spec.precision.fp8)
-    block_classes = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [name for name, m in model.named_modules() if type(m).__name__ in block_classes]
+    blocks = [name for name, _ in _blocks(model)]
     converted = sum(model.get_submodule(name).weight.numel() for name in names)
     return converted, any(name.startswith(block + ".") for name in names for block in blocks)
 
