@@ -269,7 +269,8 @@ def _check_precision(spec: RunSpec) -> None:
     _require(precision.compute_dtype in (Dtype.bf16, Dtype.fp32),
              f"precision.fp8 runs its other operations in bf16 or fp32, not "
              f"precision.compute_dtype={precision.compute_dtype.value}")
-    _require(precision.param_dtype is Dtype.fp32, "precision.fp8 keeps fp32 master weights; set precision.param_dtype=fp32")
+    _require(precision.param_dtype is Dtype.fp32,
+             "precision.fp8 keeps fp32 master weights; set precision.param_dtype=fp32")
     _require(fp8.min_features >= 16, f"precision.fp8.min_features={fp8.min_features} must be >= 16 (fp8 kernels "
              "need dimensions that are multiples of 16)")
     if fp8.all_gather:
@@ -289,10 +290,11 @@ def _check_precision(spec: RunSpec) -> None:
                  "use precision.fp8.backend=torchao")
     else:
         _require(importlib.util.find_spec("torchao") is not None,
-                 "precision=fp8 needs torchao: pip install 'runner[fp8]'")
+                 "precision=fp8 needs torchao: pip install torchao (or '.[fp8]' from the runner's checkout)")
     if not fp8.emulate:
         if machine.accelerator is Accelerator.cuda:
-            has = f"{machine.device_name} (compute capability {capability or 'unknown: set hardware.compute_capability'})"
+            known = capability or "unknown: set hardware.compute_capability"
+            has = f"{machine.device_name} (compute capability {known})"
         else:
             has = "a CPU"
         _require(machine.accelerator is Accelerator.cuda and capability >= 8.9,
@@ -333,7 +335,8 @@ def _check_trackers(spec: RunSpec) -> None:
     for section, (module, package) in needs.items():
         if getattr(spec.tracker, section) is not None:
             _require(importlib.util.find_spec(module) is not None,
-                     f"tracker={section} needs the {package} package: pip install 'runner[trackers]'")
+                     f"tracker={section} needs the {package} package: pip install {package} "
+                     "(or '.[trackers]' from the runner's checkout)")
     if spec.tracker.wandb:
         _require(spec.tracker.wandb.mode in ("offline", "online"),
                  f"tracker.wandb.mode={spec.tracker.wandb.mode} must be offline or online")
@@ -373,7 +376,8 @@ def _check_deepspeed(spec: RunSpec) -> None:
 
     strategy = spec.strategy
     _require(importlib.util.find_spec("deepspeed") is not None,
-             "strategy=deepspeed needs the deepspeed package: pip install 'runner[deepspeed]'")
+             "strategy=deepspeed needs the deepspeed package: pip install deepspeed "
+             "(or '.[deepspeed]' from the runner's checkout)")
     _require(strategy.zero_stage in (0, 1, 2, 3), f"strategy.zero_stage={strategy.zero_stage} must be 0, 1, 2 or 3")
     _require(strategy.offload_param is OffloadDevice.none or strategy.zero_stage == 3,
              f"strategy.offload_param={strategy.offload_param.value} needs strategy.zero_stage=3")
