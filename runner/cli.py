@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner import cluster, recipes
 from runner import spec as spec_module
 from runner.checkpoint import complete_checkpoints
 from runner.spec import SpecError, load_spec, validate
@@ -25,7 +26,7 @@ from runner.task import EstimateTask
 from runner.train import NonFiniteLoss, Stopped
 
 
-USER_ERRORS = (HydraException, OmegaConfBaseException, SpecError)
+USER_ERRORS = (HydraException, OmegaConfBaseException, SpecError, recipes.RecipeError)
 # Exit statuses: 0 done, 1 the job failed, 2 bad input (nothing started), 3 stopped by a signal with a checkpoint.
 EXIT_STOPPED = 3
 
@@ -50,20 +51,29 @@ def bundled(name: str) -> Path:
 
 CONF_DIR = bundled("conf")
 RECIPES_DIR = bundled("recipes")
+# The spec's config groups: conf/'s directories but hydra/, which holds options of Hydra's own groups (launchers).
+GROUP_DIRS = [path for path in sorted(CONF_DIR.iterdir()) if path.is_dir() and path.name != "hydra"]
 
 
 def main() -> None:
     quiet_libraries()
     args = sys.argv[1:]
+    recipe_dirs = recipes.search_path(RECIPES_DIR)
     if "--help" in args or "-h" in args:
-        print(help_text())
+        print(help_text(recipe_dirs))
         return
     if ("--cfg" in args or "-c" in args) and "--resolve" not in args:
         sys.argv.append("--resolve")
     # Hydra would print its own multi-line report and exit 1; the runner reports user errors itself.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    spec_module.register(RECIPES_DIR)
     try:
+        if args[:1] == ["--recipes"]:
+            print(recipes.listing(recipe_dirs, RECIPES_DIR))
+            return
+        if args[:1] == ["--copy-recipe"]:
+            copy_recipe(recipe_dirs, args[1:])
+            return
+        spec_module.register(*recipe_dirs)
         sys.argv[1:] = resume_arguments(sys.argv[1:])
         hydra_main()
     except USER_ERRORS as error:
@@ -85,6 +95,13 @@ def main() -> None:
     except Stopped as stopped:
         print(f"run: {stopped}", file=sys.stderr)
         sys.exit(EXIT_STOPPED)
+
+
+def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
+    if len(args) not in (1, 2):
+        raise recipes.RecipeError("usage: run --copy-recipe <name> [<new name>]")
+    target = recipes.copy(recipe_dirs, args[0], args[1] if len(args) == 2 else None)
+    print(f"copied recipe {args[0]} to {target}; edit it and run it with: run recipe={target.stem}")
 
 
 def refuse(message: str) -> None:
@@ -135,22 +152,29 @@ def run_job(config: DictConfig) -> float:
     from runner.strategy import SingleStrategy
     from runner.train import train
 
+    task = cluster.current_task()  # a task of a submitit job is one rank; every task of the job runs this
+    if task is not None:  # started by submitit, not by `run`
+        quiet_libraries()
     spec = validate(load_spec(config))
     hydra_config = HydraConfig.get()
     run_dir = Path(hydra_config.runtime.output_dir)
-    (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
-    scrub_secrets(run_dir, spec)
+    first = task is None or task.rank == 0
+    if first:
+        (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
+        scrub_secrets(run_dir, spec)
     identity = run_identity(hydra_config, run_dir)
     logging.getLogger("runner").info("run directory %s | reading and tokenizing the data", run_dir)
     try:
         load_data(spec)
     except SpecError as error:
-        if not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
+        if first and not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
         raise LaunchRefused(str(error)) from None
     if isinstance(spec.strategy, SingleStrategy):
         return train(prepare_job(spec, run_dir, identity=identity))["eval_loss"]
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
+    if task is not None:
+        return cluster.run_task(task, spec, run_dir, log_format, identity)["eval_loss"]
     return launch(spec, run_dir, log_format, identity)["eval_loss"]
 
 
@@ -208,9 +232,14 @@ class ValidateSpec(Callback):
             raise NothingToLaunch()
 
     @staticmethod
-    def _validated(config: DictConfig, prefix: str = "") -> spec_module.RunSpec:
+    def _validated(config: DictConfig, prefix: str = "", launcher: DictConfig | None = None) -> spec_module.RunSpec:
+        """`launcher`: the submitit launcher that will start the job, on a cluster's nodes; they are checked there,
+        and here the spec against the hardware it declares."""
         try:
-            return validate(load_spec(config))
+            spec = validate(load_spec(config), on_this_machine=launcher is None)
+            if launcher is not None:
+                cluster.check_launcher(launcher, spec)
+            return spec
         except USER_ERRORS as error:
             raise LaunchRefused(f"{prefix}{one_line(error)}") from None
 
@@ -219,15 +248,22 @@ class ValidateSpec(Callback):
         from hydra.core.global_hydra import GlobalHydra
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
+        # The launcher is made once, from the sweep's own config, for all its points.
+        launcher = config.hydra.launcher if cluster.submits_to_cluster(config) else None
         if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
-            self.on_run_start(config)  # other sweepers choose their points as they go
+            # Other sweepers (Optuna) choose their points as they go: the base spec is checked here, each point as
+            # its job starts.
+            if isinstance(self._validated(config, launcher=launcher).task, EstimateTask):
+                raise LaunchRefused("task=estimate prints estimates for the basic sweeper's points (-m a,b), not "
+                                    "for a sweeper that chooses its own")
             return
         overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
         loader = GlobalHydra.instance().config_loader()
         specs = {}
         for job_overrides in BasicSweeper.split_arguments(overrides, None)[0]:
             name = " ".join(job_overrides)
-            specs[name] = self._validated(loader.load_sweep_config(config, job_overrides), prefix=f"{name}: ")
+            specs[name] = self._validated(loader.load_sweep_config(config, job_overrides), prefix=f"{name}: ",
+                                          launcher=launcher)
         estimates = {name: spec for name, spec in specs.items() if isinstance(spec.task, EstimateTask)}
         if estimates and len(estimates) < len(specs):
             raise LaunchRefused("a sweep is either all task=estimate or all training jobs")
@@ -285,20 +321,21 @@ def one_line(error: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(error).__name__
 
 
-def help_text() -> str:
-    """The groups and their options, read from conf/ without composing anything."""
+def help_text(recipe_dirs: list[Path]) -> str:
+    """The groups and their options, read from conf/ and the recipe directories without composing anything."""
     import yaml
 
     defaults = {}
     for entry in yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]:
         if isinstance(entry, dict):
             defaults.update(entry)
-    groups = [(p.name, p) for p in sorted(CONF_DIR.iterdir()) if p.is_dir()] + [("recipe", RECIPES_DIR)]
+    groups = [(p.name, sorted(p.glob("*.yaml"))) for p in GROUP_DIRS]
+    groups.append(("recipe", [path for _, path in sorted(recipes.find(recipe_dirs).items())]))
     rows = []
-    for group, directory in groups:
-        for i, option in enumerate(sorted(directory.glob("*.yaml"))):
+    for group, options in groups:
+        for i, option in enumerate(options):
             mark = "*" if defaults.get(group) == option.stem else " "
-            rows.append(f"  {group if i == 0 else '':<10} {mark}{option.stem:<18} {description(option)}")
+            rows.append(f"  {group if i == 0 else '':<10} {mark}{option.stem:<18} {recipes.first_comment(option)}")
     return "\n".join(
         [
             "run: a declarative experiment runner for PyTorch training.",
@@ -307,6 +344,10 @@ def help_text() -> str:
             "  run [group=option ...] [key=value ...]   train one job",
             "  run -m group=a,b key=1,2 ...              a sweep: one job per combination",
             "  run --cfg job [overrides]                 print the resolved spec and exit",
+            "  run --recipes                             list the recipes, what each is for and what it sets",
+            "  run --copy-recipe <name> [<new name>]     copy a recipe into ./recipes to edit it",
+            "  run -m hydra/sweeper=optuna 'optim.lr=interval(1e-4,1e-2)'   search, minimising the eval loss",
+            "  run -m hydra/launcher=slurm ...           one SLURM job per sweep point (slurm_local: on this machine)",
             "",
             "Config groups (* marks the default; a recipe sets several groups and values at once):",
             *rows,
@@ -315,14 +356,6 @@ def help_text() -> str:
             "`run --cfg job` shows them all. Outputs go to outputs/<date>/<time>/. Hydra's flags: run --hydra-help",
         ]
     )
-
-
-def description(option: Path) -> str:
-    """An option file's first comment line, Hydra's `# @package` header aside."""
-    for line in option.read_text().splitlines():
-        if line.startswith("#") and not line.startswith("# @package"):
-            return line.lstrip("# ").strip()
-    return ""
 
 
 def quiet_libraries() -> None:
@@ -339,6 +372,6 @@ def quiet_libraries() -> None:
 def quiet_loggers() -> None:
     """torchao, which transformers imports whenever it is installed (validation builds a model on the meta
     device), warns about kernels this machine does not need, and torch about torchao's enum registrations;
-    errors still show."""
-    for name in ("torchao", "torch.utils._pytree"):
+    alembic, which the Optuna sweeper imports, lists its plugins. Errors still show."""
+    for name in ("torchao", "torch.utils._pytree", "alembic"):
         logging.getLogger(name).setLevel(logging.ERROR)

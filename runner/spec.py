@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from runner import data as data_module
+from runner import recipes
 from runner.data import DataConfig
 from runner.hardware import Accelerator, HardwareConfig
 from runner.model import BYTES, ModelConfig
@@ -72,18 +73,21 @@ SCHEMAS = {
 }
 
 
-def register(recipes_dir: Path) -> None:
-    """Puts the schemas and the recipes in Hydra's ConfigStore and the `${stdlib:}` resolver in OmegaConf."""
+def register(*recipe_dirs: Path) -> None:
+    """Puts the schemas, the recipes of these directories (later ones shadowing earlier ones) in Hydra's
+    ConfigStore and the `${stdlib:}` resolver in OmegaConf."""
     store = ConfigStore.instance()
     store.store(name="run_spec", node=RunSpec)
     for group, schemas in SCHEMAS.items():
         for name, node in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=node)
-    # recipes/<name>.yaml is the option `recipe=<name>`: a global overlay on the whole spec.
-    for recipe in sorted(recipes_dir.glob("*.yaml")):
-        store.store(group="recipe", name=recipe.stem, node=OmegaConf.load(recipe), package="_global_")
+    # <recipe dir>/<name>.yaml is the option `recipe=<name>`: a global overlay on the whole spec.
+    for name, path in recipes.find(list(recipe_dirs)).items():
+        store.store(group="recipe", name=name, node=recipes.load(path), package="_global_")
     if not OmegaConf.has_resolver("stdlib"):
         OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
+    if not OmegaConf.has_resolver("gpus_per_node"):  # conf/hydra/launcher/: a SLURM job's GPUs, none for CPUs
+        OmegaConf.register_new_resolver("gpus_per_node", lambda accelerator, nproc: nproc if accelerator == "cuda" else None)
 
 
 def load_spec(config: DictConfig) -> RunSpec:
@@ -109,13 +113,17 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
             _reject_unknown_keys(child, f"{prefix}{key}.")
 
 
-def validate(spec: RunSpec) -> RunSpec:
-    """Checks the rules that span fields or need this machine; returns the spec with the hardware detected."""
+def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:
+    """Checks the rules that span fields or need this machine; returns the spec with the hardware detected.
+
+    A spec for other machines (task=estimate, or a job submitted to a cluster) is checked against the hardware
+    it declares instead of this machine's.
+    """
     _check_ranges(spec)
     _check_model(spec.model)
     _check_data(spec.data)
-    estimating = isinstance(spec.task, EstimateTask)
-    spec = replace(spec, hardware=_planned_hardware(spec) if estimating else _check_hardware(spec))
+    planned = isinstance(spec.task, EstimateTask) or not on_this_machine
+    spec = replace(spec, hardware=_planned_hardware(spec) if planned else _check_hardware(spec))
     _check_strategy(spec.strategy, spec.hardware)
     _check_precision(spec)
     if isinstance(spec.strategy, DeepSpeedStrategy):
@@ -211,7 +219,7 @@ def _check_hardware(spec: RunSpec) -> HardwareConfig:
 
 
 def _planned_hardware(spec: RunSpec) -> HardwareConfig:
-    """task=estimate plans for the CUDA hardware the spec declares, which need not be this machine's."""
+    """The CUDA hardware the spec declares, which need not be this machine's."""
     declared = spec.hardware
     if declared.accelerator is not Accelerator.cuda:
         return _check_hardware(spec)

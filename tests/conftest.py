@@ -19,9 +19,9 @@ QUICK = [
 ]
 
 
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The `run` command as a user types it, in its own process."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The `run` command as a user types it, in its own process (with `env` added to the environment)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600
     )

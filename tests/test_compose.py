@@ -1,4 +1,5 @@
-"""Every option of every group composes into a typed spec and validates (or says why not on this machine)."""
+"""Every option of every group composes into a typed spec and validates (or says why not on this machine);
+the recipes have their own tests, in test_recipes.py."""
 
 from pathlib import Path
 
@@ -7,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner import spec as spec_module
-from runner.cli import CONF_DIR, RECIPES_DIR
+from runner.cli import CONF_DIR, GROUP_DIRS, RECIPES_DIR
 from runner.hardware import Accelerator
 from runner.spec import RunSpec, SpecError, load_spec, validate
 
@@ -29,9 +30,8 @@ REQUIRED = {
     # This machine has no fp8: the emulation is what runs here, on the default tiny model's small layers.
     ("precision", "fp8"): lambda tmp: ["precision.fp8.emulate=true", "precision.fp8.min_features=16"],
 }
-OPTIONS = [(group.name, option.stem) for group in sorted(CONF_DIR.iterdir()) if group.is_dir()
+OPTIONS = [(group.name, option.stem) for group in GROUP_DIRS
            for option in sorted(group.glob("*.yaml"))]
-OPTIONS += [("recipe", recipe.stem) for recipe in sorted(RECIPES_DIR.glob("*.yaml"))]
 
 
 def composed(overrides: list[str]) -> RunSpec:
@@ -41,7 +41,7 @@ def composed(overrides: list[str]) -> RunSpec:
 
 def test_every_group_has_options():
     groups = {group for group, _ in OPTIONS}
-    assert {"hardware", "strategy", "precision", "tracker", "model", "data", "optim", "scheduler", "recipe"} <= groups
+    assert {"hardware", "strategy", "precision", "tracker", "model", "data", "optim", "scheduler", "task"} <= groups
 
 
 @pytest.mark.parametrize("group,option", OPTIONS)

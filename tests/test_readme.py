@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from runner.cli import CONF_DIR, RECIPES_DIR
+from runner.cli import GROUP_DIRS, RECIPES_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -23,7 +23,7 @@ def test_quick_start_is_two_commands_and_ci_runs_the_test_one():
 
 def test_group_table_names_every_option():
     table = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.*?) \|", README, re.M)}
-    groups = {p.name: p for p in CONF_DIR.iterdir() if p.is_dir()} | {"recipe": RECIPES_DIR}
+    groups = {p.name: p for p in GROUP_DIRS} | {"recipe": RECIPES_DIR}
     for group, directory in groups.items():
         for option in directory.glob("*.yaml"):
             assert f"`{option.stem}`" in table[group], f"{group}={option.stem} is missing from the README's table"

@@ -1,0 +1,139 @@
+"""Every shipped recipe composes and validates, the GPU ones fit their hardware, the CPU ones train; recipes can
+be listed, copied and edited, and a project's own recipes are found."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from conftest import run_cli
+from runner import memory, recipes
+from runner import spec as spec_module
+from runner.cli import CONF_DIR, RECIPES_DIR
+from runner.hardware import Accelerator
+from runner.spec import RunSpec, load_spec, validate
+from runner.task import TrainTask
+
+spec_module.register(RECIPES_DIR)
+
+RECIPES = sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+CPU_RECIPES = [name for name in RECIPES if name.startswith("cpu_")]
+GPU_RECIPES = [name for name in RECIPES if name not in CPU_RECIPES]
+
+
+def composed(overrides: list[str]) -> RunSpec:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return load_spec(compose("config", overrides=overrides))
+
+
+def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
+    """What `model.pretrained` points at, as far as validation reads it: the config.json of the published model
+    (the architecture the model group of the same name describes)."""
+    model = Path(spec.model.pretrained).name.lower().replace("meta-", "").replace("-", "")
+    name = {"llama38b": "llama3_8b"}[model]
+    architecture = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())["architecture"]
+    (tmp / "config.json").write_text(json.dumps(architecture))
+    return tmp
+
+
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_gpu_recipe_validates_and_fits_its_hardware(recipe, tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "2 + 2 =", "response": " 4"}\n')
+    planned = composed([f"recipe={recipe}"])
+    assert planned.hardware.accelerator is Accelerator.cuda and planned.precision.compute_dtype.value == "bf16"
+    assert planned.model.pretrained == "meta-llama/Meta-Llama-3-8B"
+    checkpoint = local_checkpoint(tmp_path, planned)
+    # task=estimate validates everything but the presence of the GPUs, which this machine may not have.
+    spec = validate(composed([f"recipe={recipe}", f"model.pretrained={checkpoint}", f"data.files={pairs}",
+                              "task=estimate"]))
+    assert memory.facts_of(spec.model).parameters == 8_030_261_248
+    memory.check_fit(replace(spec, task=TrainTask()))  # the check every launch runs: raises if it does not fit
+    assert memory.fit(spec, memory.estimate(spec, memory.facts_of(spec.model))).fits
+
+
+def test_recipes_set_what_their_names_say():
+    two_cards = composed(["recipe=llama3_8b_full_2x4090"])
+    assert (two_cards.strategy.sharding_strategy.value, two_cards.strategy.offload_params,
+            two_cards.strategy.cpu_ram_efficient_loading, two_cards.hardware.nproc_per_node) == ("FULL_SHARD", True, True, 2)
+    one_h100 = composed(["recipe=llama3_8b_full_1xh100"])
+    assert (one_h100.hardware.nproc_per_node, one_h100.strategy.offload_optimizer.value) == (1, "cpu")
+    assert composed(["recipe=llama3_8b_fsdp_8xh100"]).hardware.nproc_per_node == 8
+    zero3 = composed(["recipe=llama3_8b_zero3_offload_2x4090"])
+    assert (zero3.strategy.zero_stage, zero3.strategy.offload_optimizer.value) == (3, "cpu")
+
+
+@pytest.mark.parametrize("recipe", CPU_RECIPES)
+def test_cpu_recipe_trains(recipe, workdir):
+    result = run_cli(f"recipe={recipe}", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [summary_file] = workdir.glob("outputs/*/*/summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["steps"] == composed([f"recipe={recipe}"]).train.max_steps
+    assert summary["eval_loss"] < summary["first_eval_loss"] - 1.0
+
+
+def test_recipes_are_listed_with_what_they_are_for(workdir):
+    result = run_cli("--recipes", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    for name in RECIPES:
+        line = next(line for line in result.stdout.splitlines() if line.strip().startswith(name + " "))
+        assert recipes.first_comment(RECIPES_DIR / f"{name}.yaml") in line
+    assert "hardware=2xrtx4090 strategy=fsdp precision=bf16 model=pretrained data=instruction_files" in result.stdout
+    assert "llama3_8b_full_2x4090" in run_cli("--help", cwd=workdir).stdout
+
+
+def test_a_copied_recipe_is_edited_and_run_in_place_of_the_original(workdir):
+    result = run_cli("--copy-recipe", "cpu_quick", "my_quick", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    copy = workdir / "recipes" / "my_quick.yaml"
+    assert copy.read_text() == (RECIPES_DIR / "cpu_quick.yaml").read_text()
+    copy.write_text(copy.read_text().replace("max_steps: 30", "max_steps: 12"))
+    shown = run_cli("recipe=my_quick", "--cfg", "job", cwd=workdir)
+    assert shown.returncode == 0, shown.stderr
+    assert "max_steps: 12" in shown.stdout
+    listed = run_cli("--recipes", cwd=workdir).stdout
+    assert f"[{Path('recipes') / 'my_quick.yaml'}]" in listed
+    # Never overwrites: copying again onto the same name is refused, the edit kept.
+    again = run_cli("--copy-recipe", "cpu_quick", "my_quick", cwd=workdir)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "exists already" in again.stderr
+    assert "max_steps: 12" in copy.read_text()
+
+
+def test_a_project_recipe_shadows_the_bundled_one_and_a_search_path_adds_more(workdir, tmp_path_factory):
+    (workdir / "recipes").mkdir()
+    (workdir / "recipes" / "cpu_quick.yaml").write_text(
+        "# @package _global_\n# my own quick run\ntrain:\n  max_steps: 5\n")
+    elsewhere = tmp_path_factory.mktemp("team_recipes")
+    (elsewhere / "team.yaml").write_text("# @package _global_\n# the team's run\ndefaults:\n"
+                                         "  - override /optim: sgd\n")
+    env = {recipes.SEARCH_PATH_VARIABLE: str(elsewhere)}
+    assert "max_steps: 5" in run_cli("recipe=cpu_quick", "--cfg", "job", cwd=workdir).stdout
+    shown = run_cli("recipe=team", "--cfg", "job", cwd=workdir, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert "momentum" in shown.stdout  # SGD's schema
+    assert "team " in run_cli("--recipes", cwd=workdir, env=env).stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_fsdp, cpu_quick"),
+    (["--copy-recipe", "no_such"], "no recipe named no_such"),
+    (["--copy-recipe"], "usage: run --copy-recipe <name> [<new name>]"),
+])
+def test_recipe_errors_are_one_line(args, message, workdir):
+    result = run_cli(*args, cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"run: error: {message}") and result.stderr.count("\n") == 1, result.stderr
+    assert not (workdir / "outputs").exists() and not (workdir / "recipes").exists()
+
+
+def test_a_broken_recipe_is_a_one_line_error(workdir):
+    (workdir / "recipes").mkdir()
+    (workdir / "recipes" / "broken.yaml").write_text("train: [max_steps: 5\n")
+    result = run_cli("recipe=cpu_quick", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.startswith("run: error: recipe recipes/broken.yaml is not valid YAML")
+    assert result.stderr.count("\n") == 1
