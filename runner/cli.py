@@ -236,10 +236,9 @@ class ValidateSpec(Callback):
         """`launcher`: the submitit launcher that will start the job, on a cluster's nodes; they are checked there,
         and here the spec against the hardware it declares."""
         try:
-            spec = validate(load_spec(config), on_this_machine=launcher is None)
             if launcher is not None:
-                cluster.check_launcher(launcher, spec)
-            return spec
+                cluster.check_launcher(launcher, config)
+            return validate(load_spec(config), on_this_machine=launcher is None)
         except USER_ERRORS as error:
             raise LaunchRefused(f"{prefix}{one_line(error)}") from None
 

@@ -7,6 +7,7 @@ job starts no launcher of its own.
 from __future__ import annotations
 
 import os
+import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,21 +55,30 @@ def submits_to_cluster(config: DictConfig) -> bool:
     return str(config.hydra.launcher.get("_target_", "")).startswith(SUBMITIT_LAUNCHERS)
 
 
-def check_launcher(launcher: DictConfig, spec: RunSpec) -> None:
-    """The submitit job of a sweep point must have one task per rank of that point's spec."""
+def check_launcher(launcher: DictConfig, job_config: DictConfig) -> None:
+    """The submitit job of a sweep point must have one task per rank of that point's spec, as its hardware option
+    declares it (before validation fills in the submitting machine's)."""
+    from omegaconf.errors import OmegaConfBaseException
+
     from runner.spec import SpecError
 
-    hardware = spec.hardware
-    if hardware.nproc_per_node is None:
+    if launcher._target_.endswith("SlurmLauncher") and not shutil.which("sbatch"):
+        raise SpecError("hydra/launcher=slurm submits with sbatch, which this machine does not have: submit from a "
+                        "SLURM login node, or try the sweep here with hydra/launcher=slurm_local")
+    declared = job_config.hardware
+    if declared.accelerator == "auto" or declared.nproc_per_node is None:
         raise SpecError("a cluster job needs a hardware option that declares its nodes' devices (for example "
                         "hardware=8xh100_80gb, or hardware=cpu hardware.nproc_per_node=2), not hardware=auto: "
                         "the machine that submits is not the one that trains")
-    asked = (launcher.nodes, launcher.tasks_per_node)
-    if asked != (hardware.nnodes, hardware.nproc_per_node):
-        raise SpecError(f"hydra.launcher asks for {asked[0]} node(s) x {asked[1]} task(s) but the spec has "
-                        f"hardware.nnodes={hardware.nnodes} x hardware.nproc_per_node={hardware.nproc_per_node} "
-                        "ranks, one per task; choose hydra/launcher=slurm (or slurm_local), which takes both from "
-                        "the hardware group, and keep them the same across a sweep's points")
+    try:
+        asked = f"{launcher.nodes} node(s) x {launcher.tasks_per_node} task(s)"
+    except OmegaConfBaseException:  # the sweep's own hardware declares no process count
+        asked = "no fixed number of tasks"
+    if asked != f"{declared.nnodes} node(s) x {declared.nproc_per_node} task(s)":
+        raise SpecError(f"hydra.launcher asks for {asked} but the spec has hardware.nnodes={declared.nnodes} x "
+                        f"hardware.nproc_per_node={declared.nproc_per_node} ranks, one per task; choose "
+                        "hydra/launcher=slurm (or slurm_local), which takes both from the hardware group, and keep "
+                        "them the same across a sweep's points")
 
 
 def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:

@@ -1,6 +1,10 @@
-"""A sweep writes its report, one row per job, a failed job shown as failed while the others still run."""
+"""A sweep writes its report, one row per job, a failed job shown as failed while the others still run; the Optuna
+sweeper searches with the run's eval loss as its objective."""
 
 import csv
+
+import pytest
+import yaml
 
 from conftest import QUICK, run_cli
 
@@ -23,3 +27,17 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     assert all(float(row["eval_loss"]) > 0 and float(row["tokens_per_s"]) > 0 for row in rows if row not in failed)
     assert (sweep_dir / "report.md").read_text().count("| completed |") == 3
     assert (sweep_dir / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_optuna_sweeper_minimises_the_eval_loss(workdir):
+    result = run_cli("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
+                     "optim.lr=interval(0.0005,0.01)", *SHORT, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "setup plugin" not in result.stdout + result.stderr  # alembic's chatter, under Optuna
+    [sweep_dir] = workdir.glob("outputs/multirun/*/*")
+    rows = list(csv.DictReader((sweep_dir / "report.csv").open()))
+    assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
+    best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    best_row = min(rows, key=lambda row: float(row["eval_loss"]))
+    assert best["best_value"] == pytest.approx(float(best_row["eval_loss"]))
+    assert f"optim.lr={best['best_params']['optim.lr']}" in best_row["overrides"]

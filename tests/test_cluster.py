@@ -1,0 +1,63 @@
+"""A sweep through Hydra's submitit launcher: one job per point, nodes and tasks from the hardware group, each
+task one rank. submitit's local executor runs it here as SLURM would on a cluster."""
+
+import csv
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import QUICK, run_cli
+from runner import spec as spec_module
+from runner.cli import CONF_DIR, RECIPES_DIR
+
+spec_module.register(RECIPES_DIR)
+
+SHORT = [*QUICK, "train.max_steps=6", "train.log_every=3", "train.eval_every=0", "train.eval_batches=2",
+         "train.save_model=false"]
+
+
+def test_local_executor_runs_a_two_point_sweep_one_rank_per_task(workdir):
+    result = run_cli("-m", "hydra/launcher=slurm_local", "hardware=cpu", "hardware.nproc_per_node=2",
+                     "strategy=ddp,fsdp", *SHORT, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [sweep_dir] = workdir.glob("outputs/multirun/*/*")
+    rows = list(csv.DictReader((sweep_dir / "report.csv").open()))
+    assert [row["swept"] for row in rows] == ["strategy=ddp", "strategy=fsdp"]
+    assert all(row["status"] == "completed" for row in rows)
+    # Swapping the strategy does not change the math, on a cluster either.
+    assert float(rows[0]["eval_loss"]) == pytest.approx(float(rows[1]["eval_loss"]), abs=1e-4)
+    for job in ("0", "1"):
+        job_dir = sweep_dir / job
+        assert json.loads((job_dir / "summary.json").read_text())["steps"] == 6
+        # submitit started both tasks; each was one rank, and none started workers of its own.
+        assert "rank 1 of 2" in (job_dir / "rank1.log").read_text()
+        assert "starting 2 worker processes" not in (job_dir / "run.log").read_text()
+    submitted = sorted(p.name for p in sweep_dir.glob(".submitit/*/*_log.out"))
+    assert len(submitted) == 4 and {name.split("_")[1] for name in submitted} == {"0", "1"}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["hydra/launcher=slurm_local"], "a cluster job needs a hardware option that declares its nodes' devices"),
+    (["hydra/launcher=submitit_local", "hardware=cpu", "hardware.nproc_per_node=2", "strategy=ddp"],
+     "hydra.launcher asks for 1 node(s) x 1 task(s) but the spec has hardware.nnodes=1 x hardware.nproc_per_node=2"),
+    (["hydra/launcher=slurm", "hardware=8xh100_80gb", "strategy=fsdp"], "hydra/launcher=slurm submits with sbatch"),
+])
+def test_cluster_sweeps_that_cannot_work_stop_before_submitting(args, message, workdir):
+    result = run_cli("-m", *args, cwd=workdir)
+    assert result.returncode == 2
+    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert not (workdir / "outputs").exists()
+
+
+@pytest.mark.parametrize("hardware,expected", [
+    (["hardware=8xh100_80gb"], (1, 8, 8)),
+    (["hardware=8xh100_80gb", "hardware.nnodes=4"], (4, 8, 8)),
+    (["hardware=cpu", "hardware.nproc_per_node=2"], (1, 2, None)),
+])
+def test_the_slurm_job_takes_nodes_tasks_and_gpus_from_the_hardware_group(hardware, expected):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        config = compose("config", overrides=["hydra/launcher=slurm", *hardware], return_hydra_config=True)
+    launcher = config.hydra.launcher
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == expected
+    assert launcher._target_.endswith("SlurmLauncher") and launcher.timeout_min == 1440
