@@ -146,6 +146,7 @@ def resume_arguments(args: list[str]) -> list[str]:
 
 def run_job(config: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from runner.job import load_data, prepare_job
     from runner.launch import launch
@@ -170,12 +171,18 @@ def run_job(config: DictConfig) -> float:
         if first and not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
         raise LaunchRefused(str(error)) from None
-    if isinstance(spec.strategy, SingleStrategy):
-        return train(prepare_job(spec, run_dir, identity=identity))["eval_loss"]
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
-    if task is not None:
-        return cluster.run_task(task, spec, run_dir, log_format, identity)["eval_loss"]
-    return launch(spec, run_dir, log_format, identity)["eval_loss"]
+    try:
+        if isinstance(spec.strategy, SingleStrategy):
+            return train(prepare_job(spec, run_dir, identity=identity))["eval_loss"]
+        if task is not None:
+            return cluster.run_task(task, spec, run_dir, log_format, identity)["eval_loss"]
+        return launch(spec, run_dir, log_format, identity)["eval_loss"]
+    except Exception:
+        # Hydra holds a sweep job's error until the whole sweep has run: its log says why it failed now.
+        if hydra_config.mode == RunMode.MULTIRUN:
+            logging.getLogger("runner").exception("the job failed")
+        raise
 
 
 def run_identity(hydra_config: Any, run_dir: Path) -> Any:

@@ -101,4 +101,7 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
+    # submitit reports the task's end in its own files; in run.log, its "completed" would follow a failure that
+    # Hydra caught.
+    logging.getLogger("submitit").propagate = False
     return worker(spec, run_dir, log_format, identity)

@@ -29,15 +29,17 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Stopped(RuntimeError):
-    """A SIGTERM or SIGINT stopped the run after a step, with a checkpoint to resume from."""
+    """A SIGTERM, SIGINT or SIGUSR2 stopped the run after a step, with a checkpoint to resume from."""
 
 
 class GracefulStop:
     """The first SIGTERM or SIGINT asks the loop to stop after the current step, with a checkpoint; another one
     stops the process at once. Signals within a second of the first (a terminal's Ctrl-C reaching the whole
-    process group, then the launcher passing it on) count as that one request."""
+    process group, then the launcher passing it on) count as that one request. SIGUSR2 is the warning a SLURM job
+    of the submitit launcher gets before its time limit; the loop takes it for a SIGTERM too, ahead of submitit's
+    own handler, which would end rank 0 in the middle of a step."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 
     def __init__(self) -> None:
         self.requested: Optional[str] = None

@@ -173,19 +173,22 @@ def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninter
     assert losses(dirs[0]) == reference
 
 
-def test_a_second_signal_stops_at_once(tmp_path):
-    """The loop's handler: the first SIGINT asks for a stop after the step, a later one ends the process."""
-    probe = textwrap.dedent("""
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGUSR2"])
+def test_a_second_signal_stops_at_once(signal_name, tmp_path):
+    """The loop's handler: the first signal asks for a stop after the step, a later one ends the process. SIGUSR2,
+    SLURM's warning before a time limit under the submitit launcher, which installs its own handler first."""
+    probe = textwrap.dedent(f"""
         import os, signal, time
+        signal.signal(signal.SIGUSR2, lambda *args: print("submitit's handler", flush=True))
         from runner.train import GracefulStop
         stop = GracefulStop()
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.{signal_name})
         time.sleep(1.2)
         print("first:", stop.requested, flush=True)
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.{signal_name})
         time.sleep(10)
         print("still running", flush=True)
     """)
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert result.stdout.strip() == "first: SIGINT"
-    assert result.returncode == -signal.SIGINT
+    assert result.stdout.strip() == f"first: {signal_name}"
+    assert result.returncode == -getattr(signal, signal_name)
