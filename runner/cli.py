@@ -310,8 +310,19 @@ def spec_file(spec: spec_module.RunSpec, hydra_config: Any, run_dir: Path) -> st
     return "\n".join(header) + spec_module.to_yaml(spec)
 
 
+# Options of Hydra's own groups that its plugins provide, and the package of each plugin.
+HYDRA_PLUGINS = {
+    "hydra/sweeper/optuna": "hydra-optuna-sweeper",
+    "hydra/launcher/submitit_slurm": "hydra-submitit-launcher",
+    "hydra/launcher/submitit_local": "hydra-submitit-launcher",
+}
+
+
 def one_line(error: BaseException) -> str:
     """The message a user needs, on one line, without Hydra's and OmegaConf's report layout."""
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file in HYDRA_PLUGINS:
+        package = HYDRA_PLUGINS[error.missing_cfg_file]
+        return f"{error.missing_cfg_file} comes with Hydra's {package} plugin, which is not installed: pip install {package}"
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
         group, _, option = error.missing_cfg_file.rpartition("/")
         return f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"

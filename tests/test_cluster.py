@@ -61,3 +61,14 @@ def test_the_slurm_job_takes_nodes_tasks_and_gpus_from_the_hardware_group(hardwa
     launcher = config.hydra.launcher
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == expected
     assert launcher._target_.endswith("SlurmLauncher") and launcher.timeout_min == 1440
+
+
+@pytest.mark.parametrize("missing,package", [("hydra/sweeper/optuna", "hydra-optuna-sweeper"),
+                                             ("hydra/launcher/submitit_slurm", "hydra-submitit-launcher")])
+def test_a_missing_hydra_plugin_names_its_package(missing, package):
+    from hydra.errors import MissingConfigException
+
+    from runner.cli import one_line
+
+    error = MissingConfigException(f"Could not load '{missing}'.", missing_cfg_file=missing, options=["basic"])
+    assert one_line(error).endswith(f"plugin, which is not installed: pip install {package}")
