@@ -1,5 +1,6 @@
 """The sweep report: after each job of a sweep, `report.md`, `report.csv` and `loss_curves.png` in the sweep
-directory, one row per job so far (a failed job as failed), so that a sweep that dies still leaves its report."""
+directory, one row per job so far (a failed job as failed, with its error), so that a sweep that dies still
+leaves its report; once more when the sweep ends, when the jobs that ran side by side (on a cluster) are all done."""
 
 from __future__ import annotations
 
@@ -12,20 +13,37 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib", "wall_time_s"]
+from runner import cluster
+
+COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib",
+           "wall_time_s", "error"]
+# A failed job's error, in its run directory: the report's `error` column and a job's status before the sweep ends.
+ERROR_FILE = "error.txt"
 
 
 class SweepReport(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
         from hydra.types import RunMode
 
-        if config.hydra.mode != RunMode.MULTIRUN:
+        # Every task of a cluster job ends the job; the first one, which wrote its summary, reports it.
+        if config.hydra.mode != RunMode.MULTIRUN or not cluster.is_first_task():
             return
-        write_report(Path(config.hydra.sweep.dir))
+        if job_return.status is JobStatus.FAILED:
+            try:
+                job_return.return_value  # raises the job's error
+            except Exception as error:
+                message = " ".join(str(error).split())
+                (Path(config.hydra.runtime.output_dir) / ERROR_FILE).write_text(f"{type(error).__name__}: {message}\n")
+        write_report(Path(config.hydra.sweep.dir), ended=False)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        write_report(Path(config.hydra.sweep.dir), ended=True)
 
 
-def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
-    """One row per finished job directory: its overrides, and its summary when it completed."""
+def job_rows(sweep_dir: Path, ended: bool) -> list[dict[str, Any]]:
+    """One row per job directory: its overrides, its summary when it completed, its error when it failed; a job
+    with neither is still running, or, once the sweep has ended, failed without a word (killed)."""
     import yaml
 
     rows = []
@@ -34,12 +52,15 @@ def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
         summary_file = job_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+        error_file = job_dir / ERROR_FILE
+        error = error_file.read_text().strip() if error_file.exists() else None
         rows.append({
             "job": job_dir.name,
             "overrides": " ".join(overrides),
             "swept": overrides,
-            "status": "completed" if summary else "failed",
-            **{key: summary.get(key) for key in COLUMNS[4:]},
+            "status": "completed" if summary else "failed" if error or ended else "running",
+            **{key: summary.get(key) for key in COLUMNS[4:-1]},
+            "error": error,
         })
     # What tells the jobs apart: the overrides not shared by all of them.
     shared = set.intersection(*(set(row["swept"]) for row in rows)) if rows else set()
@@ -48,8 +69,8 @@ def job_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_report(sweep_dir: Path) -> None:
-    rows = job_rows(sweep_dir)
+def write_report(sweep_dir: Path, ended: bool) -> None:
+    rows = job_rows(sweep_dir, ended)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
     writer.writeheader()

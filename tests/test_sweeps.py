@@ -25,6 +25,7 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     assert failed[0]["overrides"].endswith(
         "model.architecture.num_attention_heads=4 model.architecture.num_key_value_heads=3")
     assert "the job failed" in (sweep_dir / failed[0]["job"] / "run.log").read_text()  # when it failed, not at the end
+    assert failed[0]["error"].startswith("RuntimeError: The size of tensor a (4) must match the size of tensor b (3)")
     assert all(float(row["eval_loss"]) > 0 and float(row["tokens_per_s"]) > 0 for row in rows if row not in failed)
     assert (sweep_dir / "report.md").read_text().count("| completed |") == 3
     assert (sweep_dir / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
