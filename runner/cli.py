@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import cluster, recipes
+from runner import accelerate_config, cluster, recipes
 from runner import spec as spec_module
 from runner.checkpoint import complete_checkpoints
 from runner.spec import SpecError, load_spec, validate
@@ -73,6 +73,12 @@ def main() -> None:
         if args[:1] == ["--copy-recipe"]:
             copy_recipe(recipe_dirs, args[1:])
             return
+        if args[:1] == ["--from-accelerate"]:
+            recipe_from_accelerate(args[1:])
+            return
+        if args[:1] == ["--to-accelerate"]:
+            print_accelerate_config(recipe_dirs, args[1:])
+            return
         spec_module.register(*recipe_dirs)
         sys.argv[1:] = resume_arguments(sys.argv[1:])
         hydra_main()
@@ -102,6 +108,26 @@ def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
         raise recipes.RecipeError("usage: run --copy-recipe <name> [<new name>]")
     target = recipes.copy(recipe_dirs, args[0], args[1] if len(args) == 2 else None)
     print(f"copied recipe {args[0]} to {target}; edit it and run it with: run recipe={target.stem}")
+
+
+def recipe_from_accelerate(args: list[str]) -> None:
+    if len(args) not in (1, 2):
+        raise recipes.RecipeError("usage: run --from-accelerate <accelerate config .yaml> [<recipe name>]")
+    target, lines = accelerate_config.write_recipe(Path(args[0]), args[1] if len(args) == 2 else None)
+    print("\n".join(lines))
+    print(f"wrote {target}; run it with: run recipe={target.stem}")
+
+
+def print_accelerate_config(recipe_dirs: list[Path], overrides: list[str]) -> None:
+    """The accelerate config of the spec that `run <overrides>` would compose; what it cannot say, on stderr."""
+    from hydra import compose, initialize_config_dir
+
+    spec_module.register(*recipe_dirs)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        spec = load_spec(compose("config", overrides=overrides))
+    text, notes = accelerate_config.accelerate_file(spec)
+    print(text, end="")
+    print("\n".join(notes), file=sys.stderr)
 
 
 def refuse(message: str) -> None:
@@ -363,6 +389,8 @@ def help_text(recipe_dirs: list[Path]) -> str:
             "  run --cfg job [overrides]                 print the resolved spec and exit",
             "  run --recipes                             list the recipes, what each is for and what it sets",
             "  run --copy-recipe <name> [<new name>]     copy a recipe into ./recipes to edit it",
+            "  run --from-accelerate <file> [<name>]     turn an accelerate config file into ./recipes/<name>.yaml",
+            "  run --to-accelerate [overrides]           print the accelerate config file of a spec",
             "  run -m hydra/sweeper=optuna 'optim.lr=interval(1e-4,1e-2)'   search, minimising the eval loss",
             "  run -m hydra/launcher=slurm ...           one SLURM job per sweep point (slurm_local: on this machine)",
             "",
