@@ -1,11 +1,12 @@
-"""bf16 against fp8 on one GPU machine: tokens/s and MFU of the same model, strategy and batch (not a test).
+"""bf16 against fp8 on one GPU: tokens/s and MFU of Llama-3.2-1B's architecture, single and FSDP (not a test).
 
-    python bench/precision_throughput.py                      # a 1.3B Llama, strategy=single, 40 steps
-    python bench/precision_throughput.py strategy=fsdp hardware.nproc_per_node=8
+    python bench/precision_throughput.py                      # one GPU: strategy=single and fsdp, 40 steps each
+    python bench/precision_throughput.py --strategies fsdp hardware.nproc_per_node=8   # all GPUs of the machine
 
-Each precision is a real `run` of the runner in its own process; the figures come from its metrics.jsonl
+Each row is a real `run` of the runner in its own process; the figures come from its metrics.jsonl
 (the steady state: the first logged window, which holds the warm-up, is left out). MFU is against the GPU's
-dense bf16 peak for both rows, so the fp8 row shows how much more of that peak the same work reaches.
+dense bf16 peak for every row, so the fp8 rows show how much more of that peak the same work reaches. FSDP on
+one GPU shards nothing; it measures what FSDP2's wrapping and mixed-precision policy cost against a plain model.
 Prints a Markdown table to paste into docs/benchmarks.md with the date and the GPU.
 """
 
@@ -16,17 +17,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-# About 1.3B parameters with widths fp8 pays off at (torchao: both matmul dimensions of 2048 and more).
-MODEL = [
-    "model.architecture.hidden_size=2048",
-    "model.architecture.intermediate_size=8192",
-    "model.architecture.num_hidden_layers=24",
-    "model.architecture.num_attention_heads=16",
-    "model.architecture.num_key_value_heads=8",
-    "model.architecture.max_position_embeddings=2048",
-]
+# Llama-3.2-1B's shapes (1.24B parameters; fp8 converts the blocks' linear layers, all 2048 wide and more).
+MODEL = ["model=llama3_2_1b"]
 RUN = ["data.seq_len=2048", "train.micro_batch_size=4", "train.max_steps=40", "train.log_every=10",
        "train.eval_every=0", "train.eval_batches=1", "train.save_model=false"]
+STRATEGIES = {"single": ["strategy=single"], "fsdp": ["strategy=fsdp"]}
 PRECISIONS = {"bf16": ["precision=bf16"], "fp8 tensorwise": ["precision=fp8"],
               "fp8 rowwise": ["precision=fp8", "precision.fp8.recipe=rowwise"]}
 
@@ -51,23 +46,30 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("precision_throughput: needs a CUDA GPU (fp8 needs compute capability 8.9+)")
-    extra = sys.argv[1:]
+    args = sys.argv[1:]
+    strategies = list(STRATEGIES)
+    if "--strategies" in args:
+        at = args.index("--strategies")
+        strategies = args[at + 1].split(",")
+        del args[at : at + 2]
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, precision in PRECISIONS.items():
-            rows[name] = measure([*MODEL, *RUN, *precision, *extra], Path(tmp) / name.replace(" ", "_"))
+        for strategy in strategies:
+            for name, precision in PRECISIONS.items():
+                workdir = Path(tmp) / f"{strategy}_{name.replace(' ', '_')}"
+                rows[strategy, name] = measure([*MODEL, *RUN, *STRATEGIES[strategy], *precision, *args], workdir)
     print(f"{datetime.date.today()} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"overrides: {' '.join(extra) or '(none)'}\n")
-    print("| precision | tokens/s | vs bf16 | MFU | peak memory GiB | fp8 linear layers |")
-    print("|---|---|---|---|---|---|")
-    base = rows["bf16"].get("tokens_per_s")
-    for name, row in rows.items():
+          f"overrides: {' '.join(args) or '(none)'}\n")
+    print("| strategy | precision | tokens/s | vs bf16 | MFU | peak memory GiB | fp8 linear layers |")
+    print("|---|---|---|---|---|---|---|")
+    for (strategy, name), row in rows.items():
         if "error" in row:
-            print(f"| {name} | failed: {row['error']} | | | | |")
+            print(f"| {strategy} | {name} | failed: {row['error']} | | | | |")
             continue
+        base = rows[strategy, "bf16"].get("tokens_per_s")
         ratio = f"{row['tokens_per_s'] / base:.2f}x" if base else "-"
-        print(f"| {name} | {row['tokens_per_s']:.0f} | {ratio} | {row['mfu']:.1%} | {row['peak_memory_gib']:.1f} | "
-              f"{row['precision'].get('fp8_linear_layers', 0)} |")
+        print(f"| {strategy} | {name} | {row['tokens_per_s']:.0f} | {ratio} | {row['mfu']:.1%} | "
+              f"{row['peak_memory_gib']:.1f} | {row['precision'].get('fp8_linear_layers', 0)} |")
 
 
 if __name__ == "__main__":

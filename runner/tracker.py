@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Protocol
@@ -65,8 +66,9 @@ class Tracker(Protocol):
 
 
 class MetricsFile:
-    """One JSON object per logged step, appended and flushed as it comes. A resumed run first drops the records
-    after its checkpoint's step, which it is about to log again."""
+    """One JSON object per logged step, appended and flushed as it comes, with the wall-clock time it was
+    written at (`time`, seconds since the epoch). A resumed run first drops the records after its checkpoint's
+    step, which it is about to log again."""
 
     def __init__(self, path: Path, start_step: int = 0):
         if start_step and path.exists():
@@ -75,7 +77,7 @@ class MetricsFile:
         self._file = open(path, "a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 

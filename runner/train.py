@@ -122,10 +122,13 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
 
     for step in range(job.start_step + 1, cfg.max_steps + 1):
         tic = time.perf_counter()
-        micro_batches = [{k: v.to(job.device) for k, v in batch.items()} for batch in next(batches)]
+        host_batches = next(batches)
         # The loss is the mean over every label token of the global batch, whatever way it is split. Data-parallel
         # strategies average gradients over ranks, so each rank's share is scaled by dp_size to make that a sum.
-        label_tokens = all_ranks_sum(sum(count_label_tokens(batch) for batch in micro_batches))
+        # Each collective is a point where every rank waits for the slowest: a step has two.
+        label_tokens, step_tokens = all_ranks_sums([sum(count_label_tokens(batch) for batch in host_batches),
+                                                    sum(int(batch["attention_mask"].sum()) for batch in host_batches)])
+        micro_batches = [{k: v.to(job.device) for k, v in batch.items()} for batch in host_batches]
         step_loss = torch.zeros((), device=job.device)
         for i, batch in enumerate(micro_batches):
             with job.gradient_sync(i == len(micro_batches) - 1):
@@ -142,13 +145,15 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
             log.warning("step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
                         step, cfg.max_steps, outcome.loss_scale)
 
-        step_loss = all_ranks_sum(step_loss.item())  # also waits for the device, so the timing is the step's own
+        # The loss's .item() also waits for the device, so the timing is the step's own. Every rank stops after
+        # the same step.
+        step_loss, stop_votes = all_ranks_sums([step_loss.item(), stop.requested is not None])
+        stopping = stop_votes > 0
         if not math.isfinite(step_loss):
             last_good = checkpoint.complete_checkpoints(job.run_dir)
             raise NonFiniteLoss(f"the loss is {step_loss} at step {step}; the last good checkpoint is "
                                 f"{last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
         elapsed = time.perf_counter() - tic
-        step_tokens = all_ranks_sum(sum(int(batch["attention_mask"].sum()) for batch in micro_batches))
         train_time, tokens_seen = train_time + elapsed, tokens_seen + step_tokens
         window_loss, window_tokens = window_loss + step_loss, window_tokens + step_tokens
         window_time, window_steps = window_time + elapsed, window_steps + 1
@@ -178,7 +183,6 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             eval_loss = evaluate(job, step)
             model.train()
-        stopping = all_ranks_sum(stop.requested is not None) > 0  # every rank stops after the same step
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
             saved = checkpoint.save(job, step, {"tokens_seen": tokens_seen, "train_time": train_time,
                                                 "first_eval_loss": first_eval_loss, "skipped_steps": skipped_steps})
@@ -257,26 +261,31 @@ def count_label_tokens(batch: Batch) -> int:
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy, computed in fp32 whatever dtype the forward ran in."""
+    """Summed next-token cross entropy, computed in fp32 whatever dtype the forward ran in. The labels are shifted
+    (the last position gets IGNORE) rather than the logits, whose slice would be a copy of the largest activation."""
     import torch.nn.functional as F
 
     from runner.data import IGNORE
 
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE, reduction="sum"
-    )
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def all_ranks_sum(value: float) -> float:
     """The sum of a number over all ranks (the number itself in a single process)."""
+    return all_ranks_sums([value])[0]
+
+
+def all_ranks_sums(values: list[float]) -> list[float]:
+    """The sums of several numbers over all ranks, in one collective."""
     import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    total = torch.tensor(float(value), dtype=torch.float64)
-    dist.all_reduce(total)
-    return total.item()
+        return list(values)
+    totals = torch.tensor([float(value) for value in values], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return totals.tolist()
 
 
 def evaluate(job: PreparedJob, step: int) -> float:

@@ -1,0 +1,77 @@
+"""The same training loop written with accelerate's `Accelerator`; FSDP through its FSDP2 plugin.
+
+    accelerate launch --num_processes 1 bench/peers/accelerate_loop.py --plan plan.json --records steps.jsonl
+    accelerate launch --multi_gpu --num_processes 2 bench/peers/accelerate_loop.py ... --strategy fsdp
+"""
+
+import argparse
+
+import torch
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+
+from shared import StepLog, read_plan, token_rows, unsupported
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--records", required=True)
+    parser.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
+    args = parser.parse_args()
+    plan = read_plan(args.plan)
+
+    fsdp = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        reshard_after_forward=True,
+    ) if args.strategy == "fsdp" else None
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), fsdp_plugin=fsdp)
+    if args.strategy == "fsdp" and accelerator.distributed_type is not DistributedType.FSDP:
+        unsupported(f"accelerate runs FSDP on accelerators only; here it would run {accelerator.distributed_type}")
+
+    torch.manual_seed(plan["seed"])
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]), dtype=torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": plan["weight_decay"]},
+         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+        lr=plan["lr"], betas=plan["betas"], eps=plan["eps"],
+    )
+    # The prepared scheduler steps once per process at each optimizer step, so its lengths count all processes.
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=plan["warmup_steps"] * accelerator.num_processes,
+        num_training_steps=plan["max_steps"] * accelerator.num_processes, min_lr_rate=plan["min_lr_ratio"],
+    )
+    loader = DataLoader(token_rows(plan), batch_size=plan["micro_batch_size"])
+    model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
+
+    log = StepLog(args.records)
+    window = torch.zeros((), device=accelerator.device)
+    since_log = 0
+    model.train()
+    for step, batch in enumerate(loader, start=1):
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), plan["max_grad_norm"])
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+
+        window += loss.detach()
+        since_log += 1
+        if step % plan["log_every"] == 0 or step == plan["max_steps"]:
+            log.record(step, accelerator.reduce(window, "mean").item() / since_log)
+            window.zero_()
+            since_log = 0
+        if step == plan["max_steps"]:
+            break
+
+    if accelerator.is_main_process:
+        log.save()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
