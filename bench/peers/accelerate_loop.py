@@ -4,7 +4,6 @@
     accelerate launch --multi_gpu --num_processes 2 bench/peers/accelerate_loop.py ... --strategy fsdp
 """
 
-import argparse
 
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
@@ -12,16 +11,11 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
-from shared import StepLog, read_plan, token_rows, unsupported
+from shared import StepLog, arguments, token_rows, unsupported
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--records", required=True)
-    parser.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
-    args = parser.parse_args()
-    plan = read_plan(args.plan)
+    args, plan = arguments()
 
     fsdp = FullyShardedDataParallelPlugin(
         fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],

@@ -4,7 +4,6 @@
     torchrun --standalone --nproc_per_node 2 bench/peers/hand_loop.py --plan plan.json --records steps.jsonl --strategy fsdp
 """
 
-import argparse
 import math
 import os
 
@@ -15,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared import StepLog, read_plan, token_rows
+from shared import StepLog, arguments, token_rows
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -29,12 +28,7 @@ def warmup_cosine(warmup: int, total: int, min_ratio: float):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--records", required=True)
-    parser.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
-    args = parser.parse_args()
-    plan = read_plan(args.plan)
+    args, plan = arguments()
 
     distributed = args.strategy != "single"
     cuda = torch.cuda.is_available()

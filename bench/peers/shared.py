@@ -4,14 +4,21 @@ The plan holds the runner's own settings (resolved by bench/compare_loops.py fro
 contender trains the same model from the same seed on the same rows with the same optimizer.
 """
 
+import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
 
-def read_plan(path: str) -> dict:
-    return json.loads(Path(path).read_text())
+def arguments() -> tuple[argparse.Namespace, dict]:
+    """A peer script's command line (what the harness passes every contender) and the plan it names."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--records", required=True)
+    parser.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
+    args = parser.parse_args()
+    return args, json.loads(Path(args.plan).read_text())
 
 
 def token_rows(plan: dict):

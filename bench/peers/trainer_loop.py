@@ -4,14 +4,13 @@
     torchrun --standalone --nproc_per_node 2 bench/peers/trainer_loop.py ... --strategy fsdp
 """
 
-import argparse
 import tempfile
 
 import torch
 from torch.utils.data import Dataset
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from shared import StepLog, read_plan, token_rows, unsupported
+from shared import StepLog, arguments, token_rows, unsupported
 
 
 class CausalLMRows(Dataset):
@@ -35,12 +34,7 @@ class LogTimes(TrainerCallback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--records", required=True)
-    parser.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
-    args = parser.parse_args()
-    plan = read_plan(args.plan)
+    args, plan = arguments()
 
     torch.manual_seed(plan["seed"])
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]), dtype=torch.float32)
