@@ -271,13 +271,8 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
-def all_ranks_sum(value: float) -> float:
-    """The sum of a number over all ranks (the number itself in a single process)."""
-    return all_ranks_sums([value])[0]
-
-
 def all_ranks_sums(values: list[float]) -> list[float]:
-    """The sums of several numbers over all ranks, in one collective."""
+    """The sums of several numbers over all ranks, in one collective (the numbers themselves in a single process)."""
     import torch
     import torch.distributed as dist
 
@@ -301,7 +296,8 @@ def evaluate(job: PreparedJob, step: int) -> float:
                 logits = job.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             loss_sum += causal_lm_loss_sum(logits, batch["labels"])
             label_tokens += count_label_tokens(batch)
-    eval_loss = all_ranks_sum(loss_sum.item()) / all_ranks_sum(label_tokens)
+    total_loss, total_tokens = all_ranks_sums([loss_sum.item(), label_tokens])
+    eval_loss = total_loss / total_tokens
     for tracker in job.trackers:
         tracker.log({"eval_loss": eval_loss}, step)
     log.info("step %d/%d | eval loss %.4f", step, job.spec.train.max_steps, eval_loss)
