@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner import accelerate_config, cluster, recipes
+from runner import cluster, recipes
 from runner import spec as spec_module
 from runner.checkpoint import complete_checkpoints
 from runner.spec import SpecError, load_spec, validate
@@ -79,8 +79,8 @@ def main() -> None:
         if args[:1] == ["--to-accelerate"]:
             print_accelerate_config(recipe_dirs, args[1:])
             return
-        spec_module.register(*recipe_dirs)
         sys.argv[1:] = resume_arguments(sys.argv[1:])
+        spec_module.register(*choosable_recipes(recipe_dirs, sys.argv[1:]))
         hydra_main()
     except USER_ERRORS as error:
         refuse(one_line(error))
@@ -103,6 +103,19 @@ def main() -> None:
         sys.exit(EXIT_STOPPED)
 
 
+# Flags that name another primary config, whose defaults list may choose a recipe.
+PRIMARY_CONFIG_FLAGS = ("--config-name", "-cn", "--config-dir", "-cd", "--config-path", "-cp")
+
+
+def choosable_recipes(recipe_dirs: list[Path], args: list[str]) -> list[Path]:
+    """The recipe directories, when these arguments can choose a recipe: one of them names the group (`recipe=`, a
+    sweep over it, a sweeper's parameter) or another primary config. Otherwise none: Hydra copies every config
+    stored for it each time it composes, and reading and copying the recipes would slow every `run`."""
+    if any("recipe" in arg or arg.startswith(PRIMARY_CONFIG_FLAGS) for arg in args):
+        return recipe_dirs
+    return []
+
+
 def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
     if len(args) not in (1, 2):
         raise recipes.RecipeError("usage: run --copy-recipe <name> [<new name>]")
@@ -113,6 +126,8 @@ def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
 def recipe_from_accelerate(args: list[str]) -> None:
     if len(args) not in (1, 2):
         raise recipes.RecipeError("usage: run --from-accelerate <accelerate config .yaml> [<recipe name>]")
+    from runner import accelerate_config
+
     target, lines = accelerate_config.write_recipe(Path(args[0]), args[1] if len(args) == 2 else None)
     print("\n".join(lines))
     print(f"wrote {target}; run it with: run recipe={target.stem}")
@@ -122,7 +137,9 @@ def print_accelerate_config(recipe_dirs: list[Path], overrides: list[str]) -> No
     """The accelerate config of the spec that `run <overrides>` would compose; what it cannot say, on stderr."""
     from hydra import compose, initialize_config_dir
 
-    spec_module.register(*recipe_dirs)
+    from runner import accelerate_config
+
+    spec_module.register(*choosable_recipes(recipe_dirs, overrides))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         spec = load_spec(compose("config", overrides=overrides))
     text, notes = accelerate_config.accelerate_file(spec)
@@ -192,7 +209,7 @@ def run_job(config: DictConfig) -> float:
     identity = run_identity(hydra_config, run_dir)
     logging.getLogger("runner").info("run directory %s | reading and tokenizing the data", run_dir)
     try:
-        load_data(spec)
+        loaded = load_data(spec)
     except SpecError as error:
         if first and not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
@@ -200,7 +217,7 @@ def run_job(config: DictConfig) -> float:
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
     try:
         if isinstance(spec.strategy, SingleStrategy):
-            return train(prepare_job(spec, run_dir, identity=identity))["eval_loss"]
+            return train(prepare_job(spec, run_dir, identity=identity, loaded=loaded))["eval_loss"]
         if task is not None:
             return cluster.run_task(task, spec, run_dir, log_format, identity)["eval_loss"]
         return launch(spec, run_dir, log_format, identity)["eval_loss"]

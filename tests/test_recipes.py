@@ -130,10 +130,13 @@ def test_recipe_errors_are_one_line(args, message, workdir):
     assert not (workdir / "outputs").exists() and not (workdir / "recipes").exists()
 
 
-def test_a_broken_recipe_is_a_one_line_error(workdir):
+def test_a_broken_recipe_is_a_one_line_error_where_a_recipe_is_chosen(workdir):
     (workdir / "recipes").mkdir()
     (workdir / "recipes" / "broken.yaml").write_text("train: [max_steps: 5\n")
     result = run_cli("recipe=cpu_quick", cwd=workdir)
     assert result.returncode == 2
     assert result.stderr.startswith("run: error: recipe recipes/broken.yaml is not valid YAML")
     assert result.stderr.count("\n") == 1
+    # A command line that chooses no recipe does not read them (Hydra would copy them at every composition).
+    plain = run_cli("--cfg", "job", cwd=workdir)
+    assert plain.returncode == 0 and "max_steps: 200" in plain.stdout, plain.stderr
