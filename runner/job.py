@@ -52,7 +52,10 @@ class PreparedJob:
         return self.spec.train.micro_batch_size * self.dp_size * self.spec.train.grad_accum_steps
 
 
-def load_data(spec: RunSpec) -> tuple[PreTrainedTokenizerBase, datasets.Dataset, datasets.Dataset]:
+LoadedData = tuple["PreTrainedTokenizerBase", "datasets.Dataset", "datasets.Dataset"]
+
+
+def load_data(spec: RunSpec) -> LoadedData:
     """The tokenizer and the tokenized splits, checked to hold at least one global and one eval batch.
 
     The controller calls it before starting workers, so that data problems stop the job early and the workers
@@ -77,15 +80,17 @@ def load_data(spec: RunSpec) -> tuple[PreTrainedTokenizerBase, datasets.Dataset,
 
 
 def prepare_job(
-    spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks(), identity: Optional[tracker.RunIdentity] = None
+    spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks(), identity: Optional[tracker.RunIdentity] = None,
+    loaded: Optional[LoadedData] = None,
 ) -> PreparedJob:
+    """`loaded`: what load_data returned for this spec in this process, when it has been called already."""
     import torch
 
     cuda = spec.hardware.accelerator is Accelerator.cuda
     device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
     dp_size = strategy.data_parallel_size(spec.strategy, ranks.world_size)
     train = spec.train
-    tokenizer, train_set, eval_set = load_data(spec)
+    tokenizer, train_set, eval_set = loaded or load_data(spec)
 
     torch.manual_seed(spec.seed)
     model = model_module.build_model(spec.model, tokenizer, weights=strategy.loads_weights(spec.strategy, ranks.rank))
