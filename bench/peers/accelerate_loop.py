@@ -11,7 +11,7 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
-from shared import StepLog, arguments, token_rows, unsupported
+from shared import StepLog, arguments, evaluate_first, token_rows, unsupported
 
 
 def main() -> None:
@@ -38,10 +38,12 @@ def main() -> None:
         optimizer, num_warmup_steps=plan["warmup_steps"] * accelerator.num_processes,
         num_training_steps=plan["max_steps"] * accelerator.num_processes, min_lr_rate=plan["min_lr_ratio"],
     )
-    loader = DataLoader(token_rows(plan), batch_size=plan["micro_batch_size"])
+    rows, eval_rows = token_rows(plan)
+    loader = DataLoader(rows, batch_size=plan["micro_batch_size"])
     model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
 
     log = StepLog(args.records)
+    evaluate_first(model, eval_rows, plan["micro_batch_size"], accelerator.device, log)
     window = torch.zeros((), device=accelerator.device)
     since_log = 0
     model.train()
@@ -56,7 +58,7 @@ def main() -> None:
         window += loss.detach()
         since_log += 1
         if step % plan["log_every"] == 0 or step == plan["max_steps"]:
-            log.record(step, accelerator.reduce(window, "mean").item() / since_log)
+            log.record(step, loss=accelerator.reduce(window, "mean").item() / since_log)
             window.zero_()
             since_log = 0
         if step == plan["max_steps"]:

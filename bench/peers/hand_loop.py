@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared import StepLog, arguments, token_rows
+from shared import StepLog, arguments, evaluate_first, token_rows
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -61,11 +61,12 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, warmup_cosine(plan["warmup_steps"], plan["max_steps"], plan["min_lr_ratio"]))
 
-    rows = token_rows(plan)
+    rows, eval_rows = token_rows(plan)
     sampler = DistributedSampler(rows, shuffle=False) if distributed else None
     loader = DataLoader(rows, batch_size=plan["micro_batch_size"], sampler=sampler)
 
     log = StepLog(args.records)
+    evaluate_first(model, eval_rows, plan["micro_batch_size"], device, log)
     window = torch.zeros((), device=device)
     since_log = 0
     model.train()
@@ -83,7 +84,7 @@ def main() -> None:
         if step % plan["log_every"] == 0 or step == plan["max_steps"]:
             if distributed:
                 dist.all_reduce(window)
-            log.record(step, window.item() / world / since_log)
+            log.record(step, loss=window.item() / world / since_log)
             window.zero_()
             since_log = 0
         if step == plan["max_steps"]:

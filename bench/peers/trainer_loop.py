@@ -30,7 +30,7 @@ class LogTimes(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
-            self.log.record(state.global_step, logs["loss"])
+            self.log.record(state.global_step, loss=logs["loss"])
 
 
 def main() -> None:
@@ -64,7 +64,7 @@ def main() -> None:
             **(fsdp if args.strategy == "fsdp" else {}),
         )
         log = StepLog(args.records)
-        trainer = Trainer(model=model, args=training, train_dataset=CausalLMRows(token_rows(plan)),
+        trainer = Trainer(model=model, args=training, train_dataset=CausalLMRows(token_rows(plan)[0]),
                           callbacks=[LogTimes(log)])
         if args.strategy == "fsdp" and not trainer.is_fsdp_enabled:
             unsupported(f"the Trainer runs FSDP on accelerators only; here it would run "
