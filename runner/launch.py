@@ -108,7 +108,9 @@ def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     quiet_worker(spec.hardware.accelerator.value)
     if spec.hardware.accelerator.value == "cuda":
         torch.cuda.set_device(ranks.local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", ranks.local_rank))
+        # NCCL reduces CUDA tensors only. Gloo takes the CPU ones: the loop's host-side sums, and under FSDP's
+        # offload_params the gradients on the CPU that clipping reduces and the buffers that loading broadcasts.
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", ranks.local_rank))
     else:
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does, instead of oversubscribing them
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
