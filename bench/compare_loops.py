@@ -63,6 +63,7 @@ FIRST_STEP_MARGIN_S = 2.0
 RUNNER_FIRST_STEP = "run (default job)"
 HAND_FIRST_STEP = "python hand_loop.py, evaluating first"
 BARE_HAND_FIRST_STEP = "python hand_loop.py, without the evaluation"
+HYDRA_FLOOR = "python -c 'import hydra, omegaconf'"  # what any Hydra app pays before it composes a config
 QUICK_REPEATS = 5  # runs of `run --help` and `run --cfg job` in each start-up round: a second each
 
 
@@ -374,7 +375,8 @@ def config_verdicts(config: str, medians: dict[str, float | None]) -> list[str]:
 def startup_section(spec, repeats: int, threads: int, workdir: Path) -> str:
     """Wall times of the runner's cheap commands, and process start to the end of the first optimizer step."""
     env = child_env(threads)
-    quick = {"run --help": [*run_command(), "--help"], "run --cfg job": [*run_command(), "--cfg", "job"]}
+    quick = {"run --help": [*run_command(), "--help"], "run --cfg job": [*run_command(), "--cfg", "job"],
+             HYDRA_FLOOR: [sys.executable, "-c", "import hydra, omegaconf"]}
     # The default run, stopped after one step, evaluates before it as every run does; the equivalent scripts
     # evaluate the same rows first too, and the hand-written loop runs once more without that evaluation.
     plans = {}
@@ -424,12 +426,15 @@ def startup_section(spec, repeats: int, threads: int, workdir: Path) -> str:
     if evaluated:
         losses = ", ".join(f"{contender} {values[0]:.4f}" for contender, values in evaluated.items())
         lines.append(f"- the eval loss before the first step, the same rows for all: {losses}")
-    for name in quick:
+    for name in ("run --help", "run --cfg job"):
         lines.append(f"- `{name}` imports torch: {'yes' if imports_torch(name.split()[1:], env) else 'no'}")
     cfg_job = median(times["run --cfg job"])
     if cfg_job is not None:
         lines.append(f"- `run --cfg job` under {CFG_JOB_TARGET_S} s: "
                      f"{'met' if cfg_job < CFG_JOB_TARGET_S else 'MISSED'} ({cfg_job:.2f} s)")
+        floor = median(times[HYDRA_FLOOR])
+        if floor is not None:
+            lines.append(f"- a Python process that only imports Hydra and OmegaConf, as every Hydra app does: {floor:.2f} s")
     runner_first, hand_first, bare_first = (median(times[name]) for name in
                                             (RUNNER_FIRST_STEP, HAND_FIRST_STEP, BARE_HAND_FIRST_STEP))
     if runner_first is not None and hand_first is not None:

@@ -91,6 +91,7 @@ def main() -> None:
             break
 
     if distributed:
+        dist.barrier()  # both ranks leave together: gloo's teardown hung when one was still logging
         dist.destroy_process_group()
     if rank == 0:
         log.save()
