@@ -1,6 +1,6 @@
 """The runner against the loops its users would write instead, side by side on this machine (not a test).
 
-    python bench/compare_loops.py              # single, ddp, fsdp, then start-up: about 10 minutes on 2 CPU cores
+    python bench/compare_loops.py              # single, ddp, fsdp, then start-up: about 15 minutes on 2 CPU cores
     python bench/compare_loops.py --steps 60 --repeats 3 --configs single,ddp --no-startup
 
 Every contender trains the runner's default job (model tiny_llama, data python_stdlib, AdamW with its warmup and
