@@ -397,7 +397,8 @@ TE_SCALING = no_meaning("a Transformer Engine scaling setting; the runner uses i
 FP8_KEYS: dict[str, Handler] = {
     "backend": fp8_backend,
     "enable_fsdp_float8_all_gather": setting("precision.fp8.all_gather"),
-    "pad_inner_dim": no_meaning("layers whose sizes are not multiples of 16 stay in bf16 instead "
+    "pad_inner_dim": no_meaning("the runner always pads, since a micro batch's token count is an inner dimension "
+                                "of the weight gradient; layers whose sizes are not multiples of 16 stay in bf16 "
                                 "(precision.fp8.min_features)"),
     "optimization_level": no_meaning("an MS-AMP setting"),
     **{key: TE_SCALING for key in ("use_autocast_during_eval", "margin", "interval", "fp8_format",

@@ -116,10 +116,13 @@ def convert_to_fp8(model: nn.Module, fp8: Float8Config) -> list[str]:
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    # The weight gradient's matmul runs over the micro batch's tokens, which _scaled_mm needs in multiples of 16;
+    # padded instruction batches rarely are, so torchao pads that dimension when it is not.
     config = replace(
         Float8LinearConfig.from_recipe_name(fp8.recipe.value),
         emulate=fp8.emulate,
         enable_fsdp_float8_all_gather=fp8.all_gather,
+        pad_inner_dim=True,
     )
     chosen = set(names)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name in chosen)

@@ -363,11 +363,12 @@ class WeightsOnlyLoading:
 
 def deepspeed_checkpoint_types() -> list:
     """The non-tensor types in DeepSpeed's ZeRO 0-3 checkpoints (found with get_unsafe_globals_in_checkpoint)."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, ZeroStageEnum, fragment_address]
+    # fp16's dynamic loss scaling saves a DynamicLossScaler (fp16 DeepSpeed runs only on GPUs); others a LossScaler.
+    return [DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address]
 
 
 @dataclass
@@ -448,7 +449,8 @@ class DeepSpeedStepper:
         self.engine.step()
 
     def step(self) -> StepOutcome:
-        scale = getattr(self.engine.optimizer, "cur_scale", None) if self.engine.fp16_enabled() else None
+        # Every fp16 optimizer of DeepSpeed has loss_scale; ZeRO-0's FP16_UnfusedOptimizer has no cur_scale.
+        scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
         return StepOutcome(float(self.engine.get_global_grad_norm() or 0.0), self.engine.was_step_applied(), scale)
 
     def state_dict(self) -> dict[str, Any]:
@@ -471,6 +473,12 @@ def gradient_sync(model: nn.Module, strategy: StrategyConfig, enabled: bool) -> 
 def unwrapped(model: nn.Module) -> nn.Module:
     """The transformers model inside a strategy's wrapper (FSDP2 wraps in place)."""
     return getattr(model, "module", model)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The whole model's parameters, however they are sharded: an FSDP2 DTensor's numel is its global size, and a
+    parameter that DeepSpeed ZeRO-3 partitioned keeps its size in ds_numel (its own data is empty)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def full_state_dict(model: nn.Module, strategy: StrategyConfig) -> dict[str, torch.Tensor]:

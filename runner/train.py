@@ -90,11 +90,11 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
 
     from runner import checkpoint
     from runner.precision import describe as describe_precision
-    from runner.strategy import describe, unwrapped
+    from runner.strategy import describe, parameter_count, unwrapped
 
     spec, model = job.spec, job.model
     cfg = spec.train
-    n_params = sum(p.numel() for p in model.parameters())  # a sharded DTensor counts its whole size
+    n_params = parameter_count(model)
     flops_per_token = training_flops_per_token(unwrapped(model).config, n_params, spec.data.seq_len)
     peak_flops = spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size
     log.info(

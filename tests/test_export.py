@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from conftest import QUICK
 from distributed import run_in_workers
 from runner.job import prepare_job
-from runner.strategy import unwrapped
+from runner.strategy import parameter_count, unwrapped
 from runner.train import train
 from test_train import resolved_spec
 
@@ -18,12 +18,15 @@ STRATEGIES = {
     "ddp": ["strategy=ddp"],
     "fsdp": ["strategy=fsdp"],
     "fsdp sharded, offloaded": ["strategy=fsdp", "strategy.state_dict_type=SHARDED", "strategy.offload_params=true"],
-    "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3"],
+    # ZeRO-3 keeps parameters under 100k elements whole, which would be all of this small model's.
+    "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3",
+                         f"strategy.config_file={Path(__file__).parent / 'data' / 'zero3_partition_every_parameter.json'}"],
 }
 
 
 def _train_and_probe(ranks, specs, run_dirs):
-    """Trains each spec, then returns the final model directory and the trained model's logits on PROBE."""
+    """Trains each spec, then returns the final model directory, the trained model's logits on PROBE, its dtype and
+    the parameter count the loop logs (and computes MFU from)."""
     results = []
     for spec, run_dir in zip(specs, run_dirs):
         job = prepare_job(spec, Path(run_dir), ranks)
@@ -32,7 +35,7 @@ def _train_and_probe(ranks, specs, run_dirs):
         with torch.no_grad():
             # Every rank runs the forward: the sharded strategies gather parameters collectively.
             logits = job.model(input_ids=PROBE.to(job.device)).logits.float().cpu()
-        results.append((summary["model_dir"], logits, str(unwrapped(job.model).dtype)))
+        results.append((summary["model_dir"], logits, str(unwrapped(job.model).dtype), parameter_count(job.model)))
     return results
 
 
@@ -46,9 +49,15 @@ def exported(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_exported_model_gives_the_trained_logits(strategy, exported):
-    model_dir, trained_logits, _ = exported[strategy]
+    model_dir, trained_logits, _, _ = exported[strategy]
     reloaded = AutoModelForCausalLM.from_pretrained(model_dir)
     assert reloaded.dtype == torch.float32
     assert all(p.numel() > 0 for p in reloaded.parameters())  # real weights, not ZeRO-3's empty placeholders
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=PROBE).logits, trained_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_parameter_count_is_the_whole_models_however_it_is_sharded(strategy, exported):
+    model_dir, _, _, counted = exported[strategy]
+    assert counted == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())

@@ -80,6 +80,9 @@ def _train_and_inspect(ranks, specs, run_dirs):
             | {p.dtype for p in job.optimizer.state},
             "state_dtypes": {v.dtype for state in job.optimizer.state.values() for v in state.values() if v.ndim},
             "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in job.model.modules()),
+            # On a GPU, _scaled_mm needs the weight gradient's inner dimension, the tokens, in multiples of 16.
+            "fp8_pads_tokens": all(m.config.pad_inner_dim for m in job.model.modules()
+                                   if type(m).__name__ == "Float8Linear"),
             "scheduler_steps": job.scheduler.last_epoch,
             "summary": summary,
             "records": [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()],
@@ -112,6 +115,7 @@ def test_forward_runs_in_the_low_dtype(strategy_facts):
         kind = name.split()[0]
         if kind == "fp8":
             assert facts["fp8_layers"] == FP8_LAYERS, name
+            assert facts["fp8_pads_tokens"], name
             assert facts["summary"]["precision"]["fp8_linear_layers"] == FP8_LAYERS, name
             expected = torch.float32 if "fp32" in name else torch.bfloat16
         else:
