@@ -231,12 +231,13 @@ def child_env(threads: int) -> dict[str, str]:
     return env
 
 
-def contender_command(contender: str, config: Config, plan: Path, log: Path, run_dir: Path,
+def contender_command(contender: str, config: Config, log: Path, run_dir: Path,
                       runner_overrides: list[str]) -> list[str]:
     if contender == "runner":
         return [*run_command(), f"strategy={config.name}", f"hardware.nproc_per_node={config.processes}",
                 *runner_overrides, f"hydra.run.dir={run_dir}"]
-    script = [str(PEERS / PEER_SCRIPTS[contender]), "--plan", str(plan), "--records", str(log), "--strategy", config.name]
+    script = [str(PEERS / PEER_SCRIPTS[contender]), "--plan", str(config.plan), "--records", str(log),
+              "--strategy", config.name]
     if contender == "accelerate":
         import torch
 
@@ -307,7 +308,7 @@ def measure_throughput(configs: list[Config], contenders: list[str], args: argpa
                     continue  # it said once that it cannot run this config here
                 name = f"{config.name}_{contender}_{repeat}"
                 log, run_dir = workdir / f"{name}.jsonl", workdir / name
-                command = contender_command(contender, config, config.plan, log, run_dir, overrides)
+                command = contender_command(contender, config, log, run_dir, overrides)
                 _, error = run_contender(command, child_env(args.threads), workdir / f"{name}.out")
                 if error:
                     outcome = Outcome(error=error)
@@ -404,7 +405,7 @@ def startup_section(spec, repeats: int, threads: int, workdir: Path) -> str:
             label = f"startup_{contender}_{plan}_{repeat}"
             log, run_dir = workdir / f"{label}.jsonl", workdir / label
             overrides = ["train.max_steps=1", "train.log_every=1", "train.save_model=false"]
-            command = contender_command(contender, Config("single", 1, plans[plan]), plans[plan], log, run_dir, overrides)
+            command = contender_command(contender, Config("single", 1, plans[plan]), log, run_dir, overrides)
             started, error = run_contender(command, env, workdir / f"{label}.out")
             if error:
                 errors[name] = error
