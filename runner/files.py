@@ -1,14 +1,16 @@
-"""Writing the run directory's files: JSON (atomically where a reader may look while it is written) and tensors
-in safetensors, so that nothing the runner reads back is ever unpickled."""
+"""Writing files: the run directory's JSON (atomically where a reader may look while it is written) and tensors
+in safetensors, so that nothing the runner reads back is ever unpickled; the recipes the runner's commands write."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runner.distributed import cpu_copy
+from runner.errors import SpecError
 
 if TYPE_CHECKING:
     import torch
@@ -28,3 +30,14 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file({name: cpu_copy(t) for name, t in tensors.items()}, path)
+
+
+def new_recipe(name: str, retry: str) -> Path:
+    """./recipes/<name>.yaml, where `run recipe=<name>` finds it: a plain name (no path) that no recipe there has.
+    `retry` is the command to give another name with."""
+    if not re.fullmatch(r"\w[\w-]*", name):
+        raise SpecError(f"{name} cannot name a recipe: use letters, digits, _ and -; {retry}")
+    target = Path("recipes") / f"{name}.yaml"
+    if target.exists():
+        raise SpecError(f"{target} exists already; give the recipe another name: {retry}")
+    return target

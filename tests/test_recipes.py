@@ -113,6 +113,21 @@ def test_a_project_recipe_shadows_the_bundled_one_and_a_search_path_adds_more(wo
     assert "team " in run_cli("--recipes", cwd=workdir, env=env).stdout
 
 
+@pytest.mark.parametrize("command", [["--copy-recipe", "cpu_quick"],
+                                     ["--from-accelerate", str(Path(__file__).parent / "data/accelerate/ddp_config.yaml")]])
+@pytest.mark.parametrize("name", ["../../somewhere/x", "sub/x", ".hidden"])
+@pytest.mark.parametrize("recipes_exist", [True, False])
+def test_a_command_writes_recipes_only_under_plain_names_in_recipes(command, name, recipes_exist, tmp_path):
+    workdir = tmp_path / "a" / "b"
+    (workdir / "recipes" if recipes_exist else workdir).mkdir(parents=True)
+    result = run_cli(*command, name, cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"run: error: {name} cannot name a recipe: use letters, digits, _ and -; run "
+                                    f"{command[0]} ") and result.stderr.count("\n") == 1, result.stderr
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == (
+        [Path("a"), Path("a/b"), Path("a/b/recipes")] if recipes_exist else [Path("a"), Path("a/b")])
+
+
 @pytest.mark.parametrize("args,message", [
     (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_fsdp, cpu_quick"),
     (["--copy-recipe", "no_such"], "no recipe named no_such"),

@@ -16,6 +16,8 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from runner.files import new_recipe
+
 SEARCH_PATH_VARIABLE = "RUNNER_RECIPES"
 
 
@@ -82,9 +84,7 @@ def copy(directories: list[Path], name: str, new_name: str | None) -> Path:
     recipes = find(directories)
     if name not in recipes:
         raise RecipeError(f"no recipe named {name}; `run --recipes` lists them: {', '.join(sorted(recipes))}")
-    target = Path("recipes") / f"{new_name or name}.yaml"
-    if target.exists():
-        raise RecipeError(f"{target} exists already; give the copy another name: run --copy-recipe {name} <new name>")
+    target = new_recipe(new_name or name, f"run --copy-recipe {name} <new name>")
     target.parent.mkdir(exist_ok=True)
     shutil.copyfile(recipes[name], target)
     return target

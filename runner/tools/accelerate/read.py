@@ -7,7 +7,6 @@ Key names and values are those `accelerate config` writes and `accelerate launch
 
 from __future__ import annotations
 
-import re
 from dataclasses import fields
 from enum import Enum
 from pathlib import Path
@@ -19,6 +18,7 @@ from runner.config.hardware import HardwareConfig
 from runner.config.precision import PrecisionConfig
 from runner.config.train import TrainConfig
 from runner.errors import SpecError
+from runner.files import new_recipe
 from runner.strategies import STRATEGIES
 from runner.tools.accelerate.keys import DISTRIBUTED_TYPES, KEYS
 from runner.tools.accelerate.sections import SECTIONS
@@ -168,13 +168,7 @@ def description(settings: Settings, choices: dict[str, str]) -> str:
 def write_recipe(source: Path, name: str | None) -> tuple[Path, list[str]]:
     """`run --from-accelerate`: ./recipes/<name>.yaml (never overwritten) and the mapping's lines."""
     name = name or source.stem
-    if not re.fullmatch(r"\w[\w-]*", name):
-        raise SpecError(f"{name} cannot name a recipe: use letters, digits, _ and -; "
-                        f"run --from-accelerate {source} <recipe name>")
-    target = Path("recipes") / f"{name}.yaml"
-    if target.exists():
-        raise SpecError(f"{target} exists already; give the recipe another name: run --from-accelerate {source} "
-                        "<recipe name>")
+    target = new_recipe(name, f"run --from-accelerate {source} <recipe name>")
     file = read(source)
     try:
         settings, lines = convert(file)
