@@ -37,6 +37,15 @@ BAD_INPUTS = {
                                              "(128) is not a multiple of the number of attention heads (3)"),
     "an encoder to train": (["model=bert_base_cased"], "bert is not a causal language model"),
     "a run that cannot fit": (["hardware=cpu", "hardware.device_memory_gib=0.01"], "the run does not fit"),
+    "a negative bucket size": (["strategy=ddp", "hardware.nproc_per_node=2", "strategy.bucket_cap_mb=-5"],
+                               "strategy.bucket_cap_mb=-5 must be > 0"),
+    "a negative seed": (["seed=-5"], "seed=-5 must be >= 0"),
+    "a negative epsilon": (["optim.eps=-1e-8"], "optim.eps=-1e-08 must be >= 0"),
+    "a negative device memory": (["task=estimate", "hardware.device_memory_gib=-5"],
+                                 "hardware.device_memory_gib=-5.0 must be > 0"),
+    "a negative peak": (["hardware.peak_bf16_tflops=-5"], "hardware.peak_bf16_tflops=-5.0 must be >= 0"),
+    "an endpoint without a port": (["strategy=ddp", "hardware.nnodes=2", "hardware.rdzv_endpoint=node0"],
+                                   "hardware.rdzv_endpoint=node0 must be <host of node 0>:<port>"),
 }
 
 

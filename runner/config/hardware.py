@@ -91,9 +91,7 @@ def cuda_device_count() -> int:
 
 def on_this_machine(declared: HardwareConfig) -> HardwareConfig:
     """The hardware the spec declares, checked against this machine and filled in from it."""
-    require(declared.nnodes >= 1, f"hardware.nnodes={declared.nnodes} must be >= 1")
-    require(declared.nproc_per_node is None or declared.nproc_per_node >= 1,
-            f"hardware.nproc_per_node={declared.nproc_per_node} must be >= 1")
+    check_declared(declared)
     if declared.accelerator is Accelerator.cuda:
         require(cuda_device_count() > 0,
                 "hardware asks for CUDA GPUs but this machine has none; use hardware=auto or hardware=cpu")
@@ -114,7 +112,26 @@ def planned(declared: HardwareConfig) -> HardwareConfig:
     """The CUDA hardware the spec declares, which need not be this machine's (a CPU is always this machine's)."""
     if declared.accelerator is not Accelerator.cuda:
         return on_this_machine(declared)
-    require(declared.nproc_per_node is not None and declared.nproc_per_node >= 1,
+    require(declared.nproc_per_node is not None,
             "task=estimate for CUDA hardware needs hardware.nproc_per_node (or a hardware option such as 2xrtx4090)")
-    require(declared.nnodes >= 1, f"hardware.nnodes={declared.nnodes} must be >= 1")
+    check_declared(declared)
     return declared
+
+
+def check_declared(declared: HardwareConfig) -> None:
+    """What the spec's values must be wherever the run goes."""
+    require(declared.nnodes >= 1, f"hardware.nnodes={declared.nnodes} must be >= 1")
+    require(declared.nproc_per_node is None or declared.nproc_per_node >= 1,
+            f"hardware.nproc_per_node={declared.nproc_per_node} must be >= 1")
+    if declared.rdzv_endpoint is not None:
+        host, _, port = declared.rdzv_endpoint.rpartition(":")
+        require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
+                f"hardware.rdzv_endpoint={declared.rdzv_endpoint} must be <host of node 0>:<port>, for example "
+                "10.0.0.1:29500")
+    for key in ("device_memory_gib", "host_memory_gib"):
+        given = getattr(declared, key)
+        require(given is None or given > 0, f"hardware.{key}={given} must be > 0 (or unset: read from the machine)")
+    require(declared.compute_capability is None or declared.compute_capability > 0,
+            f"hardware.compute_capability={declared.compute_capability} must be > 0, for example 8.9")
+    require(declared.peak_bf16_tflops >= 0,
+            f"hardware.peak_bf16_tflops={declared.peak_bf16_tflops} must be >= 0 (0: unknown, no MFU shown)")

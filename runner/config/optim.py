@@ -33,6 +33,7 @@ class AdamWConfig(OptimConfig):
         _check_shared(self)
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                 f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
+        require(self.eps >= 0, f"optim.eps={self.eps} must be >= 0")
 
     def build(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         import torch

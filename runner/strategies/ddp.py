@@ -39,6 +39,7 @@ class DDPStrategy(StrategyConfig):
     checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout.FULL
 
     def check(self, spec: RunSpec) -> None:
+        require(self.bucket_cap_mb > 0, f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
         precision = spec.precision
         if precision.reduce_dtype not in (Dtype.fp32, precision.param_dtype):
             require(spec.hardware.accelerator is Accelerator.cuda,
