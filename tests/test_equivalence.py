@@ -26,7 +26,7 @@ VARIANTS = {
     "fsdp FULL_SHARD": FSDP,
     "fsdp SHARD_GRAD_OP": [*FSDP, "strategy.sharding_strategy=SHARD_GRAD_OP"],
     "fsdp NO_SHARD": [*FSDP, "strategy.sharding_strategy=NO_SHARD"],
-    "fsdp HYBRID_SHARD (2 x 1)": [*FSDP, "strategy.sharding_strategy=HYBRID_SHARD"],
+    "fsdp HYBRID_SHARD (2 x 1)": [*FSDP, "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=1"],
     "fsdp HYBRID_SHARD_ZERO2 (1 x 2)": [*FSDP, "strategy.sharding_strategy=HYBRID_SHARD_ZERO2",
                                         "strategy.hybrid_shard_size=2"],
     "fsdp SIZE_BASED_WRAP": [*FSDP, "strategy.auto_wrap_policy=SIZE_BASED_WRAP", "strategy.min_num_params=30000"],

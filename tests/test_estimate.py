@@ -213,7 +213,8 @@ TWO_RANKS = {
     "deepspeed ZeRO-2, bf16": ["strategy=deepspeed", "strategy.zero_stage=2", "precision=bf16"],
     "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3"],
 }
-FOUR_RANKS = {"fsdp HYBRID_SHARD (2 x 2)": ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD"]}
+FOUR_RANKS = {"fsdp HYBRID_SHARD (2 x 2)": ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD",
+                                            "strategy.hybrid_shard_size=2"]}
 
 
 def storage_bytes(tensors) -> int:
@@ -316,3 +317,22 @@ def test_hybrid_shard_shards_within_its_group_only():
     full_copy = resolved_spec([*TINY, "strategy=ddp", "hardware.nproc_per_node=4"])
     whole = estimate(full_copy, facts_of(full_copy.model)).gradients.bytes
     assert math.isclose(held[0]["fsdp HYBRID_SHARD (2 x 2)"]["gradients"], whole / 2, rel_tol=0.01)
+
+
+def test_hybrid_shard_groups_the_processes_of_a_node_as_torch_and_accelerate_do():
+    """On one node of 8 GPUs, HYBRID_SHARD is FULL_SHARD (mesh 1 x 8) and says how to get replicas; across
+    nodes it shards within each node; an explicit group size gives replicas on one node."""
+    base = ["model=llama3_8b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb"]
+    hybrid = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD"])
+    full = composed(base)
+    assert hybrid.strategy.mesh_shape(hybrid.hardware) == (1, 8)
+    assert estimate(hybrid, facts_of(hybrid.model)).peak == estimate(full, facts_of(full.model)).peak
+    assert hybrid.strategy.describe(hybrid.hardware).endswith(
+        "mesh 1 x 8 (replicate x shard), TRANSFORMER_BASED_WRAP; one shard group of the node's 8 processes is "
+        "FULL_SHARD: strategy.hybrid_shard_size=<a divisor of 8> gives replicas")
+    two_nodes = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD_ZERO2", "hardware.nnodes=2"])
+    assert two_nodes.strategy.mesh_shape(two_nodes.hardware) == (2, 8)
+    assert "gives replicas" not in two_nodes.strategy.describe(two_nodes.hardware)
+    in_fours = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=4"])
+    assert in_fours.strategy.mesh_shape(in_fours.hardware) == (2, 4)
+    assert estimate(in_fours, facts_of(in_fours.model)).peak > estimate(full, facts_of(full.model)).peak

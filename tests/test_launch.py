@@ -35,8 +35,8 @@ def test_ddp_job_writes_one_run_directory_with_a_log_per_rank(workdir):
     assert model(torch.tensor([[5, 6, 7]])).logits.shape[-1] == model.config.vocab_size
 
 def test_hybrid_shard_on_four_processes_trains_on_a_2x2_mesh(workdir):
-    result = run_cli("strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD", "hardware.nproc_per_node=4",
-                     *SHORT, "train.micro_batch_size=2", cwd=workdir)
+    result = run_cli("strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=2",
+                     "hardware.nproc_per_node=4", *SHORT, "train.micro_batch_size=2", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "fsdp HYBRID_SHARD, 4 processes, mesh 2 x 2 (replicate x shard)" in result.stdout
     assert "done: train loss" in result.stdout

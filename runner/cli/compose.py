@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import replace
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -16,7 +17,8 @@ from runner.config.model import ModelConfig
 from runner.config.optim import AdamWConfig, SGDConfig
 from runner.config.precision import PrecisionConfig
 from runner.config.scheduler import SchedulerConfig
-from runner.config.spec import RunSpec
+from runner.config.hardware import Accelerator
+from runner.config.spec import RunSpec, load_spec, validate
 from runner.strategies import STRATEGIES
 from runner.tasks import TASKS
 
@@ -80,3 +82,23 @@ def compose_config(overrides: list[str]) -> DictConfig:
     register(*choosable_recipes(recipes.search_path(RECIPES_DIR), overrides))
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=overrides)
+
+
+# What a CUDA machine gives a recipe that leaves it to the machine, for checking a recipe before it is written.
+STAND_IN_GPU = {"nproc_per_node": 8, "device_memory_gib": 80.0, "compute_capability": 9.0, "device_name": "a GPU"}
+
+
+def checked_recipe(text: str) -> RunSpec:
+    """The spec of a recipe not yet written, validated as `run task=estimate recipe=<it>` would validate it, with
+    a GPU's values standing in where the recipe leaves them to the machine (not a CPU's)."""
+    import yaml
+
+    register()
+    ConfigStore.instance().store(group="recipe", name="_unwritten", node=OmegaConf.create(yaml.safe_load(text)),
+                                 package="_global_")
+    spec = load_spec(compose_config(["recipe=_unwritten", "task=estimate"]))
+    machine = spec.hardware
+    if machine.accelerator is not Accelerator.cpu:
+        given = {key: getattr(machine, key) or value for key, value in STAND_IN_GPU.items()}
+        spec = replace(spec, hardware=replace(machine, accelerator=Accelerator.cuda, **given))
+    return validate(spec, on_this_machine=False)

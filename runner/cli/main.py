@@ -14,12 +14,13 @@ from typing import Callable
 
 from runner.cli import recipes
 from runner.cli.app import hydra_main
-from runner.cli.compose import RECIPES_DIR, choosable_recipes, compose_config, register
+from runner.cli.compose import RECIPES_DIR, checked_recipe, choosable_recipes, compose_config, register
 from runner.cli.help import help_text
 from runner.cli.run_dir import resume_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import load_spec
-from runner.errors import ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, Stopped, WorkerFailed
+from runner.errors import ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, SpecError, Stopped, WorkerFailed
+from runner.files import new_recipe
 from runner.quiet import quiet_libraries
 
 
@@ -81,9 +82,17 @@ def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
 def recipe_from_accelerate(recipe_dirs: list[Path], args: list[str]) -> None:
     if len(args) not in (1, 2):
         raise recipes.RecipeError("usage: run --from-accelerate <accelerate config .yaml> [<recipe name>]")
-    from runner.tools.accelerate.read import write_recipe  # only here: every other command starts faster
+    from runner.tools.accelerate.read import recipe_of  # only here: every other command starts faster
 
-    target, lines = write_recipe(Path(args[0]), args[1] if len(args) == 2 else None)
+    source = Path(args[0])
+    target = new_recipe(args[1] if len(args) == 2 else source.stem, f"run --from-accelerate {source} <recipe name>")
+    text, lines = recipe_of(source, target.stem)
+    try:
+        checked_recipe(text)
+    except SpecError as refusal:
+        raise SpecError(f"{source}: the recipe it makes would be refused: {refusal}") from None
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(text)
     print("\n".join(lines))
     print(f"wrote {target}; run it with: run recipe={target.stem}")
 

@@ -7,8 +7,8 @@
     HYBRID_SHARD         world/group x group             yes   (shard within a group, replicate across)
     HYBRID_SHARD_ZERO2   world/group x group             no
 
-where `group` is `hybrid_shard_size`: by default the processes of one node, or on a single node half of them
-(two replicas), since sharding across the whole of one node is FULL_SHARD.
+where `group` is `hybrid_shard_size`: by default the processes of one node, as in torch's FSDP and accelerate
+(shard within a node, replicate across nodes); on a single node that is FULL_SHARD unless a smaller group is given.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class StateDictType(str, Enum):
 @dataclass
 class FSDPStrategy(StrategyConfig):
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    # HYBRID_SHARD*: ranks in one shard group; unset: a node's processes (on one node: half of them).
+    # HYBRID_SHARD*: ranks in one shard group; unset: a node's processes.
     hybrid_shard_size: Optional[int] = None
     auto_wrap_policy: AutoWrapPolicy = AutoWrapPolicy.TRANSFORMER_BASED_WRAP
     # TRANSFORMER_BASED_WRAP: class names of the blocks to shard as units; empty means the model's _no_split_modules.
@@ -119,13 +119,16 @@ class FSDPStrategy(StrategyConfig):
 
     def describe(self, hardware: HardwareConfig) -> str:
         replicate, shard = self.mesh_shape(hardware)
-        return (f"fsdp {self.sharding_strategy.value}, {processes(hardware.world_size)}, mesh {replicate} x {shard} "
-                f"(replicate x shard), {self.auto_wrap_policy.value}")
+        described = (f"fsdp {self.sharding_strategy.value}, {processes(hardware.world_size)}, mesh {replicate} x "
+                     f"{shard} (replicate x shard), {self.auto_wrap_policy.value}")
+        if self.sharding_strategy.hybrid and replicate == 1:
+            same = "FULL_SHARD" if self.sharding_strategy.reshards_after_forward else "SHARD_GRAD_OP"
+            described += (f"; one shard group of the node's {shard} processes is {same}: "
+                          f"strategy.hybrid_shard_size=<a divisor of {shard}> gives replicas")
+        return described
 
     def hybrid_group_size(self, hardware: HardwareConfig) -> int:
-        if self.hybrid_shard_size:
-            return self.hybrid_shard_size
-        return hardware.nproc_per_node if hardware.nnodes > 1 else max(1, hardware.world_size // 2)
+        return self.hybrid_shard_size or hardware.nproc_per_node
 
     def mesh_shape(self, hardware: HardwareConfig) -> tuple[int, int]:
         """(replicate, shard) sizes of the device mesh."""

@@ -32,6 +32,8 @@ def distributed_type(value: Any, file: dict) -> tuple[Settings, str]:
 
 
 def num_processes(value: Any, file: dict) -> tuple[Settings, str]:
+    if file["distributed_type"] == "NO":
+        return {}, "no meaning here: distributed_type NO runs one process, as accelerate does"
     if value == -1:
         return {}, ("no meaning here: -1 leaves the count to the launcher; hardware.nproc_per_node stays unset: "
                     "one process per GPU of the machine")
@@ -99,11 +101,26 @@ def dynamo(value: Any, file: dict) -> tuple[Settings, str]:
     return {}, "no meaning here: the runner does not torch.compile the model; the same run trains uncompiled"
 
 
+UNSUPPORTED_PARALLELISM = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}
+
+
 def parallelism(value: Any, file: dict) -> tuple[Settings, str]:
-    if value:
-        raise ValueError("the runner has no tensor, context or sequence parallelism; FSDP's replicate x shard mesh "
-                         "comes from strategy.sharding_strategy (HYBRID_SHARD, strategy.hybrid_shard_size)")
-    return {}, "no meaning here: empty"
+    """accelerate's ParallelismConfig: the data-parallel sizes are FSDP's hybrid mesh; other sizes are refused."""
+    if not value:
+        return {}, "no meaning here: empty"
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping of keys")
+    sizes = {key.removeprefix("parallelism_config_"): size for key, size in value.items() if key.endswith("_size")}
+    for key, kind in UNSUPPORTED_PARALLELISM.items():
+        if count(sizes.get(key, 1), 1) > 1:
+            raise ValueError(f"{key}: {sizes[key]}: the runner has no {kind} parallelism")
+    replicate, shard = count(sizes.get("dp_replicate_size", 1), 1), count(sizes.get("dp_shard_size", 1), 1)
+    if replicate == 1:
+        return {}, "no meaning here: one replicate group, so sharding follows fsdp_config"
+    if file["distributed_type"] != "FSDP":
+        raise ValueError("dp_replicate_size > 1 is FSDP's hybrid mesh; it needs distributed_type FSDP")
+    return {"strategy.sharding_strategy": "HYBRID_SHARD", "strategy.hybrid_shard_size": shard}, (
+        f"mesh {replicate} x {shard} (replicate x shard)")
 
 
 TPU = no_meaning("a TPU pod's setting; the runner trains on CPUs and CUDA GPUs")

@@ -18,7 +18,6 @@ from runner.config.hardware import HardwareConfig
 from runner.config.precision import PrecisionConfig
 from runner.config.train import TrainConfig
 from runner.errors import SpecError
-from runner.files import new_recipe
 from runner.strategies import STRATEGIES
 from runner.tools.accelerate.keys import DISTRIBUTED_TYPES, KEYS
 from runner.tools.accelerate.sections import SECTIONS
@@ -51,26 +50,29 @@ def convert(file: dict) -> tuple[Settings, list[str]]:
         raise SpecError(f"distributed_type: {shown(file['distributed_type'])} cannot be expressed here: the "
                         f"runner has {', '.join(DISTRIBUTED_TYPES)} (one process, CPU processes, CUDA GPUs, FSDP and "
                         "DeepSpeed)")
+    # accelerate reads `min_num_params` in fsdp_config as `fsdp_min_num_params`: the handlers look keys up so.
+    as_read = {key: full_names(value, SECTIONS[key][2]) if key in SECTIONS and isinstance(value, dict) else value
+               for key, value in file.items()}
     settings: Settings = {}
     origins: dict[str, str] = {}
     lines: list[str] = []
     for key, value in file.items():
         if key not in SECTIONS:
-            lines.append(mapped(key, key, value, KEYS, file, settings, origins))
+            lines.append(mapped(key, key, value, KEYS, as_read, settings, origins))
             continue
-        table, unread = SECTIONS[key]
-        if not isinstance(value, dict):
+        table, unread, _ = SECTIONS[key]
+        if value is not None and not isinstance(value, dict):
             raise SpecError(f"{key}: {shown(value)} must be a mapping of keys")
         if not value:
-            lines.append(f"{key}: {{}} -> no meaning here: empty")
+            lines.append(f"{key}: {shown(value)} -> no meaning here: empty")
             continue
         if unread(file):
             lines.append(f"{key}:")
             lines += [f"  {inner}: {shown(v)} -> no meaning here: {unread(file)}" for inner, v in value.items()]
             continue
         lines.append(f"{key}:")
-        lines += ["  " + mapped(inner, f"{key}.{inner}", v, table, file, settings, origins)
-                  for inner, v in value.items()]
+        lines += ["  " + mapped(inner, f"{key}.{inner}", v, table, as_read, settings, origins, full_name)
+                  for (inner, v), full_name in zip(value.items(), as_read[key])]
     strategy = STRATEGIES[settings["strategy"]]()
     unset = [f"strategy.{f.name}={shown(plain(getattr(strategy, f.name)))}" for f in fields(strategy)
              if f"strategy.{f.name}" not in settings]
@@ -79,17 +81,23 @@ def convert(file: dict) -> tuple[Settings, list[str]]:
     return settings, lines
 
 
+def full_names(section: dict, prefix: str) -> dict:
+    return {key if str(key).startswith(prefix) else f"{prefix}{key}": value for key, value in section.items()}
+
+
 def plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
 def mapped(key: str, full_key: str, value: Any, table: dict[str, Handler], file: dict, settings: Settings,
-           origins: dict[str, str]) -> str:
-    """Applies one key of the file to the settings; its line."""
-    if key not in table:
+           origins: dict[str, str], looked_up: str | None = None) -> str:
+    """Applies one key of the file (`looked_up` in the table under accelerate's full name) to the settings; its
+    line."""
+    looked_up = looked_up or key
+    if looked_up not in table:
         raise SpecError(f"unknown key {full_key}: not a key of accelerate's config files that the runner knows")
     try:
-        assigned, note = table[key](value, file)
+        assigned, note = table[looked_up](value, file)
     except ValueError as why:
         raise SpecError(f"{full_key}: {shown(value)} cannot be converted: {why}") from None
     for spec_key, spec_value in assigned.items():
@@ -165,15 +173,11 @@ def description(settings: Settings, choices: dict[str, str]) -> str:
     return f"{strategy}{where} in {choices['precision']}"
 
 
-def write_recipe(source: Path, name: str | None) -> tuple[Path, list[str]]:
-    """`run --from-accelerate`: ./recipes/<name>.yaml (never overwritten) and the mapping's lines."""
-    name = name or source.stem
-    target = new_recipe(name, f"run --from-accelerate {source} <recipe name>")
+def recipe_of(source: Path, name: str) -> tuple[str, list[str]]:
+    """`run --from-accelerate`: the text of recipe `name` made from the file, and the mapping's lines."""
     file = read(source)
     try:
         settings, lines = convert(file)
     except SpecError as error:
         raise SpecError(f"{source}: {error}") from None
-    target.parent.mkdir(exist_ok=True)
-    target.write_text(recipe_text(settings, source, name))
-    return target, lines
+    return recipe_text(settings, source, name), lines

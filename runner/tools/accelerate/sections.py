@@ -19,12 +19,30 @@ STATE_DICT_TYPES = ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]
 FP8_BACKENDS = {"AO": Float8Backend.torchao.value, "TE": Float8Backend.transformer_engine.value}
 
 
+def fsdp_version_of(file: dict) -> int:
+    """The file's FSDP version: 1 unless it says 2. accelerate reads a file's keys differently under each."""
+    return int(file["fsdp_config"].get("fsdp_version", 1))
+
+
+def under_version_1(handler: Handler, version_2_note: str) -> Handler:
+    """A key that accelerate reads with fsdp_version 1 only, and leaves unread (or replaced) with version 2."""
+    def handled(value: Any, file: dict) -> tuple[Settings, str]:
+        if fsdp_version_of(file) == 2:
+            return {}, f"no meaning here: accelerate's fsdp_version 2 does not read it; {version_2_note}"
+        return handler(value, file)
+    return handled
+
+
 def sharding_strategy(value: Any, file: dict) -> tuple[Settings, str]:
     return {"strategy.sharding_strategy": named(value, SHARDING_STRATEGIES)}, ""
 
 
 def reshard_after_forward(value: Any, file: dict) -> tuple[Settings, str]:
-    if not isinstance(value, bool):  # FSDP1's form: a sharding strategy
+    if fsdp_version_of(file) == 2:  # a bool, and what decides the sharding: fsdp_sharding_strategy goes unread
+        if not isinstance(value, bool):
+            raise ValueError("fsdp_version 2 takes true or false, as accelerate does")
+        return {"strategy.sharding_strategy": "FULL_SHARD" if value else "SHARD_GRAD_OP"}, "fsdp_version 2's form"
+    if not isinstance(value, bool):  # the form accelerate's questionnaire writes for version 1: a strategy's name
         return sharding_strategy(value, file)
     given = file["fsdp_config"].get("fsdp_sharding_strategy")
     if given is None:
@@ -36,9 +54,18 @@ def reshard_after_forward(value: Any, file: dict) -> tuple[Settings, str]:
 
 
 def fsdp_version(value: Any, file: dict) -> tuple[Settings, str]:
-    if value not in (1, 2):
+    if str(value) not in ("1", "2"):
         raise ValueError("choose 1 or 2")
+    if int(value) == 2:
+        return {}, ("no meaning here: the runner's FSDP is FSDP2 (fully_shard); the keys are read as accelerate's "
+                    "fsdp_version 2 reads them")
     return {}, "no meaning here: the runner's FSDP is FSDP2 (fully_shard); the keys keep FSDP1's meaning"
+
+
+def ignored_modules(value: Any, file: dict) -> tuple[Settings, str]:
+    if value in (None, "", []):
+        return {}, "no meaning here: no module is left out of sharding"
+    raise ValueError("the runner shards every module of the model; it has no modules to leave unsharded")
 
 
 def auto_wrap_policy(file: dict) -> str:
@@ -92,22 +119,40 @@ def checkpointing_offload(value: Any, file: dict) -> tuple[Settings, str]:
     return {}, "no meaning here: activations are not offloaded"
 
 
+def cpu_ram_efficient_loading(value: Any, file: dict) -> tuple[Settings, str]:
+    if not flag(value):
+        return {"strategy.cpu_ram_efficient_loading": False}, ""
+    if fsdp_version_of(file) == 1 and file["fsdp_config"].get("fsdp_sync_module_states") is False:
+        raise ValueError("needs fsdp_sync_module_states: true, as accelerate says: the other ranks get their "
+                         "weights from rank 0")
+    return {"strategy.cpu_ram_efficient_loading": True, "strategy.sync_module_states": True}, (
+        "rank 0 loads the weights and sends them to the others")
+
+
+VERSION_2_PREFETCH = "FSDP2 issues the next block's all-gather early in backward, the runner's default"
+
 FSDP_KEYS: dict[str, Handler] = {
     "fsdp_version": fsdp_version,
-    "fsdp_sharding_strategy": sharding_strategy,
+    "fsdp_sharding_strategy": under_version_1(sharding_strategy, (
+        "fsdp_reshard_after_forward decides: sharding across all processes, resharded after forward or not (the "
+        "runner's hybrid mesh is strategy.sharding_strategy=HYBRID_SHARD)")),
     "fsdp_reshard_after_forward": reshard_after_forward,
     "fsdp_auto_wrap_policy": lambda value, file: ({"strategy.auto_wrap_policy": auto_wrap_policy(file)}, ""),
     "fsdp_transformer_layer_cls_to_wrap": layer_classes,
     "fsdp_min_num_params": min_num_params,
     "fsdp_offload_params": setting("strategy.offload_params"),
-    "fsdp_cpu_ram_efficient_loading": setting("strategy.cpu_ram_efficient_loading"),
-    "fsdp_sync_module_states": setting("strategy.sync_module_states"),
+    "fsdp_cpu_ram_efficient_loading": cpu_ram_efficient_loading,
+    "fsdp_sync_module_states": under_version_1(setting("strategy.sync_module_states"), (
+        "rank 0's weights reach the others' shards whenever fsdp_cpu_ram_efficient_loading is on")),
     "fsdp_activation_checkpointing": setting("strategy.activation_checkpointing"),
     "fsdp_activation_checkpointing_offload": checkpointing_offload,
     "fsdp_state_dict_type": state_dict_type,
-    "fsdp_backward_prefetch": backward_prefetch,
-    "fsdp_forward_prefetch": forward_prefetch,
+    "fsdp_backward_prefetch": under_version_1(backward_prefetch, VERSION_2_PREFETCH),
+    # The name accelerate's FSDP guide and PEFT's docs still give fsdp_backward_prefetch; accelerate no longer reads it.
+    "fsdp_backward_prefetch_policy": under_version_1(backward_prefetch, VERSION_2_PREFETCH),
+    "fsdp_forward_prefetch": under_version_1(forward_prefetch, "no block's all-gather is issued early in forward"),
     "fsdp_use_orig_params": no_meaning("FSDP2 always keeps the original parameters (each sharded as a DTensor)"),
+    "fsdp_ignored_modules": ignored_modules,
 }
 
 
@@ -124,8 +169,24 @@ def nvme_path(device_key: str) -> Handler:
     def handler(value: Any, file: dict) -> tuple[Settings, str]:
         if str(file["deepspeed_config"].get(device_key, "none")).lower() != "nvme":
             return {}, f"no meaning here: {device_key} is not nvme"
+        if device_key == "offload_param_device" and zero_stage_of(file) < 3:
+            return {}, f"no meaning here: {PARAM_OFFLOAD_BELOW_3}"
         return {"strategy.nvme_path": str(value)}, ""
     return handler
+
+
+def zero_stage_of(file: dict) -> int:
+    return file["deepspeed_config"].get("zero_stage", STRATEGIES["deepspeed"]().zero_stage)
+
+
+PARAM_OFFLOAD_BELOW_3 = "DeepSpeed offloads parameters at ZeRO-3 only and ignores the setting at lower stages"
+
+
+def offload_param(value: Any, file: dict) -> tuple[Settings, str]:
+    assigned, _ = offload_device("strategy.offload_param")(value, file)
+    if assigned["strategy.offload_param"] != "none" and zero_stage_of(file) < 3:
+        return {}, f"dropped: {PARAM_OFFLOAD_BELOW_3} (zero_stage: {zero_stage_of(file)})"
+    return assigned, ""
 
 
 def zero_stage(value: Any, file: dict) -> tuple[Settings, str]:
@@ -145,6 +206,10 @@ def moe_layers(value: Any, file: dict) -> tuple[Settings, str]:
     raise ValueError("the runner does not mark MoE layers as ZeRO-3 leaf modules")
 
 
+def sequence_parallel(value: Any, file: dict) -> tuple[Settings, str]:
+    raise ValueError("DeepSpeed's sequence parallelism (ALST, Ulysses) is not in the runner")
+
+
 LAUNCHER = no_meaning("the runner starts each node's processes itself (hardware.node_rank, hardware.rdzv_endpoint), "
                       "with no hostfile")
 
@@ -154,7 +219,7 @@ DEEPSPEED_KEYS: dict[str, Handler] = {
         "error at launch")),
     "zero_stage": zero_stage,
     "offload_optimizer_device": offload_device("strategy.offload_optimizer"),
-    "offload_param_device": offload_device("strategy.offload_param"),
+    "offload_param_device": offload_param,
     "offload_optimizer_nvme_path": nvme_path("offload_optimizer_device"),
     "offload_param_nvme_path": nvme_path("offload_param_device"),
     "gradient_accumulation_steps": lambda value, file: ({"train.grad_accum_steps": count(value, 1)}, ""),
@@ -163,6 +228,7 @@ DEEPSPEED_KEYS: dict[str, Handler] = {
     "zero3_save_16bit_model": no_meaning("the runner saves the final model gathered from the partitions "
                                          "(train.save_model)"),
     "deepspeed_moe_layer_cls_names": moe_layers,
+    "seq_parallel_communication_data_type": sequence_parallel,
     **{key: LAUNCHER for key in ("deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_inclusion_filter",
                                  "deepspeed_exclusion_filter")},
 }
@@ -178,22 +244,23 @@ def fp8_backend(value: Any, file: dict) -> tuple[Settings, str]:
 TE_SCALING = no_meaning("a Transformer Engine scaling setting; the runner uses its fp8_autocast defaults")
 
 FP8_KEYS: dict[str, Handler] = {
-    "backend": fp8_backend,
-    "enable_fsdp_float8_all_gather": setting("precision.fp8.all_gather"),
-    "pad_inner_dim": no_meaning("the runner always pads, since a micro batch's token count is an inner dimension "
+    "fp8_backend": fp8_backend,
+    "fp8_enable_fsdp_float8_all_gather": setting("precision.fp8.all_gather"),
+    "fp8_pad_inner_dim": no_meaning("the runner always pads, since a micro batch's token count is an inner dimension "
                                 "of the weight gradient; layers whose sizes are not multiples of 16 stay in bf16 "
                                 "(precision.fp8.min_features)"),
-    "optimization_level": no_meaning("an MS-AMP setting"),
-    **{key: TE_SCALING for key in ("use_autocast_during_eval", "margin", "interval", "fp8_format",
-                                   "amax_history_length", "amax_history_len", "amax_compute_algorithm",
-                                   "amax_compute_algo", "override_linear_precision")},
+    **{f"fp8_{key}": no_meaning("an MS-AMP setting") for key in ("optimization_level", "opt_level")},
+    **{f"fp8_{key}": TE_SCALING for key in ("use_autocast_during_eval", "margin", "interval", "format",
+                                            "amax_history_length", "amax_history_len", "amax_compute_algorithm",
+                                            "amax_compute_algo", "override_linear_precision")},
 }
 
-# A section's keys, and when the section is read.
-SECTIONS: dict[str, tuple[dict[str, Handler], Callable[[dict], str]]] = {
+# A section's keys, when the section is read, and the prefix accelerate adds to a key given without it.
+SECTIONS: dict[str, tuple[dict[str, Handler], Callable[[dict], str], str]] = {
     "fsdp_config": (FSDP_KEYS, lambda file: "" if file["distributed_type"] == "FSDP" else
-                    f"distributed_type is {file['distributed_type']}, not FSDP"),
+                    f"distributed_type is {file['distributed_type']}, not FSDP", "fsdp_"),
     "deepspeed_config": (DEEPSPEED_KEYS, lambda file: "" if file["distributed_type"] == "DEEPSPEED" else
-                         f"distributed_type is {file['distributed_type']}, not DEEPSPEED"),
-    "fp8_config": (FP8_KEYS, lambda file: "" if mixed_precision(file) == "fp8" else "mixed_precision is not fp8"),
+                         f"distributed_type is {file['distributed_type']}, not DEEPSPEED", ""),
+    "fp8_config": (FP8_KEYS, lambda file: "" if mixed_precision(file) == "fp8" else "mixed_precision is not fp8",
+                   "fp8_"),
 }

@@ -15,7 +15,7 @@ Handler = Callable[[Any, dict], tuple[Settings, str]]
 def shown(value: Any) -> str:
     """A value as the YAML file has it."""
     if isinstance(value, (bool, type(None), dict, list)):
-        return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+        return yaml.safe_dump(value, default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
     return str(value)
 
 
