@@ -83,6 +83,7 @@ def test_deepspeed_config_file_that_contradicts_the_spec_names_both(workdir):
     result = run_cli("strategy=deepspeed", "hardware.nproc_per_node=2", "strategy.config_file=ds.json", cwd=workdir)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "run: error: ds.json sets gradient_clipping=0.5 but the spec gives 1.0; change one of them"
+        "run: error: ds.json sets gradient_clipping=0.5 but the spec gives train.max_grad_norm=1.0; change one of "
+        "them, or write \"auto\" in the file"
     ]
     assert not (workdir / "outputs").exists()

@@ -75,6 +75,7 @@ def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:
     the hardware it declares instead of this machine's. What needs more than the spec (the model's layers, the fit
     in memory, a checkpoint to resume) is the task's to check before launch (runner/tasks/).
     """
+    spec = spec.strategy.resolved(spec)
     require(spec.seed >= 0, f"seed={spec.seed} must be >= 0")
     train.check(spec.train)
     spec.optim.check()

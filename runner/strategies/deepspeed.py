@@ -4,7 +4,6 @@ clipping, precision); its engine wraps model and optimizer together and keeps th
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -15,11 +14,12 @@ from runner.config.hardware import Accelerator
 from runner.config.float8 import Float8Backend
 from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
-from runner.errors import SpecError, require
+from runner.errors import require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
-from runner.memory.facts import fp8_linears
+from runner.memory.facts import facts_of, fp8_linears
 from runner.memory.terms import (
     FP32, Change, Estimate, Part, dtype_name, micro_batch_tokens, processes, share, strategy_change)
+from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout, StepOutcome
 
@@ -94,11 +94,11 @@ class DeepSpeedStrategy(StrategyConfig):
         require(not nvme or (self.nvme_path and Path(self.nvme_path).is_dir()),
                 f"NVMe offload needs strategy.nvme_path=<an existing directory on the NVMe drive>, not {self.nvme_path}")
         if self.config_file:
-            require(Path(self.config_file).is_file(), f"strategy.config_file={self.config_file} does not exist")
-            try:
-                deepspeed_config(spec)
-            except ValueError as error:  # JSON that does not parse
-                raise SpecError(f"strategy.config_file={self.config_file} is not valid JSON: {error}") from None
+            deepspeed_config(spec)  # the file's contradictions with the spec, before launch
+
+    def resolved(self, spec: RunSpec) -> RunSpec:
+        """What the config file decides where the spec does not (runner/strategies/deepspeed_json.py)."""
+        return read_into_spec(spec) if self.config_file else spec
 
     def describe(self, hardware: HardwareConfig) -> str:
         return f"deepspeed ZeRO-{self.zero_stage}, {processes(hardware.world_size)}"
@@ -283,20 +283,7 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
     }
     if not strategy.config_file:
         return generated
-    return _merge_agreeing(json.loads(Path(strategy.config_file).read_text()), generated, strategy.config_file)
-
-
-def _merge_agreeing(user: dict, generated: dict, source: str, path: str = "") -> dict:
-    merged = dict(generated)
-    for key, value in user.items():
-        if isinstance(value, dict) and isinstance(generated.get(key), dict):
-            merged[key] = _merge_agreeing(value, generated[key], source, f"{path}{key}.")
-        elif key in generated and generated[key] != value:
-            raise SpecError(f"{source} sets {path}{key}={value!r} but the spec gives {generated[key]!r}; "
-                            "change one of them")
-        else:
-            merged[key] = value
-    return merged
+    return config_with_file(spec, generated, lambda: facts_of(spec.model).layer.hidden)
 
 
 @dataclass

@@ -95,6 +95,11 @@ class Strategy(Protocol):
     @property
     def checkpoint_layout(self) -> CheckpointLayout: ...
 
+    def resolved(self, spec: RunSpec) -> RunSpec:
+        """The spec with what the strategy's own files decide where the spec does not (DeepSpeed's config file);
+        validation asks it before any check."""
+        ...
+
     def check(self, spec: RunSpec) -> None:
         """Raises SpecError for a spec the strategy cannot run: its keys, the hardware, the precision."""
         ...

@@ -4,6 +4,7 @@ handler. FSDP keys are read in FSDP1's vocabulary, which the runner's FSDP2 stra
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 from runner.config.float8 import Float8Backend
@@ -189,6 +190,14 @@ def offload_param(value: Any, file: dict) -> tuple[Settings, str]:
     return assigned, ""
 
 
+def config_file(value: Any, file: dict) -> tuple[Settings, str]:
+    """Read from where `accelerate launch` runs, as accelerate reads it; the recipe names it wherever it runs."""
+    path = Path(str(value)).expanduser()
+    return {"strategy.config_file": str(path.resolve()) if path.is_file() else str(value)}, (
+        "its ZeRO stage, offload and precision blocks are read into the spec and its \"auto\" values filled from "
+        "it, as the Trainer does; a value that contradicts the spec is refused")
+
+
 def zero_stage(value: Any, file: dict) -> tuple[Settings, str]:
     if value not in (0, 1, 2, 3) or isinstance(value, bool):
         raise ValueError("choose 0, 1, 2 or 3")
@@ -214,9 +223,7 @@ LAUNCHER = no_meaning("the runner starts each node's processes itself (hardware.
                       "with no hostfile")
 
 DEEPSPEED_KEYS: dict[str, Handler] = {
-    "deepspeed_config_file": lambda value, file: ({"strategy.config_file": str(value)}, (
-        "its keys are added to the config the runner makes from the spec; one that contradicts the spec is an "
-        "error at launch")),
+    "deepspeed_config_file": config_file,
     "zero_stage": zero_stage,
     "offload_optimizer_device": offload_device("strategy.offload_optimizer"),
     "offload_param_device": offload_param,
