@@ -4,10 +4,6 @@ runner/strategies/, one file each behind the Strategy protocol (runner/strategie
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from runner.config.spec import RunSpec
 
 
 @dataclass
@@ -17,7 +13,3 @@ class StrategyConfig:
     # Recompute each transformer block's activations in backward instead of keeping them (less memory, about a
     # third more compute).
     activation_checkpointing: bool = False
-
-    def resolved(self, spec: RunSpec) -> RunSpec:
-        """The spec with what the strategy's own files decide; most strategies have none."""
-        return spec

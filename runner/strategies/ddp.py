@@ -38,6 +38,9 @@ class DDPStrategy(StrategyConfig):
     float8_all_gather: ClassVar[bool] = False
     checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout.FULL
 
+    def resolved(self, spec: RunSpec) -> RunSpec:
+        return spec  # no files of its own
+
     def check(self, spec: RunSpec) -> None:
         require(self.bucket_cap_mb > 0, f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
         precision = spec.precision

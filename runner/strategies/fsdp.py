@@ -98,6 +98,9 @@ class FSDPStrategy(StrategyConfig):
     def checkpoint_layout(self) -> CheckpointLayout:
         return CheckpointLayout.SHARDED if self.state_dict_type is StateDictType.SHARDED else CheckpointLayout.FULL
 
+    def resolved(self, spec: RunSpec) -> RunSpec:
+        return spec  # no files of its own
+
     def check(self, spec: RunSpec) -> None:
         machine = spec.hardware
         processes_given = f"(hardware.nnodes={machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node})"

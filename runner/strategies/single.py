@@ -34,6 +34,9 @@ class SingleStrategy(StrategyConfig):
     float8_all_gather: ClassVar[bool] = False
     checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout.FULL
 
+    def resolved(self, spec: RunSpec) -> RunSpec:
+        return spec  # no files of its own
+
     def check(self, spec: RunSpec) -> None:
         machine = spec.hardware
         require(machine.world_size == 1,
