@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import difflib
 from enum import IntEnum
+from typing import Iterable
 
 
 class ExitStatus(IntEnum):
@@ -44,3 +46,9 @@ class LaunchRefused(BaseException):
 class NothingToLaunch(BaseException):
     """A task that answers without launching (task=estimate) has answered; Hydra stops before it makes a run
     directory."""
+
+
+def did_you_mean(given: str, choices: Iterable[str], prefix: str = "") -> str:
+    """"; did you mean <prefix><the closest choice>?", or nothing when none is close."""
+    close = difflib.get_close_matches(given, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""

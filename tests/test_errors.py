@@ -37,6 +37,17 @@ BAD_INPUTS = {
                                              "(128) is not a multiple of the number of attention heads (3)"),
     "an encoder to train": (["model=bert_base_cased"], "bert is not a causal language model"),
     "a run that cannot fit": (["hardware=cpu", "hardware.device_memory_gib=0.01"], "the run does not fit"),
+    "a misspelt key": (["train.max_step=5"], "unknown key train.max_step: Key 'max_step' not in 'TrainConfig'; "
+                                             "did you mean train.max_steps?"),
+    "a misspelt key added with +": (["+sed=3"], "did you mean seed?"),
+    "a misspelt option": (["strategy=fdsp"], "strategy=fdsp is not an option; choose one of: ddp, deepspeed, fsdp, "
+                                             "single; did you mean fsdp?"),
+    "lightning-hydra-template's experiment": (["experiment=llama"], "unknown key experiment: experiments are "
+                                                                    "recipes here: recipe=<name>"),
+    "lightning-hydra-template's logger": (["logger=wandb"], "loggers are trackers here: tracker=wandb"),
+    "lightning-hydra-template's trainer": (["+trainer.max_epochs=1"], "unknown key trainer: the Trainer's settings "
+                                                                      "are the hardware, strategy and precision groups"),
+    "lightning-hydra-template's debug": (["debug=default"], "for a short debugging run: recipe=cpu_quick"),
     "a negative bucket size": (["strategy=ddp", "hardware.nproc_per_node=2", "strategy.bucket_cap_mb=-5"],
                                "strategy.bucket_cap_mb=-5 must be > 0"),
     "a negative seed": (["seed=-5"], "seed=-5 must be >= 0"),

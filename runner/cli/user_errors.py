@@ -6,7 +6,8 @@ from hydra.errors import ConfigCompositionException, HydraException, MissingConf
 from omegaconf.errors import OmegaConfBaseException
 
 from runner.cli.recipes import RecipeError
-from runner.errors import SpecError
+from runner.config.spec import FROM_OTHER_TOOLS
+from runner.errors import SpecError, did_you_mean
 
 USER_ERRORS = (HydraException, OmegaConfBaseException, SpecError, RecipeError)
 
@@ -18,6 +19,16 @@ HYDRA_PLUGINS = {
 }
 
 
+def unknown_key(cause: OmegaConfBaseException, message: str) -> str:
+    full_key = cause.full_key
+    if full_key in FROM_OTHER_TOOLS:
+        return f"unknown key {full_key}: {FROM_OTHER_TOOLS[full_key]}"
+    parent = getattr(cause, "parent_node", None)
+    prefix = full_key.rpartition(".")[0]
+    known = list(parent.keys()) if parent is not None and hasattr(parent, "keys") else []
+    return f"unknown key {full_key}: {message}{did_you_mean(str(cause.key), known, f'{prefix}.' if prefix else '')}"
+
+
 def one_line(error: BaseException) -> str:
     """The message a user needs, on one line, without Hydra's and OmegaConf's report layout."""
     if isinstance(error, MissingConfigException) and error.missing_cfg_file in HYDRA_PLUGINS:
@@ -25,14 +36,15 @@ def one_line(error: BaseException) -> str:
         return f"{error.missing_cfg_file} comes with Hydra's {package} plugin, which is not installed: pip install {package}"
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
         group, _, option = error.missing_cfg_file.rpartition("/")
-        return f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"
+        return (f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"
+                f"{did_you_mean(option, error.options)}")
     if isinstance(error, OverrideParseException):
         return f"cannot parse the override '{error.override}': {str(error).splitlines()[0]}"
     cause = error.__cause__ if isinstance(error, ConfigCompositionException) and error.__cause__ else error
     if isinstance(cause, OmegaConfBaseException) and getattr(cause, "full_key", None):
         message = getattr(cause, "msg", str(cause)).splitlines()[0]
         if message.startswith("Key ") and " not in " in message:
-            return f"unknown key {cause.full_key}: {message}"
+            return unknown_key(cause, message)
         return f"{cause.full_key}: {message}"
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines[:2]) if lines else type(error).__name__

@@ -24,7 +24,7 @@ from runner.config.strategy import StrategyConfig
 from runner.config.task import TaskConfig
 from runner.config.tracker import TrackerConfig
 from runner.config.train import TrainConfig
-from runner.errors import SpecError, require
+from runner.errors import SpecError, did_you_mean, require
 
 
 @dataclass
@@ -45,6 +45,18 @@ class RunSpec:
     resume: Optional[str] = None
 
 
+# Groups and keys of lightning-hydra-template (and Lightning), and where the same thing is here.
+FROM_OTHER_TOOLS = {
+    "experiment": "experiments are recipes here: recipe=<name> (run --recipes lists them)",
+    "logger": "loggers are trackers here: tracker=wandb, tensorboard, mlflow or none",
+    "trainer": "the Trainer's settings are the hardware, strategy and precision groups (hardware=, strategy=, "
+               "precision=) and train.* (train.max_steps, train.micro_batch_size, ...)",
+    "debug": "for a short debugging run: recipe=cpu_quick, or train.max_steps=<a few>",
+    "callbacks": "checkpoints and evaluation are train.checkpoint_every, train.eval_every, train.keep_checkpoints",
+    "paths": "a run's directory is hydra.run.dir; data and model paths are data.files, model.pretrained",
+}
+
+
 def load_spec(config: DictConfig) -> RunSpec:
     """The typed spec of a composed config (Hydra's own `hydra` node, when present, is left out)."""
     _reject_unknown_keys(config, "")
@@ -60,8 +72,11 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
         known = [f.name for f in fields(schema)]
         for key in node.keys():
             if key not in known and not (prefix == "" and key == "hydra"):
+                if not prefix and key in FROM_OTHER_TOOLS:
+                    raise SpecError(f"unknown key {key}: {FROM_OTHER_TOOLS[key]}")
                 has = f"the keys {', '.join(known)}" if known else "no keys"
-                raise SpecError(f"unknown key {prefix}{key}: {schema.__name__} has {has}")
+                raise SpecError(f"unknown key {prefix}{key}: {schema.__name__} has {has}"
+                                f"{did_you_mean(str(key), known, prefix)}")
     for key in node.keys():
         child = node._get_node(key)
         if isinstance(child, DictConfig) and key != "hydra" and not child._is_missing() and not child._is_none():
