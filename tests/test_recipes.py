@@ -150,3 +150,13 @@ def test_a_broken_recipe_is_a_one_line_error_where_a_recipe_is_chosen(workdir):
     # A command line that chooses no recipe does not read them (Hydra would copy them at every composition).
     plain = run_cli("--cfg", "job", cwd=workdir)
     assert plain.returncode == 0 and "max_steps: 200" in plain.stdout, plain.stderr
+
+
+@pytest.mark.parametrize("flag", ["-sc", "--shell-completion"])
+def test_tab_completion_offers_the_recipes(flag, workdir):
+    (workdir / "recipes").mkdir()
+    (workdir / "recipes" / "cpu_mine.yaml").write_text("# @package _global_\n# mine\n")
+    typed = {"COMP_LINE": "run recipe=cpu_", "COMP_POINT": "15"}
+    result = run_cli(flag, "query=bash", cwd=workdir, env=typed)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_fsdp", "recipe=cpu_mine", "recipe=cpu_quick"]

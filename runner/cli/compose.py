@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import replace
 from pathlib import Path
@@ -70,7 +71,9 @@ def choosable_recipes(recipe_dirs: list[Path], args: list[str]) -> list[Path]:
     """The recipe directories, when these arguments can choose a recipe: one of them names the group (`recipe=`, a
     sweep over it, a sweeper's parameter) or another primary config. Otherwise none: Hydra copies every config
     stored for it each time it composes, and reading and copying the recipes would slow every `run`."""
-    if any("recipe" in arg or arg.startswith(PRIMARY_CONFIG_FLAGS) for arg in args):
+    # Shell completion (`-sc query=bash`) reads the command line being typed from COMP_LINE.
+    typed = [*args, *os.environ.get("COMP_LINE", "").split()] if any(a.startswith(("-sc", "--shell-completion")) for a in args) else args
+    if any("recipe" in arg or arg.startswith(PRIMARY_CONFIG_FLAGS) for arg in typed):
         return recipe_dirs
     return []
 
