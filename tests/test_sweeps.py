@@ -45,3 +45,12 @@ def test_optuna_sweeper_minimises_the_eval_loss(workdir):
     best_row = min(rows, key=lambda row: float(row["eval_loss"]))
     assert best["best_value"] == pytest.approx(float(best_row["eval_loss"]))
     assert f"optim.lr={best['best_params']['optim.lr']}" in best_row["overrides"]
+
+
+def test_an_estimate_sweep_over_glob_estimates_every_option_and_trains_nothing(workdir):
+    result = run_cli("-m", "task=estimate", "strategy=glob(*dp)", "hardware.nproc_per_node=2", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("== ")] == [
+        "== task=estimate strategy=ddp hardware.nproc_per_node=2",
+        "== task=estimate strategy=fsdp hardware.nproc_per_node=2"]
+    assert not (workdir / "outputs").exists()

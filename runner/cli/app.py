@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import hydra
 from hydra.experimental.callback import Callback
@@ -19,6 +19,9 @@ from runner.config.spec import RunSpec, load_spec, validate
 from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
 from runner.errors import LaunchRefused, NothingToLaunch, SpecError
 from runner.quiet import quiet_libraries
+
+if TYPE_CHECKING:
+    from hydra.core.override_parser.types import Override
 
 
 def run_job(config: DictConfig) -> float:
@@ -99,23 +102,50 @@ class ValidateSpec(Callback):
 
         # The launcher is made once, from the sweep's own config, for all its points.
         launcher = config.hydra.launcher if submits_to_cluster(config) else None
-        if config.hydra.sweeper._target_ != f"{BasicSweeper.__module__}.{BasicSweeper.__name__}":
-            # Other sweepers (Optuna) choose their points as they go: the base spec is checked here, each point as
-            # its job starts.
-            if checked(config, launcher=launcher)[1] is not None:
-                raise LaunchRefused("task=estimate prints estimates for the basic sweeper's points (-m a,b), not "
-                                    "for a sweeper that chooses its own")
-            return
-        overrides = OverridesParser.create().parse_overrides(list(config.hydra.overrides.task))
+        # Every sweep syntax, as the sweepers expand it: the sweeper's own params first, then the command line's,
+        # with the config loader that gives glob() its options.
         loader = GlobalHydra.instance().config_loader()
+        params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
+        overrides = OverridesParser.create(config_loader=loader).parse_overrides(
+            [*params, *config.hydra.overrides.task])
+        basic = config.hydra.sweeper._target_ == f"{BasicSweeper.__module__}.{BasicSweeper.__name__}"
+        # The basic sweeper's points are its jobs; another sweeper (Optuna) chooses its own as it goes, from any
+        # value of each parameter.
+        points = BasicSweeper.split_arguments(overrides, None)[0] if basic else each_value(overrides)
         answers = {}
-        for job_overrides in BasicSweeper.split_arguments(overrides, None)[0]:
+        for job_overrides in points:
             name = " ".join(job_overrides)
-            answers[name] = checked(loader.load_sweep_config(config, job_overrides), f"{name}: ", launcher)[1]
+            try:
+                job_config = loader.load_sweep_config(config, job_overrides)
+            except USER_ERRORS as error:
+                raise LaunchRefused(f"{name}: {one_line(error)}") from None
+            answers[name] = checked(job_config, f"{name}: ", launcher)[1]
         answered = {name: answer for name, answer in answers.items() if answer is not None}
+        if answered and not basic:
+            raise LaunchRefused("task=estimate prints estimates for the basic sweeper's points (-m a,b), not for a "
+                                "sweeper that chooses its own")
         if answered and len(answered) < len(answers):
             raise LaunchRefused("a sweep is either all task=estimate or all training jobs")
         if answered:
             for name, answer in answered.items():
                 print(f"== {name}\n{answer}\n", flush=True)
             raise NothingToLaunch()
+
+
+def each_value(overrides: list[Override]) -> list[list[str]]:
+    """The points that hold every value a sweeper may choose for each parameter: each value of a choice, range or
+    glob and both ends of an interval, the other parameters at their first."""
+    values = []
+    for override in overrides:
+        key = override.get_key_element()
+        if not override.is_sweep_override():
+            given = [override.get_value_element_as_str()]
+        elif override.is_discrete_sweep():
+            given = list(override.sweep_string_iterator())
+        else:
+            interval = override.value()
+            given = [str(interval.start), str(interval.end)]
+        values.append([f"{key}={value}" for value in given])
+    firsts = [options[0] for options in values]
+    return [firsts] + [[*firsts[:i], option, *firsts[i + 1:]] for i, options in enumerate(values)
+                       for option in options[1:]]
