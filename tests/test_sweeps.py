@@ -30,6 +30,8 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     assert failed[0]["error"].startswith("RuntimeError: The size of tensor a (4) must match the size of tensor b (3)")
     assert all(float(row["eval_loss"]) > 0 and float(row["tokens_per_s"]) > 0 for row in rows if row not in failed)
     assert (sweep_dir / "report.md").read_text().count("| completed |") == 3
+    assert f"sweep report: {(sweep_dir / 'report.md').relative_to(workdir)}" in result.stdout
+    assert "e+" not in (sweep_dir / "report.md").read_text()  # tokens/s as 16,080, not 1.608e+04
     assert (sweep_dir / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -41,6 +43,7 @@ def test_optuna_sweeper_minimises_the_eval_loss(workdir):
     [sweep_dir] = workdir.glob("outputs/multirun/*/*")
     rows = list(csv.DictReader((sweep_dir / "report.csv").open()))
     assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
+    assert f"sweep report: {(sweep_dir / 'report.md').relative_to(workdir)} (and report.csv, loss_curves.png)" in result.stdout
     best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     best_row = min(rows, key=lambda row: float(row["eval_loss"]))
     assert best["best_value"] == pytest.approx(float(best_row["eval_loss"]))

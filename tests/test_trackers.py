@@ -127,6 +127,9 @@ def test_a_terminal_gets_a_progress_bar_and_mfu_where_the_peak_is_known(tmp_path
     text = screen.decode(errors="replace")
     assert "6/6" in text and "tokens_per_s=" in text and "loss=" in text  # the bar
     assert "done: train loss" in text  # the log lines
+    # The bar's tokens/s ends where the done line's is: both the mean of the training steps.
+    done = text.split("done: train loss", 1)[1].split(" tokens/s (mean of the training steps)")[0].rsplit(" ", 1)[1]
+    assert f"tokens_per_s={done}" in text
     [run_dir] = run_dirs(tmp_path)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(0 < r["mfu"] for r in records if "loss" in r)

@@ -79,7 +79,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
         elapsed = time.perf_counter() - tic
         progress.train_time, progress.tokens_seen = progress.train_time + elapsed, progress.tokens_seen + result.tokens
         window.add(step_loss, result.tokens, elapsed)
-        bar.advance(step_loss, result.tokens / elapsed)
+        bar.advance(step_loss, progress.tokens_seen / progress.train_time)  # the done line's measure, so far
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], result.outcome,
@@ -144,9 +144,9 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, eval_loss: 
     for tracker in job.trackers:
         tracker.finish()
     log.info(
-        "done: train loss %.4f | eval loss %.4f (from %.4f) | %.0f tokens/s | peak memory %.2f GiB | %.0f s",
-        train_loss, eval_loss, progress.first_eval_loss, summary["tokens_per_s"], summary["peak_memory_gib"],
-        summary["wall_time_s"],
+        "done: train loss %.4f | eval loss %.4f (from %.4f) | %s tokens/s (mean of the training steps) | "
+        "peak memory %.2f GiB | %.0f s", train_loss, eval_loss, progress.first_eval_loss,
+        f"{summary['tokens_per_s']:,.0f}", summary["peak_memory_gib"], summary["wall_time_s"],
     )
     log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
     return summary

@@ -79,8 +79,9 @@ class ProgressBar:
             self._bar = tqdm(total=total, initial=start, unit="step", ncols=size.columns or 100, nrows=size.lines or 24)
 
     def advance(self, loss: float, tokens_per_s: float) -> None:
+        """A step's loss, and the mean tokens/s of the training steps so far (as the done line gives it)."""
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_s:.0f}", refresh=False)
+            self._bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_s:,.0f}", refresh=False)
             self._bar.update(1)
 
     def close(self) -> None:

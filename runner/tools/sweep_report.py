@@ -36,9 +36,14 @@ class SweepReport(Callback):
                 message = " ".join(str(error).split())
                 (Path(config.hydra.runtime.output_dir) / ERROR_FILE).write_text(f"{type(error).__name__}: {message}\n")
         write_report(Path(config.hydra.sweep.dir), ended=False)
+        if job_return.status is JobStatus.FAILED:  # the sweep ends here, without on_multirun_end
+            print(f"sweep report: {Path(config.hydra.sweep.dir) / 'report.md'}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        write_report(Path(config.hydra.sweep.dir), ended=True)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        write_report(sweep_dir, ended=True)
+        if is_first_task():
+            print(f"sweep report: {sweep_dir / 'report.md'} (and report.csv, loss_curves.png)", flush=True)
 
 
 def job_rows(sweep_dir: Path, ended: bool) -> list[dict[str, Any]]:
@@ -78,7 +83,9 @@ def write_report(sweep_dir: Path, ended: bool) -> None:
     (sweep_dir / "report.csv").write_text(buffer.getvalue())
 
     def cell(value: Any) -> str:
-        return f"{value:.4g}" if isinstance(value, float) else ("" if value is None else str(value))
+        if isinstance(value, float):
+            return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+        return "" if value is None else str(value)
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(row[c]) for c in COLUMNS) + " |" for row in rows]
@@ -101,7 +108,8 @@ def plot_losses(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         points = [(r["step"], r["loss"]) for r in records if "loss" in r]
         if points:
-            axes.plot(*zip(*points), label=f"{row['job']}: {row['swept']}"[:80])
+            # Markers: a short job's single logged step is a point, which a line alone would not draw.
+            axes.plot(*zip(*points), marker="o", markersize=3, label=f"{row['job']}: {row['swept']}"[:80])
     axes.set_xlabel("step")
     axes.set_ylabel("training loss")
     axes.set_title(str(sweep_dir))
