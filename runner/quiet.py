@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 
 def quiet_libraries() -> None:
@@ -13,12 +14,15 @@ def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    if not sys.stderr.isatty():  # colorlog (the Optuna sweeper's logs) writes colour codes into files otherwise
+        os.environ.setdefault("NO_COLOR", "1")
     quiet_loggers()
 
 
 def quiet_loggers() -> None:
     """torchao, which transformers imports whenever it is installed (validation builds a model on the meta
     device), warns about kernels this machine does not need, and torch about torchao's enum registrations;
-    alembic, which the Optuna sweeper imports, lists its plugins. Errors still show."""
-    for name in ("torchao", "torch.utils._pytree", "alembic"):
+    alembic, which the Optuna sweeper imports, lists its plugins; matplotlib (the sweep report's plot) says it
+    builds its font cache. Errors still show."""
+    for name in ("torchao", "torch.utils._pytree", "alembic", "matplotlib.font_manager"):
         logging.getLogger(name).setLevel(logging.ERROR)

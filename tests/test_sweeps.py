@@ -40,6 +40,7 @@ def test_optuna_sweeper_minimises_the_eval_loss(workdir):
                      "optim.lr=interval(0.0005,0.01)", *SHORT, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "setup plugin" not in result.stdout + result.stderr  # alembic's chatter, under Optuna
+    assert "\x1b[" not in result.stdout + result.stderr  # Optuna's colours, not on a terminal
     [sweep_dir] = workdir.glob("outputs/multirun/*/*")
     rows = list(csv.DictReader((sweep_dir / "report.csv").open()))
     assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
