@@ -109,3 +109,19 @@ def test_deepspeed_config_file_that_contradicts_the_spec_names_both(workdir):
         "them, or write \"auto\" in the file"
     ]
     assert not (workdir / "outputs").exists()
+
+
+@pytest.mark.parametrize("args,used", [
+    (["hydra.run.dir=runs/a"], "runs/a/spec.yaml"),
+    (["-m", "hydra.sweep.dir=runs/s", "seed=1,2"], "runs/s/0/spec.yaml"),
+])
+def test_a_directory_that_holds_a_run_is_not_reused(args, used, workdir):
+    (workdir / used).parent.mkdir(parents=True)
+    (workdir / used).write_text("# a run's spec\n")
+    (workdir / used).with_name("metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    result = run_cli(*args, cwd=workdir)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"holds a run already ({used}); choose another directory, or continue that run with: run resume=" \
+        in result.stderr
+    assert (workdir / used).with_name("metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
+    assert sorted(p.name for p in (workdir / used).parent.iterdir()) == ["metrics.jsonl", "spec.yaml"]

@@ -91,6 +91,8 @@ class ValidateSpec(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _, answer = checked(config)
+        if answer is None and not config.resume:
+            refuse_used_directory(Path(config.hydra.run.dir), "hydra.run.dir")
         if answer is not None:
             print(answer, flush=True)
             raise NothingToLaunch()
@@ -102,6 +104,7 @@ class ValidateSpec(Callback):
 
         # The launcher is made once, from the sweep's own config, for all its points.
         launcher = config.hydra.launcher if submits_to_cluster(config) else None
+        refuse_used_directory(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
         # Every sweep syntax, as the sweepers expand it: the sweeper's own params first, then the command line's,
         # with the config loader that gives glob() its options.
         loader = GlobalHydra.instance().config_loader()
@@ -130,6 +133,16 @@ class ValidateSpec(Callback):
             for name, answer in answered.items():
                 print(f"== {name}\n{answer}\n", flush=True)
             raise NothingToLaunch()
+
+
+def refuse_used_directory(directory: Path, key: str) -> None:
+    """A run or sweep directory that holds a run already: a new run would append to its metrics and overwrite its
+    model."""
+    held = [path for path in (directory / "spec.yaml", directory / "multirun.yaml") if path.exists()]
+    held += sorted(directory.glob("*/spec.yaml"))[:1]
+    if held:
+        raise LaunchRefused(f"{key}={directory} holds a run already ({held[0]}); choose another directory, or "
+                            f"continue that run with: run resume={held[0].parent}")
 
 
 def each_value(overrides: list[Override]) -> list[list[str]]:
