@@ -150,3 +150,62 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4, 6, 8]
     wandb_ids = {p.name.rsplit("-", 1)[1] for p in (run_dir / "wandb").glob("offline-run-*")}
     assert len(wandb_ids) == 1  # both parts log to one wandb run, which `wandb sync` joins
+
+
+# ---- trackers checked before launch: one line, exit 2, a bounded wait, nothing written
+
+
+def test_wandb_online_without_an_api_key_is_refused_before_launch(workdir):
+    env = {"WANDB_API_KEY": "", "NETRC": str(workdir / "no-netrc")}
+    result = run_cli("tracker=wandb", "tracker.wandb.mode=online", cwd=workdir, env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "tracker.wandb.mode=online needs a W&B API key: set WANDB_API_KEY" in result.stderr
+    assert not (workdir / "outputs").exists()
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_within_seconds(workdir):
+    import socket
+    import time
+
+    from runner.config.reachable import WAIT_S
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()  # accepts connections, never answers
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, not listening: connection refused
+    try:
+        for sock, why in ((silent, f"no answer within {WAIT_S:g} s"), (refused, "Connection refused")):
+            uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+            started = time.monotonic()
+            result = run_cli("tracker=mlflow", f"tracker.mlflow.tracking_uri={uri}", cwd=workdir)
+            assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+            assert f"tracker.mlflow.tracking_uri={uri} does not answer ({why}" in result.stderr
+            assert time.monotonic() - started < WAIT_S + 30
+            assert not (workdir / "outputs").exists()
+    finally:
+        silent.close()
+        refused.close()
+
+
+def test_an_mlflow_server_that_answers_its_health_check_passes():
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from runner.config.tracker import MLflowConfig
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        MLflowConfig(tracking_uri=f"http://127.0.0.1:{server.server_port}").check()
+    finally:
+        server.shutdown()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, List, Optional, Protocol
 
+from runner.config.reachable import unanswered, wandb_key_known
 from runner.errors import require
 
 # Key names (or their _-separated parts) that hold secrets: api_key, hub_token, password; not tokenizer.
@@ -38,6 +39,10 @@ class WandbConfig:
 
     def check(self) -> None:
         require(self.mode in ("offline", "online"), f"tracker.wandb.mode={self.mode} must be offline or online")
+        if self.mode == "online":
+            require(wandb_key_known(self.api_key),
+                    "tracker.wandb.mode=online needs a W&B API key: set WANDB_API_KEY (or run `wandb login`), or log "
+                    "with tracker.wandb.mode=offline and `wandb sync` later")
 
     def open(self, run_dir: Path, identity: RunIdentity, spec: dict, start_step: int) -> Tracker:
         return WandbTracker(self, run_dir, identity, spec, start_step)
@@ -67,7 +72,11 @@ class MLflowConfig:
     package: ClassVar[str] = "mlflow-skinny"
 
     def check(self) -> None:
-        pass
+        uri = self.tracking_uri or ""
+        if uri.startswith(("http://", "https://")):
+            why = unanswered(f"{uri.rstrip('/')}/health")
+            require(why is None, f"tracker.mlflow.tracking_uri={uri} does not answer ({why}); start the server, or "
+                                 "leave tracker.mlflow.tracking_uri unset for a file store in the run directory")
 
     def open(self, run_dir: Path, identity: RunIdentity, spec: dict, start_step: int) -> Tracker:
         return MLflowTracker(self, run_dir, identity, spec, start_step)
