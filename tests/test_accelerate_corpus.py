@@ -118,7 +118,8 @@ def test_what_real_files_mean_is_what_accelerate_makes_of_them():
     assert "  offload_param_device: cpu -> dropped: DeepSpeed offloads parameters at ZeRO-3 only and ignores the " \
            "setting at lower stages (zero_stage: 2)" in lines
     # distributed_type NO runs one process, whatever num_processes says.
-    single = convert(yaml.safe_load((CORPUS / "huggingface__trl__trl__accelerate_configs__single_gpu.yaml").read_text()))
+    single = convert(yaml.safe_load(
+        (CORPUS / "huggingface__trl__trl__accelerate_configs__single_gpu.yaml").read_text()))
     assert single[0]["hardware.nproc_per_node"] == 1
 
 

@@ -17,7 +17,8 @@ from runner.strategies.deepspeed import deepspeed_config
 
 CORPUS = Path(__file__).parent / "data" / "accelerate_corpus"
 TRANSFORMERS_ZERO3 = CORPUS / "huggingface__transformers__tests__deepspeed__ds_config_zero3.json"
-ACCELERATE_ZERO3_OFFLOAD = CORPUS / "huggingface__accelerate__examples__deepspeed_config_templates__zero_stage3_offload_config.json"
+ACCELERATE_ZERO3_OFFLOAD = (
+    CORPUS / "huggingface__accelerate__examples__deepspeed_config_templates__zero_stage3_offload_config.json")
 TWO_CPU_RANKS = ["strategy=deepspeed", "hardware=cpu", "hardware.nproc_per_node=2"]
 
 
@@ -65,7 +66,8 @@ def test_accelerates_fp16_template_makes_an_fp16_spec_with_its_schedule():
                                                       "precision.compute_dtype='bf16'"),
     ([], {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "sets optimizer.params.lr=0.1 but the spec gives "
                                                                   "optim.lr="),
-    (["optim=sgd"], {"optimizer": {"type": "AdamW"}}, "sets optimizer.type='AdamW' but the spec's optimizer is optim=sgd"),
+    (["optim=sgd"], {"optimizer": {"type": "AdamW"}},
+     "sets optimizer.type='AdamW' but the spec's optimizer is optim=sgd"),
     ([], {"scheduler": {"type": "OneCycle"}}, "the runner's schedules are a linear warmup"),
     ([], {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "log"}}},
      "sets scheduler.params.warmup_type='log' but the spec gives the runner's warmup='linear'"),

@@ -113,8 +113,10 @@ def test_a_project_recipe_shadows_the_bundled_one_and_a_search_path_adds_more(wo
     assert "team " in run_cli("--recipes", cwd=workdir, env=env).stdout
 
 
-@pytest.mark.parametrize("command", [["--copy-recipe", "cpu_quick"],
-                                     ["--from-accelerate", str(Path(__file__).parent / "data/accelerate/ddp_config.yaml")]])
+DDP_SEED = str(Path(__file__).parent / "data" / "accelerate" / "ddp_config.yaml")
+
+
+@pytest.mark.parametrize("command", [["--copy-recipe", "cpu_quick"], ["--from-accelerate", DDP_SEED]])
 @pytest.mark.parametrize("name", ["../../somewhere/x", "sub/x", ".hidden"])
 @pytest.mark.parametrize("recipes_exist", [True, False])
 def test_a_command_writes_recipes_only_under_plain_names_in_recipes(command, name, recipes_exist, tmp_path):

@@ -44,7 +44,8 @@ def test_optuna_sweeper_minimises_the_eval_loss(workdir):
     [sweep_dir] = workdir.glob("outputs/multirun/*/*")
     rows = list(csv.DictReader((sweep_dir / "report.csv").open()))
     assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
-    assert f"sweep report: {(sweep_dir / 'report.md').relative_to(workdir)} (and report.csv, loss_curves.png)" in result.stdout
+    report = (sweep_dir / "report.md").relative_to(workdir)
+    assert f"sweep report: {report} (and report.csv, loss_curves.png)" in result.stdout
     best = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     best_row = min(rows, key=lambda row: float(row["eval_loss"]))
     assert best["best_value"] == pytest.approx(float(best_row["eval_loss"]))

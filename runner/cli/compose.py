@@ -13,12 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.cli import recipes
 from runner.config.data import DataConfig
-from runner.config.hardware import HardwareConfig
+from runner.config.hardware import Accelerator, HardwareConfig
 from runner.config.model import ModelConfig
 from runner.config.optim import AdamWConfig, SGDConfig
 from runner.config.precision import PrecisionConfig
 from runner.config.scheduler import SchedulerConfig
-from runner.config.hardware import Accelerator
 from runner.config.spec import RunSpec, load_spec, validate
 from runner.strategies import STRATEGIES
 from runner.tasks import TASKS
@@ -71,8 +70,9 @@ def choosable_recipes(recipe_dirs: list[Path], args: list[str]) -> list[Path]:
     """The recipe directories, when these arguments can choose a recipe: one of them names the group (`recipe=`, a
     sweep over it, a sweeper's parameter) or another primary config. Otherwise none: Hydra copies every config
     stored for it each time it composes, and reading and copying the recipes would slow every `run`."""
-    # Shell completion (`-sc query=bash`) reads the command line being typed from COMP_LINE.
-    typed = [*args, *os.environ.get("COMP_LINE", "").split()] if any(a.startswith(("-sc", "--shell-completion")) for a in args) else args
+    typed = list(args)
+    if any(arg.startswith(("-sc", "--shell-completion")) for arg in args):  # completion reads the line being typed
+        typed += os.environ.get("COMP_LINE", "").split()
     if any("recipe" in arg or arg.startswith(PRIMARY_CONFIG_FLAGS) for arg in typed):
         return recipe_dirs
     return []

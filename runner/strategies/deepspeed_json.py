@@ -118,7 +118,8 @@ def read_into_spec(spec: RunSpec) -> RunSpec:
         enabled = at(user, f"{block}.enabled")
         if enabled is True and precision.compute_dtype is not dtype:
             if precision.compute_dtype is not PrecisionConfig().compute_dtype:
-                raise contradiction(source, f"{block}.enabled", True, "precision.compute_dtype", precision.compute_dtype)
+                raise contradiction(source, f"{block}.enabled", True, "precision.compute_dtype",
+                                    precision.compute_dtype)
             precision = replace(precision, compute_dtype=dtype)
         elif enabled is False and precision.compute_dtype is dtype:
             raise contradiction(source, f"{block}.enabled", False, "precision.compute_dtype", dtype)
