@@ -48,6 +48,8 @@ class PreparedJob:
     trackers: list[Tracker]
     dp_size: int
     precision_in_effect: Callable[[], PrecisionInEffect]
+    train_sequences: int
+    eval_sequences: int
     # Where a resumed run starts: the checkpoint's step and what the loop had counted by then.
     start_step: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
@@ -119,6 +121,8 @@ def prepare_job(
         trackers=[],
         dp_size=dp_size,
         precision_in_effect=placed.precision_in_effect,
+        train_sequences=len(train_set),
+        eval_sequences=len(eval_set),
     )
     if spec.resume:
         progress = checkpoint.load(job, Path(spec.resume))

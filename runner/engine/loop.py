@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, Optional
 from runner.distributed import all_ranks_sums
 from runner.engine import checkpoint
 from runner.engine.metrics import MetricsWindow, ProgressBar, peak_memory_gib, training_flops_per_token
+from runner.engine.overview import overview
 from runner.engine.signals import GracefulStop
 from runner.engine.step import evaluate, train_step
 from runner.errors import NonFiniteLoss, Stopped
 from runner.files import write_json_atomically
-from runner.strategies.protocol import model_class_name, parameter_count, unwrapped
+from runner.strategies.protocol import parameter_count, unwrapped
 
 if TYPE_CHECKING:
     from runner.engine.job import PreparedJob
@@ -100,15 +101,10 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
 
 def _start(job: PreparedJob) -> MetricsWindow:
     """The job's first log lines; the metrics window that MFU is computed in."""
-    spec, cfg = job.spec, job.spec.train
+    spec = job.spec
     n_params = parameter_count(job.model)
-    log.info(
-        "%s | model %s, %.2fM parameters | global batch %d = micro batch %d x %d data-parallel ranks"
-        " x %d accumulation steps | %d steps",
-        spec.strategy.describe(spec.hardware), model_class_name(job.model), n_params / 1e6,
-        job.global_batch_size, cfg.micro_batch_size, job.dp_size, cfg.grad_accum_steps, cfg.max_steps,
-    )
-    log.info("precision: %s", job.precision_in_effect().line())
+    for line in overview(job):
+        log.info("%s", line)
     flops_per_token = training_flops_per_token(unwrapped(job.model).config, n_params, spec.data.seq_len)
     return MetricsWindow(flops_per_token, spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size)
 

@@ -1,0 +1,57 @@
+"""What a run is, printed as a compact tree when it starts: what a user checks at a glance before waiting hours."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from runner.config.data import resolve_files
+from runner.config.scheduler import Decay, warmup_steps
+from runner.strategies.protocol import model_class_name, parameter_count
+
+if TYPE_CHECKING:
+    from runner.engine.job import PreparedJob
+
+
+def overview(job: PreparedJob) -> list[str]:
+    spec, train = job.spec, job.spec.train
+    rows = {
+        "model": f"{model_class_name(job.model)}, {parameter_count(job.model) / 1e6:,.2f}M parameters, "
+                 f"{model_source(job)}",
+        "data": data_source(job),
+        "optimizer": f"{type(spec.optim).__name__.removesuffix('Config')} lr {spec.optim.lr:g}, weight decay "
+                     f"{spec.optim.weight_decay:g}; {schedule(job)}",
+        "batch": f"global batch {job.global_batch_size} = micro batch {train.micro_batch_size} x {job.dp_size} "
+                 f"data-parallel ranks x {train.grad_accum_steps} accumulation steps; {train.max_steps} steps of "
+                 f"{job.global_batch_size * spec.data.seq_len:,} tokens",
+        "strategy": spec.strategy.describe(spec.hardware),
+        "precision": job.precision_in_effect().line(),
+        "trackers": ", ".join(["metrics.jsonl", *(name for name, _ in spec.tracker.chosen())]),
+    }
+    width = max(map(len, rows))
+    lines = [f"run {job.run_dir}"]
+    for i, (name, text) in enumerate(rows.items()):
+        lines.append(f"{'└─' if i == len(rows) - 1 else '├─'} {name:<{width}}  {text}")
+    return lines
+
+
+def model_source(job: PreparedJob) -> str:
+    model = job.spec.model
+    source = f"from {model.pretrained}" if model.pretrained else \
+        f"random init (model.architecture: {model.architecture.get('model_type')})"
+    return f"{source}; tokenizer {model.tokenizer or model.pretrained}"
+
+
+def data_source(job: PreparedJob) -> str:
+    data = job.spec.data
+    where = f"{data.hub_dataset} (hub)" if data.hub_dataset else \
+        f"{data.files} ({len(resolve_files(data.files))} files)"
+    return (f"{where}: {job.train_sequences:,} train sequences of {data.seq_len} tokens "
+            f"({job.train_sequences * data.seq_len:,} tokens), {job.eval_sequences:,} eval sequences")
+
+
+def schedule(job: PreparedJob) -> str:
+    scheduler, steps = job.spec.scheduler, job.spec.train.max_steps
+    warmup = f"{warmup_steps(scheduler, steps)} warmup steps"
+    if scheduler.decay is Decay.constant:
+        return f"{warmup}, then constant"
+    return f"{warmup}, then {scheduler.decay.value} decay to {scheduler.min_lr_ratio:g} x lr"
