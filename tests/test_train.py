@@ -2,6 +2,7 @@
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +151,24 @@ def test_the_start_shows_what_the_run_is_at_a_glance(cli_run):
     assert "global batch 8 = micro batch 8 x 1 data-parallel ranks x 1 accumulation steps; 30 steps of 1,024 " \
            "tokens" in tree[4]
     assert tree[5].endswith("single, 1 process") and tree[7].endswith("metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_relative_paths_are_absolute_in_the_spec_and_survive_a_change_of_directory(tmp_path):
+    import shutil
+    import sysconfig
+
+    project = tmp_path / "project"
+    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "email", project / "corpus",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    tiny = ["data.seq_len=64", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
+            "train.save_model=false"]
+    result = run_cli("data.files=corpus/*.py", *tiny, "hydra.job.chdir=true", cwd=project)
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = run_dirs(project)
+    assert f"files: {project / 'corpus' / '*.py'}" in (run_dir / "spec.yaml").read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = run_cli("--config-dir", str(run_dir), "--config-name", "spec", "train.max_steps=1",
+                    f"hydra.run.dir={tmp_path / 'again'}", cwd=elsewhere)
+    assert again.returncode == 0, again.stderr[-3000:]

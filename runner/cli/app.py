@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.cli.compose import CONF_DIR
 from runner.cli.run_dir import discard_run_dir, run_identity, scrub_secrets, spec_file
 from runner.cli.user_errors import USER_ERRORS, one_line
-from runner.config.spec import RunSpec, load_spec, validate
+from runner.config.spec import RunSpec, load_spec, validate, with_absolute_paths
 from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
 from runner.errors import LaunchRefused, NothingToLaunch, SpecError
 from runner.quiet import quiet_libraries
@@ -37,9 +37,9 @@ def run_job(config: DictConfig) -> float:
     task = current_task()  # a task of a submitit job is one rank; every task of the job runs this
     if task is not None:  # started by submitit, not by `run`
         quiet_libraries()
-    spec = validate(load_spec(config))
-    spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
     hydra_config = HydraConfig.get()
+    spec = validate(with_absolute_paths(load_spec(config), Path(hydra_config.runtime.cwd)))
+    spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
     run_dir = Path(hydra_config.runtime.output_dir)
     first = task is None or task.rank == 0
     if first:
@@ -80,7 +80,7 @@ def checked(config: DictConfig, prefix: str = "",
     try:
         if launcher is not None:
             check_launcher(launcher, config)
-        spec = validate(load_spec(config), on_this_machine=launcher is None)
+        spec = validate(with_absolute_paths(load_spec(config), Path.cwd()), on_this_machine=launcher is None)
         return spec, spec.task.before_launch(spec)
     except USER_ERRORS as error:
         raise LaunchRefused(f"{prefix}{one_line(error)}") from None

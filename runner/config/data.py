@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from runner.errors import SpecError, require
@@ -57,6 +58,13 @@ def check(data: DataConfig) -> None:
         require(bool(files), f"data.files={data.files} matches no file; give an existing file, directory or glob")
         kinds = {BUILDERS.get(os.path.splitext(f)[1].lower(), "text") for f in files}
         require(len(kinds) == 1, f"data.files={data.files} mixes file kinds ({', '.join(sorted(kinds))}); pick one")
+
+
+def with_absolute_paths(data: DataConfig, base: Path) -> DataConfig:
+    """`data.files` as an absolute path or pattern from `base`: the spec then means the same from any directory."""
+    if not data.files or os.path.isabs(os.path.expanduser(data.files)):
+        return data
+    return replace(data, files=os.path.normpath(base.resolve() / data.files))
 
 
 def resolve_files(pattern: str) -> list[str]:

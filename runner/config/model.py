@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
@@ -41,8 +40,19 @@ def check(model: ModelConfig) -> None:
         require(Path(model.tokenizer).expanduser().is_dir(), f"model.tokenizer={model.tokenizer} is not a directory")
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
+def _looks_like_path(name: str, base: Path = Path(".")) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or (base / name).exists()
+
+
+def with_absolute_paths(model: ModelConfig, base: Path) -> ModelConfig:
+    """The model's local directories as absolute paths from `base` (hub names as they are): the spec then means
+    the same from any directory."""
+    def absolute(name: Optional[str]) -> Optional[str]:
+        if not name or name == BYTES or not _looks_like_path(name, base):
+            return name
+        return str((base / Path(name).expanduser()).resolve())
+
+    return replace(model, pretrained=absolute(model.pretrained), tokenizer=absolute(model.tokenizer))
 
 
 def build_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:

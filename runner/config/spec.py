@@ -9,6 +9,7 @@ check the whole spec as it applies to it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
 from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -81,6 +82,14 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
         child = node._get_node(key)
         if isinstance(child, DictConfig) and key != "hydra" and not child._is_missing() and not child._is_none():
             _reject_unknown_keys(child, f"{prefix}{key}.")
+
+
+def with_absolute_paths(spec: RunSpec, base: Path) -> RunSpec:
+    """The spec's local paths (data files, model and tokenizer directories) absolute from `base`, the directory
+    `run` was started in: spec.yaml then reruns from anywhere, and a job that changes directory
+    (hydra.job.chdir=true) still finds them."""
+    return replace(spec, data=data.with_absolute_paths(spec.data, base),
+                   model=model.with_absolute_paths(spec.model, base))
 
 
 def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:
