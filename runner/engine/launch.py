@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.distributed import Ranks, free_port
+from runner.engine.build_locks import clear_stale_build_locks
 from runner.engine.checkpoint import complete_checkpoints
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
@@ -57,6 +58,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         # Where each worker's error file goes, for the report below.
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
     )
+    clear_stale_build_locks()
     logging.getLogger("runner").info(
         "starting %d worker processes on this node (node %d of %d, rendezvous %s)",
         hardware.nproc_per_node, hardware.node_rank, hardware.nnodes, endpoint,
@@ -168,4 +170,6 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
     # submitit reports the task's end in its own files; in run.log, its "completed" would follow a failure that
     # Hydra caught.
     logging.getLogger("submitit").propagate = False
+    if task.local_rank == 0:
+        clear_stale_build_locks()
     return worker(spec, run_dir, log_format, identity)
