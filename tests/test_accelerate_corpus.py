@@ -123,6 +123,25 @@ def test_what_real_files_mean_is_what_accelerate_makes_of_them():
     assert single[0]["hardware.nproc_per_node"] == 1
 
 
+def test_accelerates_fp8_templates_set_transformer_engines_delayed_scaling():
+    for name in ("huggingface__accelerate__examples__config_yaml_templates__fp8.yaml",
+                 "huggingface__accelerate__tests__test_configs__0_34_0_fp8.yaml"):
+        settings, lines = convert(yaml.safe_load((CORPUS / name).read_text()))
+        assert settings.items() >= {
+            "precision.fp8.backend": "transformer_engine", "precision.fp8.format": "e4m3",
+            "precision.fp8.amax_history_len": 1024, "precision.fp8.margin": 0}.items()
+        assert any(line.startswith("mixed_precision: fp8 -> precision=fp8 (Transformer Engine float8") for line in lines)
+    # accelerate's AO backend reads none of Transformer Engine's keys.
+    settings, lines = convert(yaml.safe_load("distributed_type: NO\nmixed_precision: fp8\nfp8_config:\n"
+                                             "  backend: AO\n  fp8_format: E4M3\n"))
+    assert "precision.fp8.format" not in settings
+    assert "  fp8_format: E4M3 -> no meaning here: a Transformer Engine setting, which accelerate's AO backend " \
+           "does not read" in lines
+    with pytest.raises(SpecError, match="Transformer Engine refuses pure E5M2"):
+        convert(yaml.safe_load("distributed_type: NO\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n"
+                               "  fp8_format: E5M2\n"))
+
+
 def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
     """HYBRID_SHARD as torch and accelerate mean it: one shard group per node, so 1 x 8 on one node of 8 GPUs
     (the same as FULL_SHARD, which the run says) and 2 x 8 on two."""

@@ -5,6 +5,7 @@ skips an overflowing step without advancing the schedule, and the loss falls."""
 import itertools
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from conftest import QUICK, composed, resolved_spec
 from distributed import run_in_workers
 from runner.config.float8 import Float8Config, fp8_layer_names
 from runner.config.model import build_model, build_tokenizer
-from runner.config.spec import check_combination
+from runner.config.spec import check_combination, validate
 from runner.distributed import Ranks
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
@@ -222,3 +223,16 @@ def test_impossible_precisions_are_refused(case):
     overrides, message = REFUSED[case]
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace("+", r"\+")):
         resolved_spec(overrides)
+
+
+def test_transformer_engines_delayed_scaling_comes_from_the_spec_and_torchao_refuses_it():
+    from runner.config.float8 import delayed_scaling
+
+    spec = composed(["precision=fp8", "precision.fp8.format=e4m3", "precision.fp8.amax_history_len=16",
+                     "precision.fp8.amax_compute_algo=most_recent", "precision.fp8.margin=1"])
+    assert delayed_scaling(spec.precision.fp8) == {"fp8_format": "E4M3", "amax_history_len": 16,
+                                                   "amax_compute_algo": "most_recent", "margin": 1}
+    with pytest.raises(SpecError, match="precision.fp8.format, precision.fp8.amax_history_len, "
+                                        "precision.fp8.amax_compute_algo, precision.fp8.margin set Transformer "
+                                        "Engine's delayed scaling; torchao scales each tensor from its current amax"):
+        validate(replace(spec, precision=replace(spec.precision, fp8=replace(spec.precision.fp8, emulate=True))))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Any, List
 
 from runner.config.hardware import Accelerator, HardwareConfig
 from runner.errors import SpecError, require
@@ -27,6 +27,17 @@ class Float8Backend(str, Enum):
     transformer_engine = "transformer_engine"
 
 
+class Float8Format(str, Enum):
+    # E4M3 in forward, E5M2 (more range) for the gradients: Transformer Engine's default.
+    hybrid = "hybrid"
+    e4m3 = "e4m3"
+
+
+class AmaxAlgorithm(str, Enum):
+    max = "max"
+    most_recent = "most_recent"
+
+
 @dataclass
 class Float8Config:
     recipe: Float8Recipe = Float8Recipe.tensorwise
@@ -41,6 +52,12 @@ class Float8Config:
     # Run the fp8 matmuls in higher precision where the hardware has no fp8 (a CPU, a GPU below compute capability
     # 8.9): same numerics, no speed-up; for tests.
     emulate: bool = False
+    # Transformer Engine's delayed scaling (DelayedScaling): formats, the amax history each scale comes from, and a
+    # margin of 2^margin below the format's maximum. torchao scales from each tensor's current amax instead.
+    format: Float8Format = Float8Format.hybrid
+    amax_history_len: int = 1024
+    amax_compute_algo: AmaxAlgorithm = AmaxAlgorithm.max
+    margin: int = 0
 
 
 def check(fp8: Float8Config, machine: HardwareConfig, float8_all_gather: bool) -> None:
@@ -51,6 +68,13 @@ def check(fp8: Float8Config, machine: HardwareConfig, float8_all_gather: bool) -
         require(float8_all_gather, "precision.fp8.all_gather=true is FSDP's float8 all-gather; it needs strategy=fsdp")
         require(fp8.recipe is Float8Recipe.tensorwise,
                 f"precision.fp8.all_gather=true needs precision.fp8.recipe=tensorwise, not {fp8.recipe.value}")
+    delayed = {key: getattr(fp8, key) for key in DELAYED_SCALING if getattr(fp8, key) != getattr(Float8Config(), key)}
+    if fp8.backend is not Float8Backend.transformer_engine:
+        require(not delayed, f"{', '.join(f'precision.fp8.{key}' for key in delayed)} set Transformer Engine's "
+                             "delayed scaling; torchao scales each tensor from its current amax: use "
+                             "precision.fp8.backend=transformer_engine, or leave them")
+    require(fp8.amax_history_len >= 1 and fp8.margin >= 0,
+            "precision.fp8.amax_history_len must be >= 1 and precision.fp8.margin >= 0")
     if fp8.backend is Float8Backend.transformer_engine:
         require(importlib.util.find_spec("transformer_engine") is not None,
                 "precision.fp8.backend=transformer_engine needs TransformerEngine: pip install "
@@ -72,6 +96,15 @@ def check(fp8: Float8Config, machine: HardwareConfig, float8_all_gather: bool) -
             f"precision=fp8 needs a GPU with fp8 tensor cores (CUDA compute capability 8.9+: H100, H200, L40S, "
             f"RTX 4090) and this run has {has}; set precision.fp8.emulate=true to emulate fp8 (same numerics, "
             "no speed-up)")
+
+
+DELAYED_SCALING = ("format", "amax_history_len", "amax_compute_algo", "margin")
+
+
+def delayed_scaling(fp8: Float8Config) -> dict[str, Any]:
+    """The arguments of Transformer Engine's DelayedScaling recipe (its Format by name)."""
+    return {"fp8_format": fp8.format.value.upper(), "amax_history_len": fp8.amax_history_len,
+            "amax_compute_algo": fp8.amax_compute_algo.value, "margin": fp8.margin}
 
 
 def fp8_layer_names(model: nn.Module, fp8: Float8Config) -> list[str]:

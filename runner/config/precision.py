@@ -10,7 +10,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Optional
 
 from runner.config import float8
-from runner.config.float8 import Float8Backend, Float8Config
+from runner.config.float8 import Float8Backend, Float8Config, delayed_scaling
 from runner.config.hardware import Accelerator, HardwareConfig
 from runner.errors import require
 
@@ -102,8 +102,11 @@ def autocast(precision: PrecisionConfig, device: torch.device, compute_dtype: bo
         contexts.enter_context(torch.autocast(device.type, dtype=precision.compute_dtype.torch))
     if precision.fp8 and precision.fp8.backend is Float8Backend.transformer_engine:
         import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe
 
-        contexts.enter_context(te.fp8_autocast(enabled=True))
+        scaling = delayed_scaling(precision.fp8)
+        scaling["fp8_format"] = getattr(recipe.Format, scaling["fp8_format"])
+        contexts.enter_context(te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling(**scaling)))
     return contexts
 
 

@@ -84,7 +84,9 @@ def precision(value: Any, file: dict) -> tuple[Settings, str]:
         note = (f"gradients are reduced in fp32, where accelerate's FSDP reduces them in {name}: "
                 f"precision.reduce_dtype={name} does that")
     if name == "fp8":
-        note = "torchao float8 matmuls in the large linear layers, bf16 elsewhere; fp8_config below"
+        te = str((file.get("fp8_config") or {}).get("fp8_backend", "")).upper() == "TE"
+        note = (f"{'Transformer Engine' if te else 'torchao'} float8 matmuls in the large linear layers, bf16 "
+                "elsewhere; fp8_config below")
     return {"precision": PRECISIONS[name]}, note
 
 

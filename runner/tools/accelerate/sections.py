@@ -248,7 +248,36 @@ def fp8_backend(value: Any, file: dict) -> tuple[Settings, str]:
     return {"precision.fp8.backend": FP8_BACKENDS[name]}, ""
 
 
-TE_SCALING = no_meaning("a Transformer Engine scaling setting; the runner uses its fp8_autocast defaults")
+def te_only(handler: Handler) -> Handler:
+    """A Transformer Engine setting: accelerate's AO backend does not read it."""
+    def handled(value: Any, file: dict) -> tuple[Settings, str]:
+        if str(file["fp8_config"].get("fp8_backend", "")).upper() != "TE":
+            return {}, "no meaning here: a Transformer Engine setting, which accelerate's AO backend does not read"
+        return handler(value, file)
+    return handled
+
+
+def fp8_format(value: Any, file: dict) -> tuple[Settings, str]:
+    name = str(value).upper()
+    if name == "E5M2":
+        raise ValueError("Transformer Engine refuses pure E5M2 training; HYBRID has E5M2 gradients")
+    if name not in ("HYBRID", "E4M3"):
+        raise ValueError("choose HYBRID or E4M3")
+    return {"precision.fp8.format": name.lower()}, ""
+
+
+def amax_algorithm(value: Any, file: dict) -> tuple[Settings, str]:
+    if str(value) not in ("max", "most_recent"):
+        raise ValueError("choose max or most_recent")
+    return {"precision.fp8.amax_compute_algo": str(value)}, ""
+
+
+def linear_precision(value: Any, file: dict) -> tuple[Settings, str]:
+    overrides = value if isinstance(value, list) else [part.strip().lower() == "true"
+                                                        for part in str(value).strip("()").split(",")]
+    if any(overrides):
+        raise ValueError("the runner runs every fp8 layer's three matmuls in fp8")
+    return {}, "no meaning here: no matmul is kept in higher precision, as the runner does"
 
 FP8_KEYS: dict[str, Handler] = {
     "fp8_backend": fp8_backend,
@@ -257,9 +286,14 @@ FP8_KEYS: dict[str, Handler] = {
                                 "of the weight gradient; layers whose sizes are not multiples of 16 stay in bf16 "
                                 "(precision.fp8.min_features)"),
     **{f"fp8_{key}": no_meaning("an MS-AMP setting") for key in ("optimization_level", "opt_level")},
-    **{f"fp8_{key}": TE_SCALING for key in ("use_autocast_during_eval", "margin", "interval", "format",
-                                            "amax_history_length", "amax_history_len", "amax_compute_algorithm",
-                                            "amax_compute_algo", "override_linear_precision")},
+    "fp8_format": te_only(fp8_format),
+    **{f"fp8_{key}": te_only(lambda value, file: ({"precision.fp8.amax_history_len": count(value, 1)}, ""))
+       for key in ("amax_history_len", "amax_history_length")},
+    **{f"fp8_{key}": te_only(amax_algorithm) for key in ("amax_compute_algo", "amax_compute_algorithm")},
+    "fp8_margin": te_only(lambda value, file: ({"precision.fp8.margin": count(value, 0)}, "")),
+    "fp8_interval": no_meaning("Transformer Engine no longer reads it (its scale is updated every step)"),
+    "fp8_override_linear_precision": te_only(linear_precision),
+    "fp8_use_autocast_during_eval": no_meaning("the runner evaluates as it trains, in fp8"),
 }
 
 # A section's keys, when the section is read, and the prefix accelerate adds to a key given without it.
