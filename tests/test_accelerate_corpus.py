@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runner.cli.compose import RECIPES_DIR, checked_recipe, register
-from runner.config.spec import to_plain
+from runner.cli.compose import RECIPES_DIR, checked_recipe, compose_config, register
+from runner.config.spec import load_spec, to_plain
 from runner.errors import SpecError
 from runner.memory.report import report
 from runner.tools.accelerate.read import convert, recipe_of
 from runner.tools.accelerate.sections import SECTIONS
+from runner.tools.accelerate.write import accelerate_file
 
 CORPUS = Path(__file__).parent / "data" / "accelerate_corpus"
 FILES = sorted(p.name for p in CORPUS.glob("*.y*ml"))
@@ -153,3 +154,13 @@ def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
         spec = checked_recipe(recipe_of(source, "hybrid")[0])
         assert to_plain(spec)["strategy"]["hybrid_shard_size"] is None
         assert spec.strategy.mesh_shape(spec.hardware) == mesh
+
+
+def test_transformer_engines_scaling_goes_back_to_accelerate_and_returns():
+    spec = load_spec(compose_config(["precision=fp8", "precision.fp8.backend=transformer_engine",
+                                     "precision.fp8.format=e4m3", "precision.fp8.amax_history_len=16",
+                                     "precision.fp8.amax_compute_algo=most_recent", "precision.fp8.margin=1"]))
+    text, _ = accelerate_file(spec)
+    settings, _ = convert(yaml.safe_load(text))
+    assert settings.items() >= {"precision.fp8.format": "e4m3", "precision.fp8.amax_history_len": 16,
+                                "precision.fp8.amax_compute_algo": "most_recent", "precision.fp8.margin": 1}.items()

@@ -206,6 +206,6 @@ def test_an_mlflow_server_that_answers_its_health_check_passes():
     server = HTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        MLflowConfig(tracking_uri=f"http://127.0.0.1:{server.server_port}").check()
+        MLflowConfig(tracking_uri=f"http://127.0.0.1:{server.server_port}").check_service()
     finally:
         server.shutdown()

@@ -38,7 +38,7 @@ def run_job(config: DictConfig) -> float:
     if task is not None:  # started by submitit, not by `run`
         quiet_libraries()
     hydra_config = HydraConfig.get()
-    spec = validate(with_absolute_paths(load_spec(config), Path(hydra_config.runtime.cwd)))
+    spec = validated(config, Path(hydra_config.runtime.cwd))
     spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
     run_dir = Path(hydra_config.runtime.output_dir)
     first = task is None or task.rank == 0
@@ -67,6 +67,11 @@ def run_job(config: DictConfig) -> float:
         raise
 
 
+def validated(config: DictConfig, started_in: Path, on_this_machine: bool = True) -> RunSpec:
+    """The composed config as a checked spec, its local paths absolute from the directory `run` started in."""
+    return validate(with_absolute_paths(load_spec(config), started_in), on_this_machine=on_this_machine)
+
+
 hydra_main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(run_job)
 
 
@@ -80,7 +85,7 @@ def checked(config: DictConfig, prefix: str = "",
     try:
         if launcher is not None:
             check_launcher(launcher, config)
-        spec = validate(with_absolute_paths(load_spec(config), Path.cwd()), on_this_machine=launcher is None)
+        spec = validated(config, Path.cwd(), on_this_machine=launcher is None)
         return spec, spec.task.before_launch(spec)
     except USER_ERRORS as error:
         raise LaunchRefused(f"{prefix}{one_line(error)}") from None

@@ -68,7 +68,7 @@ def check(fp8: Float8Config, machine: HardwareConfig, float8_all_gather: bool) -
         require(float8_all_gather, "precision.fp8.all_gather=true is FSDP's float8 all-gather; it needs strategy=fsdp")
         require(fp8.recipe is Float8Recipe.tensorwise,
                 f"precision.fp8.all_gather=true needs precision.fp8.recipe=tensorwise, not {fp8.recipe.value}")
-    delayed = {key: getattr(fp8, key) for key in DELAYED_SCALING if getattr(fp8, key) != getattr(Float8Config(), key)}
+    delayed = [key for key in DELAYED_SCALING if getattr(fp8, key) != getattr(Float8Config(), key)]
     if fp8.backend is not Float8Backend.transformer_engine:
         require(not delayed, f"{', '.join(f'precision.fp8.{key}' for key in delayed)} set Transformer Engine's "
                              "delayed scaling; torchao scales each tensor from its current amax: use "

@@ -39,6 +39,8 @@ class WandbConfig:
 
     def check(self) -> None:
         require(self.mode in ("offline", "online"), f"tracker.wandb.mode={self.mode} must be offline or online")
+
+    def check_service(self) -> None:
         if self.mode == "online":
             require(wandb_key_known(self.api_key),
                     "tracker.wandb.mode=online needs a W&B API key: set WANDB_API_KEY (or run `wandb login`), or log "
@@ -58,6 +60,9 @@ class TensorBoardConfig:
     def check(self) -> None:
         pass
 
+    def check_service(self) -> None:
+        pass  # files in the run directory
+
     def open(self, run_dir: Path, identity: RunIdentity, spec: dict, start_step: int) -> Tracker:
         return TensorBoardTracker(self, run_dir, spec, start_step)
 
@@ -72,6 +77,9 @@ class MLflowConfig:
     package: ClassVar[str] = "mlflow-skinny"
 
     def check(self) -> None:
+        pass
+
+    def check_service(self) -> None:
         uri = self.tracking_uri or ""
         if uri.startswith(("http://", "https://")):
             why = unanswered(f"{uri.rstrip('/')}/health")
@@ -103,6 +111,13 @@ def check(tracker: TrackerConfig) -> None:
                 f"tracker={section} needs the {config.package} package: pip install {config.package} "
                 "(or '.[trackers]' from the runner's checkout)")
         config.check()
+
+
+def check_services(tracker: TrackerConfig) -> None:
+    """The services the trackers log to, asked before a run launches (a bounded wait each): not part of checking
+    the spec, which sweeps and estimates do without them."""
+    for _, config in tracker.chosen():
+        config.check_service()
 
 
 @dataclass(frozen=True)

@@ -174,10 +174,8 @@ def check_optimizer(spec: RunSpec, user: dict, source: str) -> None:
     for key, value in (at(user, "optimizer.params") or {}).items():
         if value == AUTO or not hasattr(spec.optim, key):
             continue
-        mine_value = getattr(spec.optim, key)
-        if (list(value) if isinstance(value, list) else value) != (list(mine_value) if isinstance(mine_value, list)
-                                                                    else mine_value):
-            raise contradiction(source, f"optimizer.params.{key}", value, f"optim.{key}", mine_value)
+        if value != getattr(spec.optim, key):
+            raise contradiction(source, f"optimizer.params.{key}", value, f"optim.{key}", getattr(spec.optim, key))
 
 
 def filled(user: dict, generated: dict, hidden_size: Callable[[], int], source: str) -> dict:
@@ -210,17 +208,13 @@ def filled(user: dict, generated: dict, hidden_size: Callable[[], int], source: 
     return fill(user, "")
 
 
-def merged(user: dict, generated: dict, source: str) -> dict:
+def merged(user: dict, generated: dict, source: str, path: str = "") -> dict:
     """The generated config with the file's other keys added; a key both set must agree."""
-    return _merge_agreeing(user, generated, source, "")
-
-
-def _merge_agreeing(user: dict, generated: dict, source: str, path: str) -> dict:
     result = dict(generated)
     for key, value in user.items():
         full = f"{path}{key}"
         if isinstance(value, dict) and isinstance(generated.get(key), dict):
-            result[key] = _merge_agreeing(value, generated[key], source, f"{full}.")
+            result[key] = merged(value, generated[key], source, f"{full}.")
         elif key in generated and generated[key] != value and full not in FILE_DECIDES:
             raise contradiction(source, full, value, SPEC_KEYS.get(full, "the generated config"), generated[key])
         else:

@@ -1,5 +1,5 @@
 """task=train (the default): before launch, check what the spec alone cannot say (the checkpoint to resume, the
-model's layers, the fit in the hardware's memory), then train."""
+model's layers, the fit in the hardware's memory, the trackers' services), then train."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 from runner.config.task import TaskConfig
+from runner.config.tracker import check_services
 from runner.engine.checkpoint import check_resumable
 from runner.memory.advice import check_fit
 from runner.memory.facts import check_causal_lm, fp8_linears, meta_model
@@ -30,4 +31,5 @@ class TrainTask(TaskConfig):
             fp8_linears(meta_model(spec.model), spec.precision)
         if self.fit_check:
             check_fit(spec)
+        check_services(spec.tracker)
         return None

@@ -37,13 +37,17 @@ class SweepReport(Callback):
                 (Path(config.hydra.runtime.output_dir) / ERROR_FILE).write_text(f"{type(error).__name__}: {message}\n")
         write_report(Path(config.hydra.sweep.dir), ended=False)
         if job_return.status is JobStatus.FAILED:  # the sweep ends here, without on_multirun_end
-            print(f"sweep report: {Path(config.hydra.sweep.dir) / 'report.md'}", flush=True)
+            say_where(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         write_report(sweep_dir, ended=True)
         if is_first_task():
-            print(f"sweep report: {sweep_dir / 'report.md'} (and report.csv, loss_curves.png)", flush=True)
+            say_where(sweep_dir)
+
+
+def say_where(sweep_dir: Path) -> None:
+    print(f"sweep report: {sweep_dir / 'report.md'} (and report.csv, loss_curves.png)", flush=True)
 
 
 def job_rows(sweep_dir: Path, ended: bool) -> list[dict[str, Any]]:

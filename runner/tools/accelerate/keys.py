@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.tools.accelerate.values import Handler, Settings, accelerator, count, flag, mixed_precision, no_meaning
+from runner.tools.accelerate.values import (
+    Handler, Settings, accelerator, count, flag, mixed_precision, no_meaning, transformer_engine)
 
 # accelerate's distributed types and the strategy option each is here.
 DISTRIBUTED_TYPES = {"NO": "single", "MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
@@ -84,8 +85,7 @@ def precision(value: Any, file: dict) -> tuple[Settings, str]:
         note = (f"gradients are reduced in fp32, where accelerate's FSDP reduces them in {name}: "
                 f"precision.reduce_dtype={name} does that")
     if name == "fp8":
-        te = str((file.get("fp8_config") or {}).get("fp8_backend", "")).upper() == "TE"
-        note = (f"{'Transformer Engine' if te else 'torchao'} float8 matmuls in the large linear layers, bf16 "
+        note = (f"{'Transformer Engine' if transformer_engine(file) else 'torchao'} float8 matmuls in the large linear layers, bf16 "
                 "elsewhere; fp8_config below")
     return {"precision": PRECISIONS[name]}, note
 

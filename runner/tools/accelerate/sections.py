@@ -11,7 +11,8 @@ from runner.config.float8 import Float8Backend
 from runner.strategies import STRATEGIES
 from runner.strategies.deepspeed import OffloadDevice
 from runner.strategies.fsdp import AutoWrapPolicy, ShardingStrategy, StateDictType
-from runner.tools.accelerate.values import Handler, Settings, count, flag, mixed_precision, named, no_meaning, setting
+from runner.tools.accelerate.values import (
+    Handler, Settings, count, flag, mixed_precision, named, no_meaning, setting, transformer_engine)
 
 # accelerate's own orders: a file may give a value as its 1-based position in the list.
 SHARDING_STRATEGIES = [s.value for s in ShardingStrategy]
@@ -251,7 +252,7 @@ def fp8_backend(value: Any, file: dict) -> tuple[Settings, str]:
 def te_only(handler: Handler) -> Handler:
     """A Transformer Engine setting: accelerate's AO backend does not read it."""
     def handled(value: Any, file: dict) -> tuple[Settings, str]:
-        if str(file["fp8_config"].get("fp8_backend", "")).upper() != "TE":
+        if not transformer_engine(file):
             return {}, "no meaning here: a Transformer Engine setting, which accelerate's AO backend does not read"
         return handler(value, file)
     return handled

@@ -59,3 +59,8 @@ def no_meaning(reason: str) -> Handler:
 
 def setting(key: str) -> Handler:
     return lambda value, file: ({key: flag(value)}, "")
+
+
+def transformer_engine(file: dict) -> bool:
+    """Whether the file's fp8 backend is Transformer Engine (accelerate picks AO first when none is named)."""
+    return str((file.get("fp8_config") or {}).get("fp8_backend", "")).upper() == "TE"

@@ -144,7 +144,11 @@ def fp8_section(precision: PrecisionConfig, notes: list[str]) -> dict[str, Any]:
     notes.append(f"precision.fp8.recipe={fp8.recipe.value}, min_features={fp8.min_features}, skip={shown(fp8.skip)}, "
                  f"emulate={shown(fp8.emulate)}: accelerate's file has no such keys")
     backend = {value: name for name, value in FP8_BACKENDS.items()}[fp8.backend.value]
-    return {"backend": backend, "enable_fsdp_float8_all_gather": fp8.all_gather}
+    section = {"backend": backend, "enable_fsdp_float8_all_gather": fp8.all_gather}
+    if backend == "TE":  # Transformer Engine's delayed scaling, under the names accelerate reads
+        section.update(fp8_format=fp8.format.value.upper(), amax_history_len=fp8.amax_history_len,
+                       amax_compute_algo=fp8.amax_compute_algo.value, margin=fp8.margin)
+    return section
 
 
 def ddp_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) -> dict[str, Any]:
