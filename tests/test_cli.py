@@ -32,6 +32,19 @@ def test_cfg_job_prints_the_resolved_spec_without_torch(workdir):
     assert "max_steps: 7" in result.stdout
     assert "${" not in result.stdout  # interpolations such as the corpus path are resolved
     assert "torch imported: False" in result.stdout
+    # The spec that would run: the machine's hardware filled in, under the options it was composed from.
+    assert "accelerator: cpu" in result.stdout and "nproc_per_node: 1" in result.stdout
+    assert "accelerator: auto" not in result.stdout
+    assert result.stdout.startswith("# hardware=auto strategy=single precision=fp32")
+
+
+def test_cfg_job_refuses_what_the_run_would_refuse(workdir):
+    result = run_cli("--cfg", "job", "strategy=ddp", "hardware.nproc_per_node=2", "strategy.bucket_cap_mb=-5",
+                     cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "run: error: strategy.bucket_cap_mb=-5 must be > 0"
+    assert result.stdout == ""
+    assert not (workdir / "outputs").exists()
 
 
 def test_help_does_not_import_torch(workdir):

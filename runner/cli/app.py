@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from runner.cli.compose import CONF_DIR
 from runner.cli.run_dir import discard_run_dir, run_identity, scrub_secrets, spec_file
 from runner.cli.user_errors import USER_ERRORS, one_line
-from runner.config.spec import RunSpec, load_spec, validate, with_absolute_paths
+from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
 from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
 from runner.errors import LaunchRefused, NothingToLaunch, SpecError
 from runner.quiet import quiet_libraries
@@ -75,9 +75,11 @@ def validated(config: DictConfig, started_in: Path, on_this_machine: bool = True
 hydra_main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(run_job)
 
 
-def checked(config: DictConfig, prefix: str = "",
-            launcher: Optional[DictConfig] = None) -> tuple[RunSpec, Optional[str]]:
-    """The validated spec of a job and its task's answer when it launches nothing (the estimate).
+def checked(config: DictConfig, prefix: str = "", launcher: Optional[DictConfig] = None,
+            print_spec: bool = False) -> tuple[RunSpec, Optional[str]]:
+    """The validated spec of a job and, when it launches nothing, what to print instead: the task's answer (the
+    estimate), or with `print_spec` the spec itself (`run --cfg job`: the spec's checks, not the task's, which
+    would import torch).
 
     `launcher`: the submitit launcher that will start the job on a cluster's nodes; they are checked there, and
     here the spec against the hardware it declares.
@@ -86,16 +88,27 @@ def checked(config: DictConfig, prefix: str = "",
         if launcher is not None:
             check_launcher(launcher, config)
         spec = validated(config, Path.cwd(), on_this_machine=launcher is None)
-        return spec, spec.task.before_launch(spec)
+        return spec, shown_spec(config, spec) if print_spec else spec.task.before_launch(spec)
     except USER_ERRORS as error:
         raise LaunchRefused(f"{prefix}{one_line(error)}") from None
 
 
+def shown_spec(config: DictConfig, spec: RunSpec) -> str:
+    """The checked spec under a line of the options it was composed from, which the sections do not name."""
+    options = [f"{group}={choice}" for group, choice in reversed(config.hydra.runtime.choices.items())
+               if not group.startswith(("hydra/", "schema/")) and choice is not None]
+    return f"# {' '.join(options)}\n{to_yaml(spec)}"
+
+
 class ValidateSpec(Callback):
-    """Checks every job before Hydra creates a directory or starts a job; answers the tasks that launch nothing."""
+    """Checks every job before Hydra creates a directory or starts a job; answers the tasks that launch nothing.
+    `print_spec` (`run --cfg job`): print each job's checked spec instead of running it."""
+
+    def __init__(self, print_spec: bool = False) -> None:
+        self.print_spec = print_spec
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _, answer = checked(config)
+        _, answer = checked(config, print_spec=self.print_spec)
         if answer is None and not config.resume:
             refuse_used_directory(Path(config.hydra.run.dir), "hydra.run.dir")
         if answer is not None:
@@ -109,7 +122,8 @@ class ValidateSpec(Callback):
 
         # The launcher is made once, from the sweep's own config, for all its points.
         launcher = config.hydra.launcher if submits_to_cluster(config) else None
-        refuse_used_directory(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
+        if not self.print_spec:
+            refuse_used_directory(Path(config.hydra.sweep.dir), "hydra.sweep.dir")
         # Every sweep syntax, as the sweepers expand it: the sweeper's own params first, then the command line's,
         # with the config loader that gives glob() its options.
         loader = GlobalHydra.instance().config_loader()
@@ -127,9 +141,9 @@ class ValidateSpec(Callback):
                 job_config = loader.load_sweep_config(config, job_overrides)
             except USER_ERRORS as error:
                 raise LaunchRefused(f"{name}: {one_line(error)}") from None
-            answers[name] = checked(job_config, f"{name}: ", launcher)[1]
+            answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)[1]
         answered = {name: answer for name, answer in answers.items() if answer is not None}
-        if answered and not basic:
+        if answered and not basic and not self.print_spec:
             raise LaunchRefused("task=estimate prints estimates for the basic sweeper's points (-m a,b), not for a "
                                 "sweeper that chooses its own")
         if answered and len(answered) < len(answers):

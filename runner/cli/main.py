@@ -31,7 +31,10 @@ def main() -> None:
     if "--help" in args or "-h" in args:
         print(help_text(recipe_dirs))
         return
-    if ("--cfg" in args or "-c" in args) and "--resolve" not in args:
+    shown = shown_config(args)
+    if shown == "job":  # the runner's own: the checked spec, as the run would see it (Hydra's is unchecked)
+        sys.argv[1:] = [*without_flag(args), "hydra.callbacks.validate_spec.print_spec=true"]
+    elif shown and "--resolve" not in args:
         sys.argv.append("--resolve")
     # Hydra would print its own multi-line report and exit 1; the runner reports user errors itself.
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -61,6 +64,20 @@ def main() -> None:
     except Stopped as stopped:
         print(f"run: {stopped}", file=sys.stderr)
         sys.exit(ExitStatus.STOPPED)
+
+
+def shown_config(args: list[str]) -> str | None:
+    """What `--cfg job|hydra|all` (or `-c`) asks Hydra to print; None without it."""
+    for flag in ("--cfg", "-c"):
+        if flag in args and args.index(flag) + 1 < len(args):
+            return args[args.index(flag) + 1]
+    return None
+
+
+def without_flag(args: list[str]) -> list[str]:
+    """The arguments without `--cfg job` and `--resolve`: the job's spec is always shown resolved."""
+    at = next(i for i, arg in enumerate(args) if arg in ("--cfg", "-c"))
+    return [arg for arg in args[:at] + args[at + 2:] if arg != "--resolve"]
 
 
 def refuse(message: str) -> None:

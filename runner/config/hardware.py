@@ -83,7 +83,14 @@ def detect(config: HardwareConfig) -> HardwareConfig:
     )
 
 
+# A GPU needs its kernel driver, which shows here (NVIDIA's, or AMD's for ROCm builds of torch): without one,
+# `hardware=auto` is the CPU without importing torch, which `run --cfg job` must not.
+GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+
+
 def cuda_device_count() -> int:
+    if not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
