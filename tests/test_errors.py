@@ -88,7 +88,7 @@ def test_data_that_rules_the_job_out_leaves_no_run_directory(workdir):
     result = run_cli("data=instruction_files", "data.files=pairs.jsonl", cwd=workdir)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "run: error: data.files=pairs.jsonl holds 1 document(s); training and evaluation need at least 2"
+        f"run: error: data.files={workdir / 'pairs.jsonl'} holds 1 document(s); training and evaluation need at least 2"
     ]
     assert not any((workdir / "outputs").rglob("*"))
 

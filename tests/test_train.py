@@ -54,14 +54,20 @@ def test_run_directory_contract(cli_run):
 @pytest.mark.slow
 def test_spec_file_is_resolved_and_recomposes_into_the_same_job(cli_run):
     workdir, run_dir, _ = cli_run
-    written = yaml.safe_load((run_dir / "spec.yaml").read_text())
+    text = (run_dir / "spec.yaml").read_text()
+    written = yaml.safe_load(text)
     assert written["train"]["max_steps"] == 30 and written["hardware"]["accelerator"] == "cpu"
-    assert "${" not in (run_dir / "spec.yaml").read_text()
+    assert "${" not in text
     again = run_cli("--config-dir", str(run_dir), "--config-name", "spec", "--cfg", "job", cwd=workdir)
     assert again.returncode == 0, again.stderr
-    recomposed = yaml.safe_load(again.stdout)
-    written.pop("defaults")
-    assert recomposed == written
+    original = run_cli(*QUICK, "--cfg", "job", cwd=workdir)
+    assert yaml.safe_load(again.stdout) == yaml.safe_load(original.stdout)
+    # A group's section holds what differs from its option: the file composes with another option of the group.
+    assert "task" not in written and "model" not in written
+    for other in (["task=estimate"], ["strategy=ddp", "hardware.nproc_per_node=2", "task=estimate"]):
+        estimate = run_cli("--config-dir", str(run_dir), "--config-name", "spec", *other, cwd=workdir)
+        assert estimate.returncode == 0, estimate.stderr
+        assert estimate.stdout.startswith("memory estimate: LlamaForCausalLM")
 
 
 @pytest.mark.slow

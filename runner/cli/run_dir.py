@@ -8,8 +8,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from runner.cli.compose import SCHEMAS
-from runner.config.spec import RunSpec, to_plain, to_yaml
+from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import REDACTED, RunIdentity, secrets
 from runner.engine.checkpoint import complete_checkpoints
 from runner.errors import SpecError
@@ -51,24 +53,55 @@ def _resumed(value: str) -> tuple[Path, Path]:
 
 
 def spec_file(spec: RunSpec, hydra_config: Any, run_dir: Path) -> str:
-    """The resolved spec as a primary config that recomposes into the same job."""
+    """The resolved spec as a primary config that recomposes into the same job: each group's option, then the
+    values. A group's section holds only what differs from its option, so that the file composes with another
+    option of that group (`task=estimate`, `strategy=fsdp`) as the command line's defaults do."""
     overrides = " ".join(hydra_config.overrides.task)
-    choices = [
-        f"  - override {group}: {choice}"
-        for group, choice in hydra_config.runtime.choices.items()
-        if not group.startswith("hydra/") and group in SCHEMAS
-    ]
+    choices = {group: choice for group, choice in reversed(hydra_config.runtime.choices.items())
+               if not group.startswith("hydra/") and group in SCHEMAS}
     header = [
-        "# The resolved run spec of this job, the runner's only input.",
+        "# The resolved run spec of this job, the runner's only input: its options, then its values (a group's",
+        "# section only where it differs from the option). The whole spec: add --cfg job to the command below.",
         f"# Made by: run {overrides}".rstrip(),
         f"# Run it again: run --config-dir {run_dir} --config-name spec",
         "defaults:",
         "  - config",
-        *choices,
+        *[f"  - override {group}: {choice}" for group, choice in choices.items()],
         "  - _self_",
         "",
     ]
-    return "\n".join(header) + to_yaml(spec)
+    values = to_plain(spec)
+    options = option_values(choices)
+    for group in choices:
+        changed = differences(values[group], options[group])
+        if changed:
+            values[group] = changed
+        else:
+            del values[group]
+    return "\n".join(header) + OmegaConf.to_yaml(OmegaConf.create(values))
+
+
+def option_values(choices: dict[str, str]) -> dict[str, Any]:
+    """Each group's section as its option alone composes it, with Hydra's loader of the running app."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    composed = GlobalHydra.instance().config_loader().load_configuration(
+        "config", [f"{group}={choice}" for group, choice in choices.items()], RunMode.RUN)
+    return {group: OmegaConf.to_container(composed[group], resolve=True, enum_to_str=True) for group in choices}
+
+
+def differences(values: dict[str, Any], option: dict[str, Any]) -> dict[str, Any]:
+    """What `values` sets otherwise than `option`, nested sections key by key."""
+    changed = {}
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(option.get(key), dict):
+            value = differences(value, option[key])
+            if value:
+                changed[key] = value
+        elif key not in option or option[key] != value:
+            changed[key] = value
+    return changed
 
 
 def run_identity(hydra_config: Any, run_dir: Path) -> RunIdentity:
