@@ -39,6 +39,11 @@ class Stopped(RuntimeError):
     """A SIGTERM, SIGINT or SIGUSR2 stopped the run after a step, with a checkpoint to resume from."""
 
 
+class SweepStopped(BaseException):
+    """A signal stopped a sweep: the job it reached stopped with a checkpoint, the later ones did not start. Not an
+    Exception, which Hydra would hold while it starts the next job."""
+
+
 class LaunchRefused(BaseException):
     """A spec rejected before launch. Hydra turns a callback's Exception into a mere warning; this stops it."""
 

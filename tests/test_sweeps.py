@@ -1,7 +1,13 @@
-"""A sweep writes its report, one row per job, a failed job shown as failed while the others still run; the Optuna
-sweeper searches with the run's eval loss as its objective."""
+"""A sweep writes its report, one row per job, a failed job shown as failed while the others still run; Ctrl-C
+stops the whole sweep; the Optuna sweeper searches with the run's eval loss as its objective."""
 
 import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import yaml
@@ -33,6 +39,32 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     assert f"sweep report: {(sweep_dir / 'report.md').relative_to(workdir)}" in result.stdout
     assert "e+" not in (sweep_dir / "report.md").read_text()  # tokens/s as 16,080, not 1.608e+04
     assert (sweep_dir / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ctrl_c_stops_the_whole_sweep_with_a_checkpoint(workdir):
+    """A terminal's Ctrl-C (SIGINT to the process group) in the second of three jobs: that job stops with a
+    checkpoint, the third does not start, `run` exits 3 and says how to continue, without a traceback."""
+    job = subprocess.Popen([sys.executable, "-m", "runner", "-m", *SHORT, "train.log_every=1", "train.max_steps=4,2000,6"],
+                           cwd=workdir, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = workdir / "outputs" / "multirun"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and job.poll() is None:
+        logged = list(second.glob("*/*/1/metrics.jsonl"))
+        if logged and any("loss" in json.loads(line) for line in logged[0].read_text().splitlines()):
+            break
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGINT)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 3, stderr[-3000:]
+    [sweep_dir] = workdir.glob("outputs/multirun/*/*")
+    rows = list(csv.DictReader((sweep_dir / "report.csv").open()))
+    assert [row["status"] for row in rows] == ["completed", "stopped", "not started"]
+    assert list((sweep_dir / "1" / "checkpoints").glob("step_*/meta.json"))
+    assert not (sweep_dir / "2").exists()
+    assert f"continue with: run resume={(sweep_dir / '1').resolve()}" in stderr
+    last = stderr.rstrip().splitlines()[-1]
+    assert last.startswith("not started: run ") and "train.max_steps=6" in last
+    assert "Traceback" not in stderr and "Error executing job" not in stderr
 
 
 def test_optuna_sweeper_minimises_the_eval_loss(workdir):

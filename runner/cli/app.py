@@ -5,6 +5,7 @@ through the elastic launcher (several), or as one task of a submitit job (a clus
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -17,7 +18,9 @@ from runner.cli.run_dir import discard_run_dir, run_identity, scrub_secrets, spe
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
 from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
-from runner.errors import LaunchRefused, NothingToLaunch, SpecError
+from runner.engine.signals import SweepStop
+from runner.errors import LaunchRefused, NothingToLaunch, SpecError, Stopped, SweepStopped
+from runner.tools.sweep_report import record_error, write_report
 from runner.quiet import quiet_libraries
 
 if TYPE_CHECKING:
@@ -38,6 +41,11 @@ def run_job(config: DictConfig) -> float:
     if task is not None:  # started by submitit, not by `run`
         quiet_libraries()
     hydra_config = HydraConfig.get()
+    sweeping = hydra_config.mode == RunMode.MULTIRUN and task is None
+    if sweeping and SWEEP.stop.requested:  # a signal came between the jobs
+        discard_run_dir(Path(hydra_config.runtime.output_dir))
+        raise stopped_sweep(hydra_config, f"{SWEEP.stop.requested} before job {hydra_config.job.num}",
+                            next_job=hydra_config.job.num)
     spec = validated(config, Path(hydra_config.runtime.cwd))
     spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
     run_dir = Path(hydra_config.runtime.output_dir)
@@ -53,6 +61,10 @@ def run_job(config: DictConfig) -> float:
         if first and not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
         raise LaunchRefused(str(error)) from None
+    if sweeping and SWEEP.stop.requested:  # a signal came while the job read its data
+        discard_run_dir(run_dir)
+        raise stopped_sweep(hydra_config, f"{SWEEP.stop.requested} before job {hydra_config.job.num} trained",
+                            next_job=hydra_config.job.num)
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
     try:
         if not spec.strategy.distributed:
@@ -60,11 +72,41 @@ def run_job(config: DictConfig) -> float:
         if task is not None:
             return run_task(task, spec, run_dir, log_format, identity)["eval_loss"]
         return launch(spec, run_dir, log_format, identity)["eval_loss"]
+    except Stopped as stop:
+        if not sweeping:
+            raise
+        record_error(run_dir, stop)
+        raise stopped_sweep(hydra_config, f"job {hydra_config.job.num} {stop}", next_job=hydra_config.job.num + 1)
     except Exception:
         # Hydra holds a sweep job's error until the whole sweep has run: its log says why it failed now.
         if hydra_config.mode == RunMode.MULTIRUN:
             logging.getLogger("runner").exception("the job failed")
         raise
+    finally:
+        if sweeping:  # the elastic launcher leaves its own signal handlers behind
+            SWEEP.stop.install()
+
+
+@dataclass
+class Sweep:
+    """The sweep this process runs, for stopping it as a whole: its points in order (the basic sweeper's; another
+    sweeper chooses its own as it goes) and the signals that come between its jobs."""
+
+    points: list[list[str]] = field(default_factory=list)
+    stop: SweepStop = field(default_factory=SweepStop)
+
+
+SWEEP = Sweep()
+
+
+def stopped_sweep(hydra_config: DictConfig, what: str, next_job: int) -> SweepStopped:
+    """The report of a sweep that a signal stopped, the job it reached stopped or never started; how to go on."""
+    sweep_dir = Path(hydra_config.sweep.dir)
+    not_started = SWEEP.points[next_job:]
+    write_report(sweep_dir, ended=True, not_started=not_started)
+    lines = [f"the sweep stopped: {what}", f"sweep report: {sweep_dir / 'report.md'}"]
+    lines += [f"not started: run {' '.join(point)}" for point in not_started]
+    return SweepStopped("\n".join(lines))
 
 
 def validated(config: DictConfig, started_in: Path, on_this_machine: bool = True) -> RunSpec:
@@ -143,6 +185,9 @@ class ValidateSpec(Callback):
                 raise LaunchRefused(f"{name}: {one_line(error)}") from None
             answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)[1]
         answered = {name: answer for name, answer in answers.items() if answer is not None}
+        if not answered and launcher is None:  # jobs run here, one after another
+            SWEEP.points = [list(point) for point in points] if basic else []
+            SWEEP.stop.install()
         if answered and not basic and not self.print_spec:
             raise LaunchRefused("task=estimate prints estimates for the basic sweeper's points (-m a,b), not for a "
                                 "sweeper that chooses its own")

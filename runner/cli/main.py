@@ -19,7 +19,8 @@ from runner.cli.help import help_text
 from runner.cli.run_dir import resume_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import load_spec
-from runner.errors import ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, SpecError, Stopped, WorkerFailed
+from runner.errors import (ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, SpecError, Stopped,
+                           SweepStopped, WorkerFailed)
 from runner.files import new_recipe
 from runner.quiet import quiet_libraries
 
@@ -61,7 +62,7 @@ def main() -> None:
     except (WorkerFailed, NonFiniteLoss) as failure:
         print(f"run: error: {failure}", file=sys.stderr)
         sys.exit(ExitStatus.FAILED)
-    except Stopped as stopped:
+    except (Stopped, SweepStopped) as stopped:
         print(f"run: {stopped}", file=sys.stderr)
         sys.exit(ExitStatus.STOPPED)
 

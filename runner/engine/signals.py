@@ -37,3 +37,24 @@ class GracefulStop:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class SweepStop:
+    """A sweep stops as a whole. While a job trains, its loop takes the signals (GracefulStop) and the job ends
+    Stopped; between jobs, or while one loads its data, the first SIGINT or SIGTERM is noted here, and the job
+    about to train does not. Another one stops the process at once."""
+
+    def __init__(self) -> None:
+        self.requested: Optional[str] = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested is None:
+            self.requested = signal.Signals(signum).name
+            log.warning("%s: stopping the sweep before its next job (send it again to stop at once)", self.requested)
+        else:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)

@@ -1,6 +1,7 @@
 """The sweep report: after each job of a sweep, `report.md`, `report.csv` and `loss_curves.png` in the sweep
 directory, one row per job so far (a failed job as failed, with its error), so that a sweep that dies still
-leaves its report; once more when the sweep ends, when the jobs that ran side by side (on a cluster) are all done."""
+leaves its report; once more when the sweep ends, when the jobs that ran side by side (on a cluster) are all done,
+or when a signal stops it (the job it reached as stopped, the later ones as not started)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import csv
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from runner.engine.cluster import is_first_task
+from runner.errors import Stopped
 
 COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib",
            "wall_time_s", "error"]
@@ -33,8 +35,7 @@ class SweepReport(Callback):
             try:
                 job_return.return_value  # raises the job's error
             except Exception as error:
-                message = " ".join(str(error).split())
-                (Path(config.hydra.runtime.output_dir) / ERROR_FILE).write_text(f"{type(error).__name__}: {message}\n")
+                record_error(Path(config.hydra.runtime.output_dir), error)
         write_report(Path(config.hydra.sweep.dir), ended=False)
         if job_return.status is JobStatus.FAILED:  # the sweep ends here, without on_multirun_end
             say_where(Path(config.hydra.sweep.dir))
@@ -46,13 +47,19 @@ class SweepReport(Callback):
             say_where(sweep_dir)
 
 
+def record_error(job_dir: Path, error: BaseException) -> None:
+    message = " ".join(str(error).split())
+    (job_dir / ERROR_FILE).write_text(f"{type(error).__name__}: {message}\n")
+
+
 def say_where(sweep_dir: Path) -> None:
     print(f"sweep report: {sweep_dir / 'report.md'} (and report.csv, loss_curves.png)", flush=True)
 
 
-def job_rows(sweep_dir: Path, ended: bool) -> list[dict[str, Any]]:
-    """One row per job directory: its overrides, its summary when it completed, its error when it failed; a job
-    with neither is still running, or, once the sweep has ended, failed without a word (killed)."""
+def job_rows(sweep_dir: Path, ended: bool, not_started: list[list[str]]) -> list[dict[str, Any]]:
+    """One row per job directory: its overrides, its summary when it completed, its error when it failed or was
+    stopped; a job with neither is still running, or, once the sweep has ended, failed without a word (killed).
+    Then a row for each point of a stopped sweep that did not start."""
     import yaml
 
     rows = []
@@ -67,10 +74,13 @@ def job_rows(sweep_dir: Path, ended: bool) -> list[dict[str, Any]]:
             "job": job_dir.name,
             "overrides": " ".join(overrides),
             "swept": overrides,
-            "status": "completed" if summary else "failed" if error or ended else "running",
+            "status": "completed" if summary else status_of(error) if error else "failed" if ended else "running",
             **{key: summary.get(key) for key in COLUMNS[4:-1]},
             "error": error,
         })
+    first = int(rows[-1]["job"]) + 1 if rows and rows[-1]["job"].isdigit() else 0
+    rows += [{"job": str(first + i), "overrides": " ".join(point), "swept": point, "status": "not started",
+              **{key: None for key in COLUMNS[4:]}} for i, point in enumerate(not_started)]
     # What tells the jobs apart: the overrides not shared by all of them.
     shared = set.intersection(*(set(row["swept"]) for row in rows)) if rows else set()
     for row in rows:
@@ -78,8 +88,12 @@ def job_rows(sweep_dir: Path, ended: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def write_report(sweep_dir: Path, ended: bool) -> None:
-    rows = job_rows(sweep_dir, ended)
+def status_of(error: str) -> str:
+    return "stopped" if error.startswith(f"{Stopped.__name__}:") else "failed"
+
+
+def write_report(sweep_dir: Path, ended: bool, not_started: Optional[list[list[str]]] = None) -> None:
+    rows = job_rows(sweep_dir, ended, not_started or [])
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
     writer.writeheader()
