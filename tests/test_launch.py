@@ -117,3 +117,37 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint(tmp_path):
     assert node0_run.name != node1_run.name
     assert (node0_run / "summary.json").exists() and (node0_run / "model").is_dir()
     assert "step 4/4" in (node1_run / "rank1.log").read_text()
+
+
+def test_a_rank_that_waits_on_a_stopped_rank_says_where_it_waits(workdir):
+    """Rank 1 stopped (SIGSTOP) mid-run: rank 0 waits in a collective and, after train.stall_report_s, says so with
+    its stack; once rank 1 goes on, the job ends as usual."""
+    job = subprocess.Popen([sys.executable, "-m", "runner", "strategy=ddp", "hardware.nproc_per_node=2", *QUICK,
+                            "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.save_model=false",
+                            "train.stall_report_s=2"],
+                           cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        rank1 = None
+        while time.monotonic() < deadline and rank1 is None and job.poll() is None:
+            time.sleep(0.2)
+            logs = list(workdir.glob("outputs/*/*/rank1.log"))
+            if logs and "step 3/40" in logs[0].read_text():
+                rank1 = int(re.search(r"rank 1 of 2, process (\d+)", logs[0].read_text()).group(1))
+        assert rank1 is not None, "rank 1 never got to step 3"
+        os.kill(rank1, signal.SIGSTOP)
+        [run_dir] = run_dirs(workdir)
+        stalls = run_dir / "stalls_rank0.txt"
+        while time.monotonic() < deadline and not stalls.exists():
+            time.sleep(0.5)
+        time.sleep(1)
+        os.kill(rank1, signal.SIGCONT)
+        stdout, stderr = job.communicate(timeout=120)
+        assert job.returncode == 0, stderr[-3000:]
+        assert re.search(r"rank 0: no progress for \d+ s, in step \d+; where each thread waits: .*stalls_rank0.txt",
+                         stdout)
+        stacks = stalls.read_text()
+        assert "== rank 0, in step" in stacks and "(most recent call first)" in stacks and "loop.py" in stacks
+    finally:
+        if job.poll() is None:
+            job.kill()

@@ -36,6 +36,15 @@ def test_eval_loss_falls(cli_run):
 
 
 @pytest.mark.slow
+def test_a_run_that_saves_its_model_prints_no_library_noise(cli_run):
+    _, _, result = cli_run
+    output = result.stdout + result.stderr
+    # transformers' save_pretrained imports deepspeed when it is installed, which announces its accelerator
+    for noise in ("Setting accelerator", "font cache", "Warning", "Traceback"):
+        assert noise not in output, noise
+
+
+@pytest.mark.slow
 def test_run_directory_contract(cli_run):
     _, run_dir, _ = cli_run
     for name in ("spec.yaml", "run.log", "metrics.jsonl", "summary.json", ".hydra/overrides.yaml", "model"):

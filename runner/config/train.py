@@ -22,6 +22,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     save_model: bool = True
+    # A rank that spends this many seconds in one step, evaluation or checkpoint says where it waits (0: never).
+    stall_report_s: float = 300.0
 
 
 def check(train: TrainConfig) -> None:
@@ -31,4 +33,5 @@ def check(train: TrainConfig) -> None:
     require(train.checkpoint_every >= 0, f"train.checkpoint_every={train.checkpoint_every} must be >= 0")
     require(train.keep_checkpoints >= 1, f"train.keep_checkpoints={train.keep_checkpoints} must be >= 1")
     require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0 (0 evaluates only at the end)")
+    require(train.stall_report_s >= 0, f"train.stall_report_s={train.stall_report_s} must be >= 0 (0: no reports)")
     require(train.max_grad_norm >= 0, f"train.max_grad_norm={train.max_grad_norm} must be >= 0 (0 turns clipping off)")

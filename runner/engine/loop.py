@@ -18,6 +18,7 @@ from runner.engine import checkpoint
 from runner.engine.metrics import MetricsWindow, ProgressBar, peak_memory_gib, training_flops_per_token
 from runner.engine.overview import overview
 from runner.engine.signals import GracefulStop
+from runner.engine.stall_watch import StallWatch
 from runner.engine.step import evaluate, train_step
 from runner.errors import NonFiniteLoss, Stopped
 from runner.files import write_json_atomically
@@ -41,19 +42,22 @@ class Progress:
 
 def train(job: PreparedJob) -> dict[str, Any]:
     stop = GracefulStop()
+    watch = StallWatch(job.ranks.rank, job.spec.train.stall_report_s, job.run_dir / f"stalls_rank{job.ranks.rank}.txt")
     try:
-        return _train(job, stop)
+        return _train(job, stop, watch)
     finally:
+        watch.close()
         stop.restore()
 
 
-def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
+def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str, Any]:
     cfg = job.spec.train
     window = _start(job)
     if job.start_step:
         log.info("resuming from step %d of %s", job.start_step, job.spec.resume)
         progress = Progress(**{f.name: job.progress[f.name] for f in fields(Progress)})
     else:
+        watch.entering("evaluating before the first step")
         progress = Progress(first_eval_loss=evaluate(job, step=0))
     job.model.train()  # from_pretrained leaves a model in eval mode
     eval_loss, train_loss = progress.first_eval_loss, math.nan
@@ -62,6 +66,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
     bar = ProgressBar(job.ranks.rank == 0 and sys.stdout.isatty(), job.start_step, cfg.max_steps)
 
     for step in range(job.start_step + 1, cfg.max_steps + 1):
+        watch.entering(f"in step {step}")
         tic = time.perf_counter()
         result = train_step(job, next(batches))
         if result.outcome.applied:
@@ -86,9 +91,11 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
             train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], result.outcome,
                                                       progress.tokens_seen, job.device))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+            watch.entering(f"evaluating after step {step}")
             eval_loss = evaluate(job, step)
         stopping = stop_votes > 0
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
+            watch.entering(f"saving the checkpoint of step {step}")
             saved = checkpoint.save(job, step, asdict(progress))
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
@@ -96,6 +103,7 @@ def _train(job: PreparedJob, stop: GracefulStop) -> dict[str, Any]:
                           f"continue with: run resume={job.run_dir}")
 
     bar.close()
+    watch.entering("saving the model")
     return _finish(job, progress, train_loss, eval_loss, started)
 
 

@@ -1,0 +1,48 @@
+"""A rank that makes no progress says what it waits on, instead of waiting in silence: a collective that a lost or
+stopped rank never joins, a lock, a slow filesystem. The wait itself ends with the process group's timeout."""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("runner")
+
+
+class StallWatch:
+    """After `after_s` seconds in the same phase of the loop (a step, an evaluation, a checkpoint), a warning names
+    the rank, the phase and how long it has been in it, and every thread's stack goes to `stack_file` (the stdlib's
+    faulthandler: the line it waits on, a collective's included); again every `after_s` while it lasts."""
+
+    def __init__(self, rank: int, after_s: float, stack_file: Path) -> None:
+        self.rank, self.after_s, self.stack_file = rank, after_s, stack_file
+        self._current = ("starting", time.monotonic())  # one tuple: the watching thread reads it whole
+        self._closed = threading.Event()
+        if after_s > 0:
+            threading.Thread(target=self._watch, name="stall-watch", daemon=True).start()
+
+    def entering(self, phase: str) -> None:
+        self._current = (phase, time.monotonic())
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        watched, reports = self._current, 0
+        while not self._closed.wait(min(self.after_s, 5.0)):
+            if self._current is not watched:
+                watched, reports = self._current, 0
+            phase, since = watched
+            waited = time.monotonic() - since
+            if waited < self.after_s * (reports + 1):
+                continue
+            reports += 1
+            with self.stack_file.open("a") as out:
+                out.write(f"\n== rank {self.rank}, {phase}: no progress for {waited:.0f} s\n")
+                out.flush()
+                faulthandler.dump_traceback(out, all_threads=True)
+            log.warning("rank %d: no progress for %.0f s, %s; where each thread waits: %s", self.rank, waited, phase,
+                        self.stack_file)
