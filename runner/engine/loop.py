@@ -120,8 +120,8 @@ def _start(job: PreparedJob) -> MetricsWindow:
 def _log(job: PreparedJob, step: int, record: dict[str, Any]) -> float:
     for tracker in job.trackers:
         tracker.log(record, step)
-    log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tokens/s",
-             step, job.spec.train.max_steps, record["loss"], record["lr"], record["grad_norm"], record["tokens_per_s"])
+    log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s", step, job.spec.train.max_steps,
+             record["loss"], record["lr"], record["grad_norm"], f"{record['tokens_per_s']:,.0f}")
     return record["loss"]
 
 
