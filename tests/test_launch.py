@@ -123,7 +123,7 @@ def test_a_rank_that_waits_on_a_stopped_rank_says_where_it_waits(workdir):
     """Rank 1 stopped (SIGSTOP) mid-run: rank 0 waits in a collective and, after train.stall_report_s, says so with
     its stack; once rank 1 goes on, the job ends as usual."""
     job = subprocess.Popen([sys.executable, "-m", "runner", "strategy=ddp", "hardware.nproc_per_node=2", *QUICK,
-                            "train.max_steps=40", "train.log_every=1", "train.eval_every=0", "train.save_model=false",
+                            "train.max_steps=100", "train.log_every=1", "train.eval_every=0", "train.save_model=false",
                             "train.stall_report_s=2"],
                            cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -132,7 +132,7 @@ def test_a_rank_that_waits_on_a_stopped_rank_says_where_it_waits(workdir):
         while time.monotonic() < deadline and rank1 is None and job.poll() is None:
             time.sleep(0.2)
             logs = list(workdir.glob("outputs/*/*/rank1.log"))
-            if logs and "step 3/40" in logs[0].read_text():
+            if logs and "step 3/100" in logs[0].read_text():
                 rank1 = int(re.search(r"rank 1 of 2, process (\d+)", logs[0].read_text()).group(1))
         assert rank1 is not None, "rank 1 never got to step 3"
         os.kill(rank1, signal.SIGSTOP)
