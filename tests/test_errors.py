@@ -125,3 +125,15 @@ def test_a_directory_that_holds_a_run_is_not_reused(args, used, workdir):
         in result.stderr
     assert (workdir / used).with_name("metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n'
     assert sorted(p.name for p in (workdir / used).parent.iterdir()) == ["metrics.jsonl", "spec.yaml"]
+
+
+def test_a_spec_file_whose_group_value_another_option_lacks_is_one_line(workdir):
+    """A run's spec.yaml keeps the values it set in a group's section (here the train task's fit_check); composed
+    with another option of that group, the line to remove is named."""
+    (workdir / "spec.yaml").write_text(
+        "defaults:\n  - config\n  - override task: train\n  - _self_\ntask:\n  fit_check: false\n")
+    result = run_cli("--config-dir", str(workdir), "--config-name", "spec", "task=estimate", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("run: error: spec.yaml sets task.fit_check, which task=estimate does not take: "
+                                     "remove that line from spec.yaml, or keep the task option it was written for")
+    assert not (workdir / "outputs").exists()

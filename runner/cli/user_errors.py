@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.cli.compose import SCHEMAS
 from runner.cli.recipes import RecipeError
 from runner.config.spec import FROM_OTHER_TOOLS
 from runner.errors import SpecError, did_you_mean
@@ -46,5 +49,17 @@ def one_line(error: BaseException) -> str:
         if message.startswith("Key ") and " not in " in message:
             return unknown_key(cause, message)
         return f"{cause.full_key}: {message}"
+    swapped = re.match(r"In '([^']+)': ConfigKeyError raised while composing config:\s+Key '(\w+)' not in '(\w+)'",
+                       str(error))
+    if swapped and option_of(swapped[3]):
+        config, key, (group, option) = swapped[1], swapped[2], option_of(swapped[3])
+        return (f"{config}.yaml sets {group}.{key}, which {group}={option} does not take: remove that line from "
+                f"{config}.yaml, or keep the {group} option it was written for")
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines[:2]) if lines else type(error).__name__
+
+
+def option_of(schema_name: str) -> tuple[str, str] | None:
+    """The group and option whose schema is the class of this name."""
+    return next(((group, option) for group, options in SCHEMAS.items() for option, schema in options.items()
+                 if schema.__name__ == schema_name), None)
