@@ -20,8 +20,8 @@ from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absol
 from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
 from runner.engine.signals import SweepStop
 from runner.errors import LaunchRefused, NothingToLaunch, SpecError, Stopped, SweepStopped
-from runner.tools.sweep_report import record_error, write_report
 from runner.quiet import quiet_libraries
+from runner.tools.sweep_report import record_error, write_report
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -42,10 +42,8 @@ def run_job(config: DictConfig) -> float:
         quiet_libraries()
     hydra_config = HydraConfig.get()
     sweeping = hydra_config.mode == RunMode.MULTIRUN and task is None
-    if sweeping and SWEEP.stop.requested:  # a signal came between the jobs
-        discard_run_dir(Path(hydra_config.runtime.output_dir))
-        raise stopped_sweep(hydra_config, f"{SWEEP.stop.requested} before job {hydra_config.job.num}",
-                            next_job=hydra_config.job.num)
+    if sweeping:
+        stop_if_asked(hydra_config, "started")  # by a signal between the jobs
     spec = validated(config, Path(hydra_config.runtime.cwd))
     spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
     run_dir = Path(hydra_config.runtime.output_dir)
@@ -61,10 +59,8 @@ def run_job(config: DictConfig) -> float:
         if first and not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
         raise LaunchRefused(str(error)) from None
-    if sweeping and SWEEP.stop.requested:  # a signal came while the job read its data
-        discard_run_dir(run_dir)
-        raise stopped_sweep(hydra_config, f"{SWEEP.stop.requested} before job {hydra_config.job.num} trained",
-                            next_job=hydra_config.job.num)
+    if sweeping:
+        stop_if_asked(hydra_config, "trained")  # by a signal while the job read its data
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
     try:
         if not spec.strategy.distributed:
@@ -97,6 +93,14 @@ class Sweep:
 
 
 SWEEP = Sweep()
+
+
+def stop_if_asked(hydra_config: DictConfig, before: str) -> None:
+    """Stops the sweep before this job has `before` (started, trained) if a signal asked for it."""
+    if SWEEP.stop.requested:
+        discard_run_dir(Path(hydra_config.runtime.output_dir))
+        raise stopped_sweep(hydra_config, f"{SWEEP.stop.requested} before job {hydra_config.job.num} {before}",
+                            next_job=hydra_config.job.num)
 
 
 def stopped_sweep(hydra_config: DictConfig, what: str, next_job: int) -> SweepStopped:
