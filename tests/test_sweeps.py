@@ -44,12 +44,13 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
 def test_ctrl_c_stops_the_whole_sweep_with_a_checkpoint(workdir):
     """A terminal's Ctrl-C (SIGINT to the process group) in the second of three jobs: that job stops with a
     checkpoint, the third does not start, `run` exits 3 and says how to continue, without a traceback."""
-    job = subprocess.Popen([sys.executable, "-m", "runner", "-m", *SHORT, "train.log_every=1", "train.max_steps=4,2000,6"],
-                           cwd=workdir, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    second = workdir / "outputs" / "multirun"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "runner", "-m", *SHORT, "train.log_every=1", "train.max_steps=4,2000,6"],
+        cwd=workdir, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sweeps = workdir / "outputs" / "multirun"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and job.poll() is None:
-        logged = list(second.glob("*/*/1/metrics.jsonl"))
+        logged = list(sweeps.glob("*/*/1/metrics.jsonl"))
         if logged and any("loss" in json.loads(line) for line in logged[0].read_text().splitlines()):
             break
         time.sleep(0.1)

@@ -14,7 +14,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from runner.cli.compose import CONF_DIR
-from runner.cli.run_dir import discard_run_dir, run_identity, scrub_secrets, spec_file
+from runner.cli.run_dir import chosen_options, discard_run_dir, run_identity, scrub_secrets, spec_file
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
 from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
@@ -141,9 +141,8 @@ def checked(config: DictConfig, prefix: str = "", launcher: Optional[DictConfig]
 
 def shown_spec(config: DictConfig, spec: RunSpec) -> str:
     """The checked spec under a line of the options it was composed from, which the sections do not name."""
-    options = [f"{group}={choice}" for group, choice in reversed(config.hydra.runtime.choices.items())
-               if not group.startswith(("hydra/", "schema/")) and choice is not None]
-    return f"# {' '.join(options)}\n{to_yaml(spec)}"
+    options = chosen_options(config.hydra.runtime.choices)
+    return f"# {' '.join(f'{group}={choice}' for group, choice in options.items())}\n{to_yaml(spec)}"
 
 
 class ValidateSpec(Callback):

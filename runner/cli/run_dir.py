@@ -57,8 +57,8 @@ def spec_file(spec: RunSpec, hydra_config: Any, run_dir: Path) -> str:
     values. A group's section holds only what differs from its option, so that the file composes with another
     option of that group (`task=estimate`, `strategy=fsdp`) as the command line's defaults do."""
     overrides = " ".join(hydra_config.overrides.task)
-    choices = {group: choice for group, choice in reversed(hydra_config.runtime.choices.items())
-               if not group.startswith("hydra/") and group in SCHEMAS}
+    choices = {group: choice for group, choice in chosen_options(hydra_config.runtime.choices).items()
+               if group in SCHEMAS}
     header = [
         "# The resolved run spec of this job, the runner's only input: its options, then its values (a group's",
         "# section only where it differs from the option). The whole spec: add --cfg job to the command below.",
@@ -79,6 +79,13 @@ def spec_file(spec: RunSpec, hydra_config: Any, run_dir: Path) -> str:
         else:
             del values[group]
     return "\n".join(header) + OmegaConf.to_yaml(OmegaConf.create(values))
+
+
+def chosen_options(choices: Any) -> dict[str, str]:
+    """The option of each of the spec's groups that Hydra composed (its own groups and the schemas left out), in
+    the defaults list's order."""
+    return {group: choice for group, choice in reversed(choices.items())
+            if not group.startswith(("hydra/", "schema/")) and choice is not None}
 
 
 def option_values(choices: dict[str, str]) -> dict[str, Any]:

@@ -51,8 +51,9 @@ def one_line(error: BaseException) -> str:
         return f"{cause.full_key}: {message}"
     swapped = re.match(r"In '([^']+)': ConfigKeyError raised while composing config:\s+Key '(\w+)' not in '(\w+)'",
                        str(error))
-    if swapped and option_of(swapped[3]):
-        config, key, (group, option) = swapped[1], swapped[2], option_of(swapped[3])
+    chosen = option_of(swapped[3]) if swapped else None
+    if chosen:
+        (config, key), (group, option) = swapped.group(1, 2), chosen
         return (f"{config}.yaml sets {group}.{key}, which {group}={option} does not take: remove that line from "
                 f"{config}.yaml, or keep the {group} option it was written for")
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]

@@ -31,8 +31,7 @@ class GracefulStop:
             log.warning("%s: stopping after this step, with a checkpoint (send it again to stop at once)",
                         self.requested)
         elif time.monotonic() - self._at > 1.0:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            stop_at_once(signum)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -56,5 +55,10 @@ class SweepStop:
             self.requested = signal.Signals(signum).name
             log.warning("%s: stopping the sweep before its next job (send it again to stop at once)", self.requested)
         else:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            stop_at_once(signum)
+
+
+def stop_at_once(signum: int) -> None:
+    """The signal's default action (end the process), as if no handler had caught it."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

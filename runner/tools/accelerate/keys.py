@@ -85,8 +85,8 @@ def precision(value: Any, file: dict) -> tuple[Settings, str]:
         note = (f"gradients are reduced in fp32, where accelerate's FSDP reduces them in {name}: "
                 f"precision.reduce_dtype={name} does that")
     if name == "fp8":
-        note = (f"{'Transformer Engine' if transformer_engine(file) else 'torchao'} float8 matmuls in the large linear layers, bf16 "
-                "elsewhere; fp8_config below")
+        backend = "Transformer Engine" if transformer_engine(file) else "torchao"
+        note = f"{backend} float8 matmuls in the large linear layers, bf16 elsewhere; fp8_config below"
     return {"precision": PRECISIONS[name]}, note
 
 

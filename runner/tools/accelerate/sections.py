@@ -280,6 +280,7 @@ def linear_precision(value: Any, file: dict) -> tuple[Settings, str]:
         raise ValueError("the runner runs every fp8 layer's three matmuls in fp8")
     return {}, "no meaning here: no matmul is kept in higher precision, as the runner does"
 
+
 FP8_KEYS: dict[str, Handler] = {
     "fp8_backend": fp8_backend,
     "fp8_enable_fsdp_float8_all_gather": setting("precision.fp8.all_gather"),

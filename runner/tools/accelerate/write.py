@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import yaml
 
+from runner.config.float8 import delayed_scaling
 from runner.config.hardware import Accelerator, HardwareConfig, cuda_device_count, detect
 from runner.config.precision import Dtype, PrecisionConfig
 from runner.config.spec import RunSpec
@@ -145,9 +146,8 @@ def fp8_section(precision: PrecisionConfig, notes: list[str]) -> dict[str, Any]:
                  f"emulate={shown(fp8.emulate)}: accelerate's file has no such keys")
     backend = {value: name for name, value in FP8_BACKENDS.items()}[fp8.backend.value]
     section = {"backend": backend, "enable_fsdp_float8_all_gather": fp8.all_gather}
-    if backend == "TE":  # Transformer Engine's delayed scaling, under the names accelerate reads
-        section.update(fp8_format=fp8.format.value.upper(), amax_history_len=fp8.amax_history_len,
-                       amax_compute_algo=fp8.amax_compute_algo.value, margin=fp8.margin)
+    if backend == "TE":  # Transformer Engine's delayed scaling: DelayedScaling's names are accelerate's keys
+        section.update(delayed_scaling(fp8))
     return section
 
 
