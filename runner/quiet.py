@@ -26,3 +26,9 @@ def quiet_loggers() -> None:
     builds its font cache. Errors still show."""
     for name in ("torchao", "torch.utils._pytree", "alembic", "matplotlib.font_manager"):
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def name_deepspeed_accelerator(accelerator: str) -> None:
+    """DeepSpeed, which transformers and accelerate import when it is installed, guesses the accelerator and says
+    so on the console; the spec knows it. Workers inherit it from the process that starts them."""
+    os.environ.setdefault("DS_ACCELERATOR", accelerator)

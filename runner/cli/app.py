@@ -20,7 +20,7 @@ from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absol
 from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
 from runner.engine.signals import SweepStop
 from runner.errors import LaunchRefused, NothingToLaunch, SpecError, Stopped, SweepStopped
-from runner.quiet import quiet_libraries
+from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report
 
 if TYPE_CHECKING:
@@ -33,9 +33,8 @@ def run_job(config: DictConfig) -> float:
 
     # The engine (and torch with it) is imported once a job runs: `run --help`, `run --cfg job` and the tasks that
     # launch nothing answer without it.
-    from runner.engine.job import load_data, prepare_job
+    from runner.distributed import Ranks
     from runner.engine.launch import launch, run_task
-    from runner.engine.loop import train
 
     task = current_task()  # a task of a submitit job is one rank; every task of the job runs this
     if task is not None:  # started by submitit, not by `run`
@@ -45,6 +44,7 @@ def run_job(config: DictConfig) -> float:
     if sweeping:
         stop_if_asked(hydra_config, "started")  # by a signal between the jobs
     spec = validated(config, Path(hydra_config.runtime.cwd))
+    name_deepspeed_accelerator(spec.hardware.accelerator.value)
     spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
     run_dir = Path(hydra_config.runtime.output_dir)
     first = task is None or task.rank == 0
@@ -52,9 +52,9 @@ def run_job(config: DictConfig) -> float:
         (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
         scrub_secrets(run_dir, spec)
     identity = run_identity(hydra_config, run_dir)
-    logging.getLogger("runner").info("run directory %s | reading and tokenizing the data", run_dir)
+    logging.getLogger("runner").info("run directory %s | reading the job's input", run_dir)
     try:
-        loaded = load_data(spec)
+        inputs = spec.task.inputs(spec)
     except SpecError as error:
         if first and not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
@@ -64,10 +64,10 @@ def run_job(config: DictConfig) -> float:
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
     try:
         if not spec.strategy.distributed:
-            return train(prepare_job(spec, run_dir, identity=identity, loaded=loaded))["eval_loss"]
+            return spec.task.run(spec, run_dir, Ranks(), identity, inputs)["objective"]
         if task is not None:
-            return run_task(task, spec, run_dir, log_format, identity)["eval_loss"]
-        return launch(spec, run_dir, log_format, identity)["eval_loss"]
+            return run_task(task, spec, run_dir, log_format, identity)["objective"]
+        return launch(spec, run_dir, log_format, identity)["objective"]
     except Stopped as stop:
         if not sweeping:
             raise

@@ -16,7 +16,7 @@ from runner.cli import recipes
 from runner.cli.app import hydra_main
 from runner.cli.compose import RECIPES_DIR, checked_recipe, choosable_recipes, compose_config, register
 from runner.cli.help import help_text
-from runner.cli.run_dir import resume_arguments
+from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import load_spec
 from runner.errors import (ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, SpecError, Stopped,
@@ -43,7 +43,7 @@ def main() -> None:
         if args[:1] and args[0] in COMMANDS:
             COMMANDS[args[0]](recipe_dirs, args[1:])
             return
-        sys.argv[1:] = resume_arguments(sys.argv[1:])
+        sys.argv[1:] = trained_arguments(resume_arguments(sys.argv[1:]))
         register(*choosable_recipes(recipe_dirs, sys.argv[1:]))
         hydra_main()
     except USER_ERRORS as error:

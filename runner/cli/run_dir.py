@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from runner.cli.compose import SCHEMAS
+from runner.cli.compose import PRIMARY_CONFIG_FLAGS, SCHEMAS
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import REDACTED, RunIdentity, secrets
 from runner.engine.checkpoint import complete_checkpoints
@@ -32,6 +32,20 @@ def resume_arguments(args: list[str]) -> list[str]:
     others = [arg for arg in args if not arg.startswith("resume=")]
     return ["--config-dir", str(run_dir.resolve()), "--config-name", "spec", *others,
             f"resume={checkpoint.resolve()}", f"hydra.run.dir={run_dir.resolve()}"]
+
+
+def trained_arguments(args: list[str]) -> list[str]:
+    """`task.trained=<run dir|checkpoint>` evaluates or generates with that run's spec: its spec.yaml becomes the
+    primary config (unless the command names another), the user's overrides on top, so that the data, precision
+    and eval rows are the run's."""
+    given = [arg.split("=", 1)[1] for arg in args if arg.startswith("task.trained=")]
+    if not given or any(arg.split("=", 1)[0] in PRIMARY_CONFIG_FLAGS for arg in args):
+        return args
+    path = Path(given[-1]).expanduser()
+    run_dir = path.parent.parent if (path / "meta.json").is_file() else path
+    if not (run_dir / "spec.yaml").is_file():
+        return args  # a saved model's directory: the command line's spec
+    return ["--config-dir", str(run_dir.resolve()), "--config-name", "spec", *args]
 
 
 def _resumed(value: str) -> tuple[Path, Path]:

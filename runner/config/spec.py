@@ -86,10 +86,10 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
 
 def with_absolute_paths(spec: RunSpec, base: Path) -> RunSpec:
     """The spec's local paths (data files, model and tokenizer directories) absolute from `base`, the directory
-    `run` was started in: spec.yaml then reruns from anywhere, and a job that changes directory
-    (hydra.job.chdir=true) still finds them."""
+    `run` was started in, and the task's (a model to evaluate, a prompts file): spec.yaml then reruns from
+    anywhere, and a job that changes directory (hydra.job.chdir=true) still finds them."""
     return replace(spec, data=data.with_absolute_paths(spec.data, base),
-                   model=model.with_absolute_paths(spec.model, base))
+                   model=model.with_absolute_paths(spec.model, base), task=spec.task.with_absolute_paths(base))
 
 
 def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:

@@ -1,11 +1,131 @@
-"""The `task` group's base schema: what `run` does with the composed spec. Its options (train, estimate) are in
-runner/tasks/, one file each behind the Task protocol (runner/tasks/protocol.py)."""
+"""The `task` group's base schemas: what `run` does with the composed spec. Its options (train, estimate,
+evaluate, generate) are in runner/tasks/, one file each behind the Task protocol (runner/tasks/protocol.py).
+
+The inference tasks (evaluate, generate) share where their model comes from (`trained`) and how it is placed
+(`device_map`, `max_memory`, `offload_dir`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+from runner.config.model import BYTES, ModelConfig
+from runner.errors import SpecError, require
+
 
 
 @dataclass
 class TaskConfig:
     """What every task option shares; each option's schema adds its own keys."""
+
+    def with_absolute_paths(self, base: Path) -> TaskConfig:
+        """The task's local paths absolute from `base` (the directory `run` started in); none by default."""
+        return self
+
+
+class DeviceMap(str, Enum):
+    # Where the strategy puts the model: one device per process.
+    none = "none"
+    # accelerate's big-model placement: layers over the GPUs, then CPU RAM, then an offload folder on disk.
+    auto = "auto"
+
+
+@dataclass
+class MaxMemory:
+    """The GiB device_map=auto may fill on each GPU and in CPU RAM (accelerate's max_memory); unset: the hardware
+    group's device_memory_gib and host_memory_gib."""
+
+    gpu: Optional[float] = None
+    cpu: Optional[float] = None
+
+    def by_device(self, gpus: int) -> dict[str, float]:
+        """The limits set, as accelerate names the devices: "cpu", "0", "1", ..."""
+        limits = {str(index): self.gpu for index in range(gpus)}
+        return {device: gib for device, gib in {**limits, "cpu": self.cpu}.items() if gib is not None}
+
+
+@dataclass
+class InferenceTaskConfig(TaskConfig):
+    # What was trained: a run directory (its model/), one of its checkpoints, or a saved model's directory.
+    # Unset: the model group's own (model=pretrained, or random init). A run directory or checkpoint also
+    # brings its run's spec (data, precision, eval rows), which the command line's overrides change.
+    trained: Optional[str] = None
+    device_map: DeviceMap = DeviceMap.none
+    max_memory: MaxMemory = field(default_factory=lambda: MaxMemory())
+    # Where device_map=auto puts the layers that fit nowhere else; unset: <run dir>/offload, removed at the end.
+    offload_dir: Optional[str] = None
+    # Before launch, refuse a job whose estimated memory per device exceeds the hardware's (false: run anyway).
+    fit_check: bool = True
+    # Print the job's memory estimate per device and stop.
+    estimate_only: bool = False
+
+    @property
+    def runs_on_this_machine(self) -> bool:
+        """An estimate alone is checked against the hardware the spec declares, as task=estimate is."""
+        return not self.estimate_only
+
+    def with_absolute_paths(self, base: Path) -> InferenceTaskConfig:
+        return replace(self, trained=absolute(self.trained, base), offload_dir=absolute(self.offload_dir, base))
+
+    def trained_model_config(self, model: ModelConfig) -> ModelConfig:
+        """The model group as `trained` changes it: a saved model's directory replaces it (with its own tokenizer,
+        the built-in byte tokenizer aside); a checkpoint keeps the run's model and loads into it."""
+        trained = trained_model(self.trained) if self.trained else TrainedModel()
+        if trained.model_dir is None:
+            return model
+        return ModelConfig(pretrained=str(trained.model_dir), tokenizer=BYTES if model.tokenizer == BYTES else None)
+
+    def check(self, processes: int) -> None:
+        """The keys this schema shares, and the job's processes as they place the model."""
+        for device in ("gpu", "cpu"):
+            limit = getattr(self.max_memory, device)
+            require(limit is None or limit > 0, f"task.max_memory.{device}={limit} must be > 0 (GiB)")
+        if self.trained:
+            require(not (trained_model(self.trained).checkpoint and self.device_map is DeviceMap.auto),
+                    "task.device_map=auto reads a saved model's directory; give the run directory (its model/) "
+                    "rather than one of its checkpoints")
+        if self.device_map is DeviceMap.auto:
+            require(processes == 1,
+                    "task.device_map=auto places one model over this machine's devices from one process; set "
+                    "hardware.nproc_per_node=1 (strategy=single), or leave task.device_map=none")
+
+
+def absolute(path: Optional[str], base: Path) -> Optional[str]:
+    return str((base / Path(path).expanduser()).resolve()) if path else path
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """Where an inference task's weights are: a saved model's directory (save_pretrained, with its tokenizer), or
+    a FULL checkpoint's model.safetensors; the run whose spec.yaml they come with."""
+
+    model_dir: Optional[Path] = None
+    checkpoint: Optional[Path] = None
+    run_dir: Optional[Path] = None
+
+
+def trained_model(value: str) -> TrainedModel:
+    """What `task.trained=<value>` names, or a one-line SpecError."""
+    path = Path(value).expanduser()
+    key = f"task.trained={value}"
+    if (path / "meta.json").is_file():
+        layout = json.loads((path / "meta.json").read_text()).get("layout")
+        require(layout == "full",
+                f"{key} is a checkpoint of {layout} layout (each rank's shards or DeepSpeed's own): evaluate its "
+                "run's model/ instead, or write FULL checkpoints (strategy.state_dict_type=FULL)")
+        require((path / "model.safetensors").is_file(), f"{key} is a checkpoint without model.safetensors")
+        return TrainedModel(checkpoint=path, run_dir=path.parent.parent)
+    if (path / "spec.yaml").is_file():
+        require((path / "model" / "config.json").is_file(),
+                f"{key} is a run directory without a saved model (model/): the run has not finished, or it set "
+                "train.save_model=false; give one of its checkpoints (<run dir>/checkpoints/step_<N>) instead")
+        return TrainedModel(model_dir=path / "model", run_dir=path)
+    if (path / "config.json").is_file():
+        return TrainedModel(model_dir=path)
+    if not path.exists():
+        raise SpecError(f"{key} does not exist; give a run directory, one of its checkpoints or a model directory")
+    raise SpecError(f"{key} is neither a run directory (spec.yaml), a checkpoint (meta.json) nor a saved model "
+                    "(config.json)")

@@ -8,14 +8,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 from runner.config import data
-from runner.config.hardware import Accelerator
 from runner.config.model import build_tokenizer
 from runner.config.scheduler import build_scheduler
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import RunIdentity, Tracker, build_trackers
 from runner.distributed import Ranks
 from runner.engine import checkpoint
-from runner.engine.placement import place
+from runner.engine.placement import device_of, place
 from runner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -90,10 +89,7 @@ def prepare_job(
     loaded: Optional[LoadedData] = None,
 ) -> PreparedJob:
     """`loaded`: what load_data returned for this spec in this process, when it has been called already."""
-    import torch
-
-    cuda = spec.hardware.accelerator is Accelerator.cuda
-    device = torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
+    device = device_of(spec, ranks)
     # Every strategy's ranks split each global batch (single has one).
     dp_size, train = ranks.world_size, spec.train
     tokenizer, train_set, eval_set = loaded or load_data(spec)

@@ -20,10 +20,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner.distributed import Ranks, free_port
 from runner.engine.build_locks import clear_stale_build_locks
 from runner.engine.checkpoint import complete_checkpoints
-from runner.engine.job import prepare_job
-from runner.engine.loop import train
 from runner.errors import ExitStatus, Stopped, WorkerFailed
-from runner.quiet import quiet_loggers
+from runner.quiet import name_deepspeed_accelerator, quiet_loggers
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -32,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
-    """Runs the job on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns the summary of
+    """Runs the job's task on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns the summary of
     this node's first rank (every rank computes the same one)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -113,7 +111,7 @@ def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
         dist.init_process_group("gloo")
     try:
-        return train(prepare_job(spec, run_dir, ranks, identity))
+        return spec.task.run(spec, run_dir, ranks, identity)
     except Stopped as stop:
         logging.getLogger("runner").warning("%s", stop)
         sys.exit(ExitStatus.STOPPED)  # the launcher sees the exit status, and the controller reports the stop
@@ -142,7 +140,7 @@ def quiet_worker(accelerator: str) -> None:
     import warnings
 
     quiet_loggers()
-    os.environ.setdefault("DS_ACCELERATOR", accelerator)
+    name_deepspeed_accelerator(accelerator)
     # DeepSpeed still calls collectives that torch has renamed, once per step.
     warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.distributed\..* is deprecated")
     # FSDP's sharded fp16 loss scaler hands DTensor a one-element tensor for its overflow flag, as designed.
@@ -151,7 +149,7 @@ def quiet_worker(accelerator: str) -> None:
 
 def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str],
              identity: RunIdentity) -> dict[str, Any]:
-    """Trains as rank `task.rank` of a submitit job: the rendezvous is the job's first host, on a port drawn from
+    """Runs the job as rank `task.rank` of a submitit job: the rendezvous is the job's first host, on a port drawn from
     its id. SLURM started every task; none starts workers of its own."""
     os.environ.update(
         RANK=str(task.rank),

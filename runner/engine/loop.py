@@ -85,7 +85,8 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
         elapsed = time.perf_counter() - tic
         progress.train_time, progress.tokens_seen = progress.train_time + elapsed, progress.tokens_seen + result.tokens
         window.add(step_loss, result.tokens, elapsed)
-        bar.advance(step_loss, progress.tokens_seen / progress.train_time)  # the done line's measure, so far
+        # The mean tokens/s of the training steps so far, as the done line gives it.
+        bar.advance(loss=f"{step_loss:.4f}", tokens_per_s=f"{progress.tokens_seen / progress.train_time:,.0f}")
 
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], result.outcome,
@@ -153,6 +154,9 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, eval_loss: 
         f"{summary['tokens_per_s']:,.0f}", summary["peak_memory_gib"], summary["wall_time_s"],
     )
     log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
+    if model_dir:
+        log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
+                 "run task=evaluate task.trained=%s", job.run_dir, job.run_dir)
     return summary
 
 

@@ -63,11 +63,12 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class ProgressBar:
-    """On a terminal, a bar with the step, loss, tokens/s and time left, the log lines printed above it;
-    elsewhere (CI, SLURM logs) nothing but the periodic log lines."""
+    """On a terminal, a bar with the count done, what the loop shows of it (the loss, tokens/s) and the time left,
+    the log lines printed above it; elsewhere (CI, SLURM logs) nothing but the periodic log lines."""
 
-    def __init__(self, enabled: bool, start: int, total: int):
+    def __init__(self, enabled: bool, start: int, total: int, unit: str = "step"):
         self._bar = self._redirect = None
+        self.done = start
         if enabled:
             from tqdm import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
@@ -76,13 +77,13 @@ class ProgressBar:
             self._redirect.__enter__()
             # A terminal that reports no size (0 x 0) would get a hidden bar.
             size = shutil.get_terminal_size()
-            self._bar = tqdm(total=total, initial=start, unit="step", ncols=size.columns or 100, nrows=size.lines or 24)
+            self._bar = tqdm(total=total, initial=start, unit=unit, ncols=size.columns or 100, nrows=size.lines or 24)
 
-    def advance(self, loss: float, tokens_per_s: float) -> None:
-        """A step's loss, and the mean tokens/s of the training steps so far (as the done line gives it)."""
+    def advance(self, count: int = 1, **shown: str) -> None:
+        self.done += count
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", tokens_per_s=f"{tokens_per_s:,.0f}", refresh=False)
-            self._bar.update(1)
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(count)
 
     def close(self) -> None:
         if self._bar is not None:

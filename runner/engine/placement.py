@@ -7,16 +7,18 @@ blocks, FSDP's units, DeepSpeed's partitions). The dtype is the weights' before 
 and all-gathers take it. Activation checkpointing wraps each block's forward inside the block, and the
 strategy's wrapping then sees the checkpointed blocks; FSDP shards unit by unit, the blocks first. The optimizer
 takes the parameters as the strategy left them (FSDP's DTensor shards), and DeepSpeed's engine takes model and
-optimizer together, in the stepper.
+optimizer together, in the stepper. An inference task (evaluate, generate) takes the same path up to the wrap,
+without activation checkpointing, optimizer or stepper: no gradient or optimizer state is ever allocated.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING, ContextManager, Optional
 
 from runner.config.float8 import convert_to_fp8, summarize_names
+from runner.config.hardware import Accelerator
 from runner.config.model import build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
@@ -58,22 +60,42 @@ class Placed:
 
 
 def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase) -> Placed:
+    model, fp8_layers = placed_model(spec, ranks, device, tokenizer, training=True)
+    optimizer = build_optimizer(model, spec.optim)
+    model, stepper = spec.strategy.stepper(model, optimizer, spec, device)
+    return Placed(model, optimizer, stepper, spec, device, ranks, fp8_layers)
+
+
+def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase,
+                 training: bool, weights: Optional[dict[str, torch.Tensor]] = None) -> tuple[nn.Module, list[str]]:
+    """The model wrapped or sharded by its strategy, and its fp8 layers. `weights`: a whole state dict to load
+    (a checkpoint's model). For inference (not `training`), no activation checkpointing, and a whole replica on
+    this rank's device unless the strategy shards inference too."""
     import torch
 
     strategy = spec.strategy
     torch.manual_seed(spec.seed)
     # Build fp32 master weights on the CPU; on the meta device on the ranks that receive rank 0's weights.
-    model = build_model(spec.model, tokenizer, weights=strategy.loads_weights(ranks.rank))
+    builds_weights = strategy.loads_weights(ranks.rank)
+    model = build_model(spec.model, tokenizer, weights=builds_weights)
+    if weights is not None and builds_weights:
+        model.load_state_dict(weights)
     fp8_layers = convert_to_fp8(model, spec.precision.fp8) if spec.precision.fp8 else []
     if fp8_layers:
         log.info("fp8: %d linear layers converted: %s", len(fp8_layers), summarize_names(fp8_layers))
     model = cast_weights(model, spec.precision)
-    if strategy.activation_checkpointing:
+    if training and strategy.activation_checkpointing:
         checkpoint_activations(model)
-    model = strategy.wrap(model, spec, device)
-    optimizer = build_optimizer(model, spec.optim)
-    model, stepper = strategy.stepper(model, optimizer, spec, device)
-    return Placed(model, optimizer, stepper, spec, device, ranks, fp8_layers)
+    if training or strategy.shards_inference:
+        return strategy.wrap(model, spec, device), fp8_layers
+    return model.to(device), fp8_layers
+
+
+def device_of(spec: RunSpec, ranks: Ranks) -> torch.device:
+    """This rank's device: its local GPU, or the CPU."""
+    import torch
+
+    return torch.device("cuda", ranks.local_rank) if spec.hardware.accelerator is Accelerator.cuda else torch.device("cpu")
 
 
 def checkpoint_activations(model: nn.Module) -> None:

@@ -1,17 +1,18 @@
 """One optimizer step of the training loop (forward and backward over this rank's micro batches, then the
-strategy's step), the evaluation, and the loss both share."""
+strategy's step), the evaluation (the loop's, and task=evaluate's), and the loss both share."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
 
 from runner.config.data import IGNORE
 from runner.distributed import all_ranks_sums
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from runner.config.data import Batch
     from runner.engine.job import PreparedJob
@@ -50,25 +51,40 @@ def train_step(job: PreparedJob, host_batches: list[Batch]) -> StepResult:
 
 def evaluate(job: PreparedJob, step: int) -> float:
     """The mean loss over the eval rows, summed exactly across ranks; logged at `step`."""
-    import torch
-
     job.model.eval()
-    loss_sum = torch.zeros((), device=job.device)
-    label_tokens = 0
-    with torch.no_grad():
-        for batch in job.eval_batches():
-            batch = {k: v.to(job.device) for k, v in batch.items()}
-            with job.autocast():
-                logits = job.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            loss_sum += causal_lm_loss_sum(logits, batch["labels"])
-            label_tokens += count_label_tokens(batch)
-    total_loss, total_tokens = all_ranks_sums([loss_sum.item(), label_tokens])
-    eval_loss = total_loss / total_tokens
+    eval_loss = mean_loss(job.model, job.eval_batches(), job.device, job.autocast).loss
     for tracker in job.trackers:
         tracker.log({"eval_loss": eval_loss}, step)
     log.info("step %d/%d | eval loss %.4f", step, job.spec.train.max_steps, eval_loss)
     job.model.train()
     return eval_loss
+
+
+@dataclass
+class MeanLoss:
+    loss: float  # over every label token of every rank's rows
+    label_tokens: int
+    tokens: int  # the rows' tokens, padding aside
+
+
+def mean_loss(model: nn.Module, batches: Iterable[Batch], device: torch.device,
+              autocast: Callable[[], ContextManager]) -> MeanLoss:
+    """The model's mean next-token loss over this rank's batches and every other rank's, without gradients."""
+    import torch
+
+    loss_sum = torch.zeros((), device=device)
+    label_tokens = tokens = 0
+    with torch.no_grad():
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with autocast():
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               use_cache=False).logits
+            loss_sum += causal_lm_loss_sum(logits, batch["labels"])
+            label_tokens += count_label_tokens(batch)
+            tokens += int(batch["attention_mask"].sum())
+    total_loss, total_labels, total_tokens = all_ranks_sums([loss_sum.item(), label_tokens, tokens])
+    return MeanLoss(total_loss / total_labels, int(total_labels), int(total_tokens))
 
 
 def count_label_tokens(batch: Batch) -> int:

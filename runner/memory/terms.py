@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable
@@ -117,3 +119,8 @@ def gib(size: int) -> str:
 def readable(size: int) -> str:
     """GiB, or MiB below one GiB."""
     return f"{size / GIB:.2f} GiB" if size >= GIB or size == 0 else f"{size / 2**20:.2f} MiB"
+
+
+def sharded_elements(shapes: list[tuple[int, ...]], shards: int) -> int:
+    """Elements of rank 0's FSDP2 shards: each parameter split on dim 0, padded to equal shards."""
+    return sum(math.ceil(shape[0] / shards) * math.prod(shape[1:]) if shape else 1 for shape in shapes)

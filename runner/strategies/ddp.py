@@ -36,6 +36,7 @@ class DDPStrategy(StrategyConfig):
     distributed: ClassVar[bool] = True
     forward_cast: ClassVar[Optional[str]] = None
     float8_all_gather: ClassVar[bool] = False
+    shards_inference: ClassVar[bool] = False
     checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout.FULL
 
     def resolved(self, spec: RunSpec) -> RunSpec:

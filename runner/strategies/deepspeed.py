@@ -65,6 +65,7 @@ class DeepSpeedStrategy(StrategyConfig):
     distributed: ClassVar[bool] = True
     forward_cast: ClassVar[Optional[str]] = "DeepSpeed engine"
     float8_all_gather: ClassVar[bool] = False
+    shards_inference: ClassVar[bool] = False
     checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout.ENGINE
 
     def check(self, spec: RunSpec) -> None:

@@ -14,7 +14,6 @@ where `group` is `hybrid_shard_size`: by default the processes of one node, as i
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, List, Optional
@@ -25,7 +24,7 @@ from runner.errors import require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.facts import fp8_linears
 from runner.memory.terms import (
-    FP32, Change, Estimate, Part, dtype_name, micro_batch_tokens, processes, share, strategy_change)
+    FP32, Change, Estimate, Part, dtype_name, micro_batch_tokens, processes, share, sharded_elements, strategy_change)
 from runner.strategies.protocol import CheckpointLayout
 from runner.strategies.torch_stepper import TorchStepper
 
@@ -93,6 +92,7 @@ class FSDPStrategy(StrategyConfig):
     distributed: ClassVar[bool] = True
     forward_cast: ClassVar[Optional[str]] = "FSDP mixed-precision policy"
     float8_all_gather: ClassVar[bool] = True
+    shards_inference: ClassVar[bool] = True
 
     @property
     def checkpoint_layout(self) -> CheckpointLayout:
@@ -339,11 +339,6 @@ def set_prefetch(units: list[nn.Module], strategy: FSDPStrategy) -> None:
     if strategy.backward_prefetch != 1:
         for i, unit in enumerate(units):
             unit.set_modules_to_backward_prefetch(units[max(0, i - strategy.backward_prefetch) : i][::-1])
-
-
-def sharded_elements(shapes: list[tuple[int, ...]], shards: int) -> int:
-    """Elements of rank 0's FSDP2 shards: each parameter split on dim 0, padded to equal shards."""
-    return sum(math.ceil(shape[0] / shards) * math.prod(shape[1:]) if shape else 1 for shape in shapes)
 
 
 def unit_sizes(model: nn.Module, strategy: FSDPStrategy) -> tuple[int, int]:

@@ -90,6 +90,9 @@ class Strategy(Protocol):
     forward_cast: ClassVar[Optional[str]]
     # Whether its all-gathers can carry float8 weights (precision.fp8.all_gather).
     float8_all_gather: ClassVar[bool]
+    # Whether an inference task (evaluate) shards the model across the ranks as training does; otherwise every
+    # rank holds a whole replica, with no gradient buckets or engine.
+    shards_inference: ClassVar[bool]
     activation_checkpointing: bool
 
     @property

@@ -32,6 +32,7 @@ class SingleStrategy(StrategyConfig):
     distributed: ClassVar[bool] = False
     forward_cast: ClassVar[Optional[str]] = None
     float8_all_gather: ClassVar[bool] = False
+    shards_inference: ClassVar[bool] = False
     checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout.FULL
 
     def resolved(self, spec: RunSpec) -> RunSpec:

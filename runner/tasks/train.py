@@ -4,7 +4,8 @@ model's layers, the fit in the hardware's memory, the trackers' services), then 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from runner.config.task import TaskConfig
 from runner.config.tracker import check_services
@@ -14,6 +15,9 @@ from runner.memory.facts import check_causal_lm, fp8_linears, meta_model
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
+    from runner.config.tracker import RunIdentity
+    from runner.distributed import Ranks
+    from runner.engine.job import LoadedData
 
 
 @dataclass
@@ -33,3 +37,16 @@ class TrainTask(TaskConfig):
             check_fit(spec)
         check_services(spec.tracker)
         return None
+
+    def inputs(self, spec: RunSpec) -> LoadedData:
+        from runner.engine.job import load_data  # the engine, and torch with it, once a job runs
+
+        return load_data(spec)
+
+    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
+            inputs: Optional[LoadedData] = None) -> dict[str, Any]:
+        from runner.engine.job import prepare_job
+        from runner.engine.loop import train
+
+        summary = train(prepare_job(spec, run_dir, ranks, identity, inputs))
+        return {**summary, "objective": summary["eval_loss"]}

@@ -1,0 +1,128 @@
+"""task=evaluate: the eval loss and perplexity of what was trained (a run directory's model/, one of its
+checkpoints, a saved model, or the model group's own) on the composed data, without an optimizer or gradients.
+Rows, batches and the sums across ranks are training's own evaluation's: on a run directory it gives that run's
+last eval loss."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from runner.config.task import InferenceTaskConfig
+from runner.errors import SpecError, require
+from runner.memory.facts import check_causal_lm
+from runner.memory.inference import inference_answer, planned_report
+from runner.memory.terms import processes
+
+if TYPE_CHECKING:
+    import datasets
+
+    from runner.config.spec import RunSpec
+    from runner.config.tracker import RunIdentity
+    from runner.distributed import Ranks
+
+log = logging.getLogger("runner")
+
+
+class EvalSplit(str, Enum):
+    # The documents training holds out (data.eval_fraction, split with the run's seed).
+    eval = "eval"
+    # Every document of the data: a whole file set held out from training.
+    all = "all"
+
+
+@dataclass
+class EvaluateTask(InferenceTaskConfig):
+    split: EvalSplit = EvalSplit.eval
+    # Batches of train.micro_batch_size rows; unset: train.eval_batches (the rows training evaluates); 0: every row.
+    max_batches: Optional[int] = None
+
+
+    def before_launch(self, spec: RunSpec) -> Optional[str]:
+        require(self.max_batches is None or self.max_batches >= 0,
+                f"task.max_batches={self.max_batches} must be >= 0 (0: every row)")
+        self.check(spec.hardware.world_size)
+        spec = replace(spec, model=self.trained_model_config(spec.model))
+        check_causal_lm(spec.model)
+        return inference_answer(spec, self, **self.load(spec))
+
+    def load(self, spec: RunSpec) -> dict[str, Any]:
+        """What a forward holds, for the memory estimate: training's eval batches."""
+        return {"batch_size": spec.train.micro_batch_size, "tokens": spec.data.seq_len, "kv_cache": False}
+
+    def inputs(self, spec: RunSpec) -> datasets.Dataset:
+        """The tokenized rows to evaluate, at least one per rank."""
+        from runner.config import data
+        from runner.config.model import build_tokenizer
+
+        spec = replace(spec, model=self.trained_model_config(spec.model))
+        train_set, eval_set = data.build_datasets(spec.data, build_tokenizer(spec.model), spec.seed)
+        if self.split is EvalSplit.all:
+            import datasets
+
+            rows = datasets.concatenate_datasets([eval_set, train_set])
+        else:
+            rows = eval_set
+        if len(rows) < spec.hardware.world_size:
+            raise SpecError(f"the {self.split.value} rows are {len(rows)}, fewer than the {spec.hardware.world_size} "
+                            "processes; raise data.eval_fraction or use task.split=all")
+        return rows
+
+    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
+            inputs: Optional[datasets.Dataset] = None) -> dict[str, Any]:
+        from runner.config import data
+        from runner.engine.inference import inference_model
+        from runner.engine.metrics import peak_memory_gib
+        from runner.engine.step import mean_loss
+        from runner.files import write_json_atomically
+
+        rows = inputs if inputs is not None else self.inputs(spec)
+        spec = replace(spec, model=self.trained_model_config(spec.model))
+        if ranks.rank == 0:
+            log.info("%s", planned_report(spec, self, **self.load(spec)))
+        model = inference_model(spec, self, ranks, run_dir)
+        for line in model.placement:
+            log.info("placed %s", line)
+        max_batches = spec.train.eval_batches if self.max_batches is None else self.max_batches or len(rows)
+        batches = data.eval_batches(rows, micro_batch_size=spec.train.micro_batch_size, max_batches=max_batches,
+                                    dp_rank=ranks.rank, dp_size=ranks.world_size,
+                                    pad_token_id=model.tokenizer.pad_token_id)
+        started = time.perf_counter()
+        result = mean_loss(model.model, batches, model.device, model.autocast)
+        model.release()
+        seconds = time.perf_counter() - started
+        summary = {
+            "model": self.trained or spec.model.pretrained or "the model group's random init",
+            "split": self.split.value,
+            "eval_loss": result.loss,
+            "perplexity": math.exp(min(result.loss, 700.0)),
+            "label_tokens": result.label_tokens,
+            "tokens": result.tokens,
+            "tokens_per_s": result.tokens / seconds,
+            "seconds": seconds,
+            "processes": ranks.world_size,
+            "peak_memory_gib": peak_memory_gib(model.device),
+        }
+        if ranks.rank == 0:
+            write_json_atomically(run_dir / "eval.json", summary)
+            write_json_atomically(run_dir / "summary.json", summary)  # what a sweep's report reads of each job
+            for line in table(summary):
+                log.info("%s", line)
+            log.info("outputs: %s", run_dir / "eval.json")
+        return {**summary, "objective": result.loss}
+
+
+def table(summary: dict[str, Any]) -> list[str]:
+    return [
+        f"evaluated {summary['model']} on the {summary['split']} rows ({processes(summary['processes'])})",
+        f"  eval loss     {summary['eval_loss']:.6f}",
+        f"  perplexity    {summary['perplexity']:.3f}",
+        f"  label tokens  {summary['label_tokens']:,}",
+        f"  tokens/s      {summary['tokens_per_s']:,.0f}",
+        f"  peak memory   {summary['peak_memory_gib']:.2f} GiB",
+    ]
