@@ -71,12 +71,20 @@ def prompt_batches(prompts: list[list[int]], batch_size: int, pad_token_id: int)
     return batches
 
 
+def up_to_eos(row: list[int], eos_token_id: Optional[int]) -> list[int]:
+    """A row's new tokens up to and including its end-of-sequence token (generate pads the rows that end first)."""
+    if eos_token_id is not None and eos_token_id in row:
+        return row[:row.index(eos_token_id) + 1]
+    return row
+
+
 def completion(new_tokens: list[int], tokenizer: PreTrainedTokenizerBase, eos_token_id: Optional[int],
                stop: Optional[str]) -> tuple[str, int]:
     """A row's completion text and its token count: up to (not including) the first end-of-sequence token, and cut
     before the stop string where it appears."""
-    if eos_token_id is not None and eos_token_id in new_tokens:
-        new_tokens = new_tokens[:new_tokens.index(eos_token_id)]
+    new_tokens = up_to_eos(new_tokens, eos_token_id)
+    if new_tokens and new_tokens[-1] == eos_token_id:
+        new_tokens = new_tokens[:-1]
     text = tokenizer.decode(new_tokens, skip_special_tokens=True)
     if stop and stop in text:
         text = text[:text.index(stop)]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 from runner.config.model import build_tokenizer
 from runner.config.precision import autocast
 from runner.config.task import DeviceMap, InferenceTaskConfig, TrainedModel, trained_model
-from runner.engine.generation import Batch, Decoding
+from runner.engine.generation import Batch, Decoding, up_to_eos
 from runner.engine.metrics import ProgressBar
 from runner.engine.placement import device_of, placed_model
 
@@ -63,7 +63,8 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         from runner.memory.device_map import memory_limits
 
         hardware = spec.hardware
-        gpus = hardware.nproc_per_node if hardware.accelerator.value == "cuda" else 0
+        # One process places the model over every GPU it sees, as accelerate does.
+        gpus = torch.cuda.device_count() if hardware.accelerator.value == "cuda" else 0
         limits = memory_limits(hardware.device_memory_gib, gpus, hardware.host_memory_gib,
                                task.max_memory.by_device(gpus))
         offload_dir = Path(task.offload_dir) if task.offload_dir else run_dir / "offload"
@@ -113,20 +114,13 @@ def generate(model: InferenceModel, batches: list[Batch], mine: list[int], decod
                 pad_token_id=decoding.pad_token_id, eos_token_id=decoding.eos_token_id)
         rows = output[:, batch["input_ids"].shape[1]:].tolist()
         new_tokens[index] = rows
-        generated += sum(len(ended(row, decoding.eos_token_id)) for row in rows)
+        generated += sum(len(up_to_eos(row, decoding.eos_token_id)) for row in rows)
         seconds = time.perf_counter() - started
         bar.advance(len(rows), prompts_per_s=f"{bar.done / seconds:.2f}", tokens_per_s=f"{generated / seconds:,.0f}")
         log.info("generated batch %d of %d | %d prompts | %.2f prompts/s | %s tokens/s", index + 1, len(batches),
                  len(rows), bar.done / seconds, f"{generated / seconds:,.0f}")
     bar.close()
     return new_tokens
-
-
-def ended(row: list[int], eos_token_id: Optional[int]) -> list[int]:
-    """A row's tokens up to and including its end-of-sequence token (generate pads the rows that ended first)."""
-    if eos_token_id is not None and eos_token_id in row:
-        return row[:row.index(eos_token_id) + 1]
-    return row
 
 
 def gathered(new_tokens: dict[int, list[list[int]]]) -> dict[int, list[list[int]]]:

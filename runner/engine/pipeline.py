@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from runner.distributed import Ranks
-from runner.engine.generation import Batch, Decoding, next_tokens
+from runner.engine.generation import Batch, Decoding, next_tokens, up_to_eos
 from runner.errors import SpecError, require
 
 
@@ -179,7 +179,7 @@ def generate_batch(module: DecoderStage, batch: Batch, decoding: Decoding, ranks
         if decoding.eos_token_id is not None:
             finished |= chosen == decoding.eos_token_id
         length += 1
-    return [cut_after_eos(row, decoding.eos_token_id) for row in tokens[:rows, prompt_length:length].tolist()]
+    return [up_to_eos(row, decoding.eos_token_id) for row in tokens[:rows, prompt_length:length].tolist()]
 
 
 def decoding_buffers(batch: Batch, decoding: Decoding, rows: int,
@@ -216,9 +216,3 @@ def stage_for_buffer(module: DecoderStage, tokens: torch.Tensor, stage: int, sta
     else:
         outputs = (hidden, mask)
     return PipelineStage(module, stage, stages, device, input_args=inputs, output_args=outputs)
-
-
-def cut_after_eos(row: list[int], eos_token_id: Optional[int]) -> list[int]:
-    if eos_token_id is not None and eos_token_id in row:
-        return row[:row.index(eos_token_id) + 1]
-    return row
