@@ -65,6 +65,9 @@ def main() -> None:
     except (Stopped, SweepStopped) as stopped:
         print(f"run: {stopped}", file=sys.stderr)
         sys.exit(ExitStatus.STOPPED)
+    except KeyboardInterrupt:  # a job with nothing to checkpoint (evaluate, generate) writes its results at its end
+        print("run: interrupted (Ctrl-C) before the job finished", file=sys.stderr)
+        sys.exit(ExitStatus.STOPPED)
 
 
 def shown_config(args: list[str]) -> str | None:

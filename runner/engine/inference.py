@@ -68,14 +68,19 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         limits = memory_limits(hardware.device_memory_gib, gpus, hardware.host_memory_gib,
                                task.max_memory.by_device(gpus))
         offload_dir = Path(task.offload_dir) if task.offload_dir else run_dir / "offload"
-        model, device_map = place_for_inference(spec.model, tokenizer, limits, offload_dir,
-                                                dtype=spec.precision.param_dtype.torch, seed=spec.seed)
+        own_offload_dir = None if task.offload_dir else offload_dir
+        try:
+            model, device_map = place_for_inference(spec.model, tokenizer, limits, offload_dir,
+                                                    dtype=spec.precision.param_dtype.torch, seed=spec.seed)
+        except BaseException:  # a failure or Ctrl-C while the weights go to disk: leave no half-written folder
+            if own_offload_dir is not None:
+                shutil.rmtree(own_offload_dir, ignore_errors=True)
+            raise
         model.eval().requires_grad_(False)
         first = next(iter(device_map.values()))
         input_device = torch.device("cuda", first) if isinstance(first, int) else torch.device("cpu")
         return InferenceModel(model, tokenizer, input_device, cast_forward,
-                              placement_lines(model, device_map, offload_dir, limits),
-                              offload_dir if not task.offload_dir else None)
+                              placement_lines(model, device_map, offload_dir, limits), own_offload_dir)
     weights = None
     if trained.checkpoint is not None:
         from safetensors.torch import load_file

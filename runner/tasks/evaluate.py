@@ -93,8 +93,10 @@ class EvaluateTask(InferenceTaskConfig):
                                     dp_rank=ranks.rank, dp_size=ranks.world_size,
                                     pad_token_id=model.tokenizer.pad_token_id)
         started = time.perf_counter()
-        result = mean_loss(model.model, batches, model.device, model.autocast)
-        model.release()
+        try:
+            result = mean_loss(model.model, batches, model.device, model.autocast)
+        finally:
+            model.release()
         seconds = time.perf_counter() - started
         summary = {
             "model": self.trained or spec.model.pretrained or "the model group's random init",

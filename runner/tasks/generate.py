@@ -61,15 +61,14 @@ class GenerateTask(InferenceTaskConfig):
         require(self.top_k >= 0, f"task.top_k={self.top_k} must be >= 0 (0: no top-k)")
         require(self.microbatches >= 1, f"task.microbatches={self.microbatches} must be at least 1")
         self.check(spec.hardware.world_size)
-        processes = spec.hardware.world_size
         require(not spec.strategy.shards_inference,
                 f"task=generate does not shard a model (strategy={spec.strategy.name}): use strategy=ddp for "
                 "data-parallel replicas, task.pipeline_stages=N to split the model over N processes, or "
                 "task.device_map=auto")
         if self.pipeline_stages > 1:
-            require(processes == self.pipeline_stages,
+            require(spec.hardware.world_size == self.pipeline_stages,
                     f"task.pipeline_stages={self.pipeline_stages} runs a stage per process, and the hardware gives "
-                    f"{processes}; set hardware.nproc_per_node={self.pipeline_stages} strategy=ddp")
+                    f"{spec.hardware.world_size}; set hardware.nproc_per_node={self.pipeline_stages} strategy=ddp")
         else:
             require(not self.split_points, "task.split_points needs task.pipeline_stages of 2 or more")
         prompts = self.inputs(spec)
@@ -116,19 +115,21 @@ class GenerateTask(InferenceTaskConfig):
                  "es" if len(batches) > 1 else "", self.batch_size, processes(ranks.world_size),
                  " (pipeline stages)" if self.pipeline_stages > 1 else "")
         loaded = time.perf_counter()
-        if self.pipeline_stages > 1:
-            from runner.engine.pipeline import pipeline_generate, stage_bounds
+        try:
+            if self.pipeline_stages > 1:
+                from runner.engine.pipeline import pipeline_generate, stage_bounds
 
-            bounds = stage_bounds(model.model.config.num_hidden_layers, self.pipeline_stages,
-                                  self.split_points or None)
-            new_tokens = pipeline_generate(model.model, batches, decoding, ranks, bounds, self.microbatches,
-                                           self.seed)
-        else:
-            mine = my_batches(len(batches), ranks)
-            by_batch = gathered(generate(model, batches, mine, decoding, self.seed,
-                                         progress=ranks.rank == 0 and sys.stdout.isatty()))
-            new_tokens = [row for index in range(len(batches)) for row in by_batch[index]]
-        model.release()
+                bounds = stage_bounds(model.model.config.num_hidden_layers, self.pipeline_stages,
+                                      self.split_points or None)
+                new_tokens = pipeline_generate(model.model, batches, decoding, ranks, bounds, self.microbatches,
+                                               self.seed)
+            else:
+                mine = my_batches(len(batches), ranks)
+                by_batch = gathered(generate(model, batches, mine, decoding, self.seed,
+                                             progress=ranks.rank == 0 and sys.stdout.isatty()))
+                new_tokens = [row for index in range(len(batches)) for row in by_batch[index]]
+        finally:
+            model.release()
         seconds = time.perf_counter() - loaded
         records = []
         for index, (prompt, tokens) in enumerate(zip(prompts, new_tokens)):
