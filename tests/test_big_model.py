@@ -12,6 +12,7 @@ import yaml
 
 from runner.config.hardware import GIB
 from runner.config.model import ModelConfig, build_model, build_tokenizer
+from runner.config.task import MaxMemory
 from runner.engine.big_model import place_for_inference, placement_lines
 from runner.engine.generation import prompt_batches
 from runner.errors import SpecError
@@ -59,8 +60,8 @@ def greedy(model, tokenizer, batch, max_new_tokens=16):
 
 def test_split_between_ram_and_disk_gives_the_whole_models_tokens(tokenizer, batch, whole_tokens, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
-    model, device_map = place_for_inference(TINY, tokenizer, memory_limits(None, 0, 1.0, {}), tmp_path / "offload",
-                                            seed=SEED, device_map=HALF_ON_DISK)
+    model, device_map = place_for_inference(TINY, tokenizer, memory_limits(None, 0, 1.0, MaxMemory()),
+                                            tmp_path / "offload", seed=SEED, device_map=HALF_ON_DISK)
 
     assert device_map == HALF_ON_DISK
     assert model.model.layers[3].mlp.up_proj.weight.device.type == "meta"  # held on disk, not in RAM
@@ -77,7 +78,7 @@ def test_a_saved_model_split_between_ram_and_disk_gives_the_whole_models_tokens(
         whole_model, tokenizer, batch, whole_tokens, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     whole_model.save_pretrained(tmp_path / "saved")
-    limits = memory_limits(None, 0, 1.0, {})
+    limits = memory_limits(None, 0, 1.0, MaxMemory())
 
     model, _ = place_for_inference(TINY, tokenizer, limits, tmp_path / "offload", weights_dir=tmp_path / "saved",
                                    device_map=HALF_ON_DISK)
@@ -88,7 +89,7 @@ def test_a_saved_model_split_between_ram_and_disk_gives_the_whole_models_tokens(
 
 
 def test_an_automatic_placement_over_the_cpu_limit_puts_layers_on_disk(tokenizer, batch, whole_tokens, tmp_path):
-    limits = memory_limits(None, 0, 1 / 1024, {})  # 1 MiB of the model's 3 MiB
+    limits = memory_limits(None, 0, 1 / 1024, MaxMemory())  # 1 MiB of the model's 3 MiB
 
     model, device_map = place_for_inference(TINY, tokenizer, limits, tmp_path / "offload", seed=SEED)
 
@@ -100,7 +101,8 @@ def test_an_automatic_placement_over_the_cpu_limit_puts_layers_on_disk(tokenizer
 
 
 def test_a_model_within_the_cpu_limit_stays_whole_in_ram(tokenizer, tmp_path):
-    model, device_map = place_for_inference(TINY, tokenizer, memory_limits(None, 0, 1.0, {}), tmp_path / "offload")
+    limits = memory_limits(None, 0, 1.0, MaxMemory())
+    model, device_map = place_for_inference(TINY, tokenizer, limits, tmp_path / "offload")
 
     assert device_map == {"": "cpu"}
     assert placement_lines(model, device_map) == ["cpu: the whole model (2.94 MiB)"]
@@ -122,21 +124,16 @@ def test_a_device_map_that_splits_tied_weights_is_refused(tokenizer, tmp_path):
 
 
 def test_memory_limits_per_device_with_overrides():
-    assert memory_limits(None, 0, 24.0, {}) == {"cpu": 24 * GIB}
-    assert memory_limits(80.0, 2, 64.0, {}) == {0: 80 * GIB, 1: 80 * GIB, "cpu": 64 * GIB}
-    assert memory_limits(80.0, 2, 64.0, {"1": "40", "cpu": 16.5}) == {0: 80 * GIB, 1: 40 * GIB, "cpu": int(16.5 * GIB)}
-    assert memory_limits(None, 1, 64.0, {"0": "20GiB"}) == {0: 20 * GIB, "cpu": 64 * GIB}
+    assert memory_limits(None, 0, 24.0, MaxMemory()) == {"cpu": 24 * GIB}
+    assert memory_limits(80.0, 2, 64.0, MaxMemory()) == {0: 80 * GIB, 1: 80 * GIB, "cpu": 64 * GIB}
+    assert memory_limits(80.0, 2, 64.0, MaxMemory(gpu=40, cpu=16.5)) == {0: 40 * GIB, 1: 40 * GIB,
+                                                                          "cpu": int(16.5 * GIB)}
+    assert memory_limits(None, 1, 64.0, MaxMemory(gpu=20)) == {0: 20 * GIB, "cpu": 64 * GIB}
 
 
-@pytest.mark.parametrize("gpus, overrides, message", [
-    (0, {"0": 10}, r"no device '0' to limit: .*no GPUs here"),
-    (2, {"gpu0": 10}, r"no device 'gpu0' to limit: .*\(0, 1\)"),
-    (0, {"cpu": "lots"}, "the memory limit for cpu is 'lots'"),
-    (1, {}, "GPU 0's memory is unknown"),
-])
-def test_memory_limits_refuse_what_they_cannot_place(gpus, overrides, message):
-    with pytest.raises(SpecError, match=message):
-        memory_limits(None, gpus, 24.0, overrides)
+def test_memory_limits_refuse_gpus_of_unknown_memory():
+    with pytest.raises(SpecError, match="the GPUs' memory is unknown"):
+        memory_limits(None, 1, 24.0, MaxMemory())
 
 
 @pytest.mark.slow
@@ -146,7 +143,7 @@ def test_llama_3_2_1b_with_less_ram_than_the_model_generates_from_ram_and_disk(t
     config = ModelConfig(tokenizer="bytes",
                          architecture=yaml.safe_load((CONF / "llama3_2_1b.yaml").read_text())["architecture"])
     tokenizer = build_tokenizer(config)
-    limits = memory_limits(None, 0, 24.0, {"cpu": 1.0})
+    limits = memory_limits(None, 0, 24.0, MaxMemory(cpu=1.0))
 
     model, device_map = place_for_inference(config, tokenizer, limits, tmp_path, dtype=torch.bfloat16)
     (batch,) = prompt_batches([tokenizer.encode(prompt) for prompt in PROMPTS[:2]], 2, tokenizer.pad_token_id)

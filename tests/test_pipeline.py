@@ -94,7 +94,8 @@ def sampled(model, batches: list, decoding: Decoding, seed: int) -> list[list[in
 def _pipeline_runs(ranks, model_config, runs):
     """Each run's generated rows, each run on a freshly built model (pipeline_generate consumes it)."""
     return [pipeline_generate(tiny_model(model_config), batches_of(model_config, batch_size), decoding, ranks,
-                              stage_bounds(4, ranks.world_size), microbatches=2, seed=SEED)
+                              stage_bounds(4, ranks.world_size), microbatches=2, seed=SEED,
+                              device=torch.device("cpu"))
             for batch_size, decoding in runs]
 
 

@@ -16,7 +16,6 @@ from runner.config.model import BYTES, ModelConfig
 from runner.errors import SpecError, require
 
 
-
 @dataclass
 class TaskConfig:
     """What every task option shares; each option's schema adds its own keys."""
@@ -40,11 +39,6 @@ class MaxMemory:
 
     gpu: Optional[float] = None
     cpu: Optional[float] = None
-
-    def by_device(self, gpus: int) -> dict[str, float]:
-        """The limits set, as accelerate names the devices: "cpu", "0", "1", ..."""
-        limits = {str(index): self.gpu for index in range(gpus)}
-        return {device: gib for device, gib in {**limits, "cpu": self.cpu}.items() if gib is not None}
 
 
 @dataclass

@@ -51,12 +51,13 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
     whole replica on this rank's device (on the CPU with `on_cpu`), or sharded."""
     import torch
 
-    device = torch.device("cpu") if on_cpu else device_of(spec, ranks)
+    compute_device = device_of(spec, ranks)
+    device = torch.device("cpu") if on_cpu else compute_device
     tokenizer = build_tokenizer(spec.model)
     trained = trained_model(task.trained) if task.trained else TrainedModel()
 
     def cast_forward() -> ContextManager:
-        return autocast(spec.precision, device, compute_dtype=spec.strategy.forward_cast is None)
+        return autocast(spec.precision, compute_device, compute_dtype=spec.strategy.forward_cast is None)
 
     if task.device_map is DeviceMap.auto:
         from runner.engine.big_model import place_for_inference, placement_lines
@@ -65,8 +66,7 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         hardware = spec.hardware
         # One process places the model over every GPU it sees, as accelerate does.
         gpus = torch.cuda.device_count() if hardware.accelerator.value == "cuda" else 0
-        limits = memory_limits(hardware.device_memory_gib, gpus, hardware.host_memory_gib,
-                               task.max_memory.by_device(gpus))
+        limits = memory_limits(hardware.device_memory_gib, gpus, hardware.host_memory_gib, task.max_memory)
         offload_dir = Path(task.offload_dir) if task.offload_dir else run_dir / "offload"
         own_offload_dir = None if task.offload_dir else offload_dir
         try:

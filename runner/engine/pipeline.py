@@ -12,8 +12,9 @@ front rather than inferred by a trial forward pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,22 +129,16 @@ def stage_module(model: nn.Module, stage: int, bounds: list[tuple[int, int]]) ->
     return module
 
 
-def stage_device(ranks: Ranks) -> torch.device:
-    return torch.device("cuda", ranks.local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def pipeline_generate(model: nn.Module, batches: list[Batch], decoding: Decoding, ranks: Ranks,
-                      bounds: list[tuple[int, int]], microbatches: int, seed: int) -> list[list[int]]:
+                      bounds: list[tuple[int, int]], microbatches: int, seed: int, device: torch.device,
+                      autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> list[list[int]]:
     """The new token ids of every row of every batch, in order, on every rank: rank r runs stage r of `bounds` in
-    the initialised process group. Each row's tokens end after its eos_token_id, or at max_new_tokens. `model` is
-    consumed (see stage_module). Sampling draws from a generator seeded with seed + the batch's index."""
-    require(ranks.world_size == len(bounds),
-            f"pipeline generation runs one stage per rank: {len(bounds)} stages on {ranks.world_size} ranks")
-    require(microbatches >= 1, f"pipeline microbatches must be at least 1, got {microbatches}")
-    device = stage_device(ranks)
+    the initialised process group, on `device`, its forward in `autocast`. Each row's tokens end after its
+    eos_token_id, or at max_new_tokens. `model` is consumed (see stage_module). Sampling draws from a generator
+    seeded with seed + the batch's index."""
     module = stage_module(model, ranks.rank, bounds).to(device).eval()
     new_tokens = []
-    with torch.no_grad():
+    with torch.no_grad(), autocast():
         for index, batch in enumerate(batches):
             generator = None
             if decoding.do_sample and ranks.rank == len(bounds) - 1:

@@ -95,7 +95,8 @@ def device_of(spec: RunSpec, ranks: Ranks) -> torch.device:
     """This rank's device: its local GPU, or the CPU."""
     import torch
 
-    return torch.device("cuda", ranks.local_rank) if spec.hardware.accelerator is Accelerator.cuda else torch.device("cpu")
+    cuda = spec.hardware.accelerator is Accelerator.cuda
+    return torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
 
 
 def checkpoint_activations(model: nn.Module) -> None:

@@ -12,40 +12,20 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from runner.config.task import MaxMemory
+
 DISK = "disk"
 Device = Union[int, str]
 
 
 def memory_limits(device_memory_gib: Optional[float], gpus: int, host_memory_gib: float,
-                  overrides: dict[str, Union[str, float]]) -> dict[Device, int]:
-    """accelerate's max_memory in bytes: each of `gpus` GPUs (0, 1, ...) may hold `device_memory_gib`, the CPU
-    `host_memory_gib`; `overrides` ("0", "1", ... or "cpu" to GiB, as 12, "12" or "12GiB") win over both."""
-    limits_gib: dict[Device, Optional[float]] = {index: device_memory_gib for index in range(gpus)}
-    limits_gib["cpu"] = host_memory_gib
-    for key, value in overrides.items():
-        device = override_device(str(key), gpus)
-        limits_gib[device] = gib_value(device, value)
-    for device, gib in limits_gib.items():
-        require(gib is not None, f"GPU {device}'s memory is unknown: set hardware.device_memory_gib or a limit for {device}")
-    return {device: int(gib * GIB) for device, gib in limits_gib.items()}
-
-
-def override_device(key: str, gpus: int) -> Device:
-    if key == "cpu":
-        return key
-    gpu_indices = [str(index) for index in range(gpus)]
-    require(key in gpu_indices,
-            f"no device {key!r} to limit: name the CPU (cpu) or a GPU index ({', '.join(gpu_indices) or 'no GPUs here'})")
-    return int(key)
-
-
-def gib_value(device: Device, value: Union[str, float]) -> float:
-    try:
-        gib = float(str(value).strip().removesuffix("GiB"))
-    except ValueError:
-        gib = -1.0
-    require(gib >= 0, f"the memory limit for {device} is {value!r}: give a number of GiB, such as 12 or 12.5")
-    return gib
+                  limits: MaxMemory) -> dict[Device, int]:
+    """accelerate's max_memory in bytes: each of `gpus` GPUs (0, 1, ...) may hold `limits.gpu` GiB, else
+    `device_memory_gib`; the CPU `limits.cpu`, else `host_memory_gib`."""
+    gpu = limits.gpu or device_memory_gib
+    require(gpus == 0 or gpu is not None,
+            "the GPUs' memory is unknown: set hardware.device_memory_gib or task.max_memory.gpu")
+    return {**{index: int(gpu * GIB) for index in range(gpus)}, "cpu": int((limits.cpu or host_memory_gib) * GIB)}
 
 
 def automatic_device_map(meta_model: nn.Module, max_memory: dict[Device, int], dtype: torch.dtype,

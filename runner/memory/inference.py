@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from runner.config.hardware import GIB, Accelerator
 from runner.errors import SpecError
 from runner.memory.facts import blocks, facts_of
-from runner.memory.terms import FP32, Part, dtype_name, readable, sharded_elements
+from runner.memory.terms import FP32, Part, dtype_name, part_row, readable, sharded_elements
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -298,7 +298,7 @@ def inference_report(spec: RunSpec, facts: ModelFacts, load: InferenceLoad, *, h
     memory = f"{hardware.device_memory_gib:g} GiB" if hardware.device_memory_gib else "memory not declared"
 
     def row(label: str, part: Part) -> str:
-        return f"  {label:<12} {readable(part.bytes):>12}  {part.note}".rstrip()
+        return part_row(label, part, 12)
 
     lines = [
         f"inference memory estimate: {type(facts.model).__name__} ({facts.parameters:,} parameters), {load.task}, "
@@ -473,8 +473,7 @@ def device_map_placement(spec: RunSpec, facts: ModelFacts, task: InferenceTaskCo
 
     hardware = spec.hardware
     gpus = (hardware.nproc_per_node or 0) if hardware.accelerator is Accelerator.cuda else 0
-    limits = memory_limits(hardware.device_memory_gib, gpus, hardware.host_memory_gib,
-                           task.max_memory.by_device(gpus))
+    limits = memory_limits(hardware.device_memory_gib, gpus, hardware.host_memory_gib, task.max_memory)
     device_map = automatic_device_map(facts.model, limits, spec.precision.param_dtype.torch)
     placed: dict[str, int] = {}
     for name, parameter in facts.model.named_parameters():

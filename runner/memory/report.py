@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 from runner.memory.accelerate_view import format_accelerate_view
 from runner.memory.advice import cheapest_fits, fit, proposals
 from runner.memory.facts import facts_of
-from runner.memory.terms import Estimate, Part, Phase, estimate, processes, readable
+from runner.memory.terms import Estimate, Part, Phase, estimate, part_row, processes, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -26,7 +26,7 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
     nproc = hardware.nproc_per_node or 1
 
     def row(label: str, part: Part) -> str:
-        return f"  {label:<22} {readable(part.bytes):>12}  {part.note}".rstrip()
+        return part_row(label, part, 22)
 
     lines = [
         f"memory estimate: {type(facts.model).__name__} ({facts.parameters:,} parameters), "

@@ -124,3 +124,8 @@ def readable(size: int) -> str:
 def sharded_elements(shapes: list[tuple[int, ...]], shards: int) -> int:
     """Elements of rank 0's FSDP2 shards: each parameter split on dim 0, padded to equal shards."""
     return sum(math.ceil(shape[0] / shards) * math.prod(shape[1:]) if shape else 1 for shape in shapes)
+
+
+def part_row(label: str, part: Part, width: int) -> str:
+    """A report's line for one part: its label, its size and what it is."""
+    return f"  {label:<{width}} {readable(part.bytes):>12}  {part.note}".rstrip()

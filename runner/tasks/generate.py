@@ -118,11 +118,12 @@ class GenerateTask(InferenceTaskConfig):
         try:
             if self.pipeline_stages > 1:
                 from runner.engine.pipeline import pipeline_generate, stage_bounds
+                from runner.engine.placement import device_of
 
                 bounds = stage_bounds(model.model.config.num_hidden_layers, self.pipeline_stages,
                                       self.split_points or None)
                 new_tokens = pipeline_generate(model.model, batches, decoding, ranks, bounds, self.microbatches,
-                                               self.seed)
+                                               self.seed, device_of(spec, ranks), model.autocast)
             else:
                 mine = my_batches(len(batches), ranks)
                 by_batch = gathered(generate(model, batches, mine, decoding, self.seed,
