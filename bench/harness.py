@@ -103,6 +103,7 @@ def peer_plan(spec, workdir: Path, rows: Path | None, global_batch: int, steps: 
               eval_batches: int = 0) -> dict:
     """The runner's settings, as the peer scripts read them; `eval_batches`: evaluate that many micro batches of the
     runner's eval rows before the first step, as the runner does (start-up runs only)."""
+    from runner.config.model import byte_tokenizer
     from runner.config.optim import AdamWConfig
     from runner.config.scheduler import Decay, warmup_steps
 
@@ -126,4 +127,5 @@ def peer_plan(spec, workdir: Path, rows: Path | None, global_batch: int, steps: 
         "warmup_steps": warmup_steps(spec.scheduler, steps),
         "min_lr_ratio": spec.scheduler.min_lr_ratio,
         "max_grad_norm": spec.train.max_grad_norm,
+        "pad_token_id": byte_tokenizer().pad_token_id,  # the runner's default tokenizer's, for padding instruction rows
     }

@@ -2,11 +2,14 @@
 
     python bench/precision_throughput.py                      # one GPU: strategy=single and fsdp, 40 steps each
     python bench/precision_throughput.py --strategies fsdp hardware.nproc_per_node=8   # all GPUs of the machine
+    python bench/precision_throughput.py --compile            # each precision eager and with train.compile=true
 
 Each row is a real `run` of the runner in its own process; the figures come from its metrics.jsonl
 (the steady state: the first logged window, which holds the warm-up, is left out). MFU is against the GPU's
 dense bf16 peak for every row, so the fp8 rows show how much more of that peak the same work reaches. FSDP on
 one GPU shards nothing; it measures what FSDP2's wrapping and mixed-precision policy cost against a plain model.
+With --compile, each precision also runs with its transformer blocks compiled; the compile time is the run's
+summary.json `compile_time_s`, left out of its step times and so of its tokens/s.
 Prints a Markdown table to paste into docs/benchmarks.md with the date and the GPU.
 """
 
@@ -32,12 +35,14 @@ def measure(overrides: list[str], workdir: Path) -> dict:
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1]}
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((workdir / "summary.json").read_text())
     steady = [r for r in records if "tokens_per_s" in r][1:]
     return {
         "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
         "mfu": sum(r.get("mfu", 0.0) for r in steady) / len(steady),
         "peak_memory_gib": max(r["peak_memory_gib"] for r in steady),
-        "precision": json.loads((workdir / "summary.json").read_text())["precision"],
+        "precision": summary["precision"],
+        "compile_time_s": summary.get("compile_time_s", 0.0),
     }
 
 
@@ -48,6 +53,10 @@ def main() -> None:
         sys.exit("precision_throughput: needs a CUDA GPU (fp8 needs compute capability 8.9+)")
     args = sys.argv[1:]
     strategies = list(STRATEGIES)
+    compile_modes = {"eager": []}
+    if "--compile" in args:
+        args.remove("--compile")
+        compile_modes["compiled"] = ["train.compile=true"]
     if "--strategies" in args:
         at = args.index("--strategies")
         strategies = args[at + 1].split(",")
@@ -56,20 +65,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in strategies:
             for name, precision in PRECISIONS.items():
-                workdir = Path(tmp) / f"{strategy}_{name.replace(' ', '_')}"
-                rows[strategy, name] = measure([*MODEL, *RUN, *STRATEGIES[strategy], *precision, *args], workdir)
+                for mode, compiling in compile_modes.items():
+                    workdir = Path(tmp) / f"{strategy}_{name.replace(' ', '_')}_{mode}"
+                    rows[strategy, name, mode] = measure(
+                        [*MODEL, *RUN, *STRATEGIES[strategy], *precision, *compiling, *args], workdir)
     print(f"{datetime.date.today()} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"overrides: {' '.join(args) or '(none)'}\n")
-    print("| strategy | precision | tokens/s | vs bf16 | MFU | peak memory GiB | fp8 linear layers |")
-    print("|---|---|---|---|---|---|---|")
-    for (strategy, name), row in rows.items():
+    print("| strategy | precision | blocks | tokens/s | vs bf16 eager | MFU | peak memory GiB | compile s | "
+          "fp8 linear layers |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (strategy, name, mode), row in rows.items():
         if "error" in row:
-            print(f"| {strategy} | {name} | failed: {row['error']} | | | | |")
+            print(f"| {strategy} | {name} | {mode} | failed: {row['error']} | | | | | |")
             continue
-        base = rows[strategy, "bf16"].get("tokens_per_s")
+        base = rows[strategy, "bf16", "eager"].get("tokens_per_s")
         ratio = f"{row['tokens_per_s'] / base:.2f}x" if base else "-"
-        print(f"| {strategy} | {name} | {row['tokens_per_s']:.0f} | {ratio} | {row['mfu']:.1%} | "
-              f"{row['peak_memory_gib']:.1f} | {row['precision'].get('fp8_linear_layers', 0)} |")
+        print(f"| {strategy} | {name} | {mode} | {row['tokens_per_s']:.0f} | {ratio} | {row['mfu']:.1%} | "
+              f"{row['peak_memory_gib']:.1f} | {row['compile_time_s']:.0f} | "
+              f"{row['precision'].get('fp8_linear_layers', 0)} |")
 
 
 if __name__ == "__main__":

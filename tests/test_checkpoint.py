@@ -95,7 +95,7 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     def poison_from_step_5(module, args, output):
         forwards.append(1)
         if len(forwards) > 2 * 4 + 2:  # the eval's forwards, then 2 micro batches a step: step 5 on
-            output.logits.fill_(float("nan"))
+            return output * float("nan")  # the forward returns the summed loss
         return output
 
     job.model.register_forward_hook(poison_from_step_5)

@@ -91,7 +91,10 @@ def test_precisions_change_what_is_counted_as_documented():
     fp32, bf16, pure, fp8 = (estimated(p) for p in ("fp32", "bf16", "pure_bf16", "fp8"))
     assert bf16.weights.bytes == fp32.weights.bytes == 4 * P + buffers  # fp32 master weights
     assert bf16.optimizer_states.bytes == fp32.optimizer_states.bytes == 8 * P
-    assert bf16.backward_start.bytes - fp32.backward_start.bytes == 2 * facts.linear_parameters  # autocast's casts
+    # autocast's casts, and the chunked loss's one chunk of 16-bit logits (and their gradient) instead of fp32
+    chunk_logits = 1024 * facts.vocab
+    assert (bf16.backward_start.bytes - fp32.backward_start.bytes
+            == 2 * facts.linear_parameters + 2 * (2 - 4) * chunk_logits)
     assert (pure.weights.bytes - buffers, pure.gradients.bytes, pure.optimizer_states.bytes) == (2 * P, 2 * P, 4 * P)
     assert fp8.activations.bytes < bf16.activations.bytes < fp32.activations.bytes  # fp8 linears keep 1-byte inputs
     assert fp8.backward_start.bytes < bf16.backward_start.bytes  # fp8 weight casts, 1 byte

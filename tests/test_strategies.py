@@ -52,7 +52,7 @@ def _inspect(ranks, cases, run_dir):
             "embed_sum": float(unwrapped(model).model.embed_tokens.weight.full_tensor().sum()),
         }
         batch = next(job.eval_batches())
-        model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # forward only: no backward yet
+        model(**batch.inputs)  # forward only: no backward yet
         facts[name]["sharded_after_forward"] = isinstance(layer.self_attn.q_proj.weight, DTensor)
     return facts
 

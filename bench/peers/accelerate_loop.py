@@ -1,9 +1,12 @@
-"""The same training loop written with accelerate's `Accelerator`; FSDP through its FSDP2 plugin.
+"""The same training loop written with accelerate's `Accelerator`; FSDP through its FSDP2 plugin. Instruction rows
+are padded per micro batch as in hand_loop.py; the prepared loader gives each process its contiguous slice of
+every global batch.
 
     accelerate launch --num_processes 1 bench/peers/accelerate_loop.py --plan plan.json --records steps.jsonl
     accelerate launch --multi_gpu --num_processes 2 bench/peers/accelerate_loop.py ... --strategy fsdp
 """
 
+import functools
 
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
@@ -11,7 +14,7 @@ from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
-from shared import StepLog, arguments, evaluate_first, token_rows, unsupported
+from shared import StepLog, arguments, evaluate_first, padded, token_rows, unsupported
 
 
 def main() -> None:
@@ -39,16 +42,25 @@ def main() -> None:
         num_training_steps=plan["max_steps"] * accelerator.num_processes, min_lr_rate=plan["min_lr_ratio"],
     )
     rows, eval_rows = token_rows(plan)
-    loader = DataLoader(rows, batch_size=plan["micro_batch_size"])
+    instruction = isinstance(rows, list)  # examples of their own lengths, else text blocks of seq_len tokens
+    collate = functools.partial(padded, pad_token_id=plan["pad_token_id"]) if instruction else None
+    loader = DataLoader(rows, batch_size=plan["micro_batch_size"], collate_fn=collate)
     model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
 
     log = StepLog(args.records)
     evaluate_first(model, eval_rows, plan["micro_batch_size"], accelerator.device, log)
     window = torch.zeros((), device=accelerator.device)
+    tokens = torch.zeros((), device=accelerator.device)  # the real tokens since the last log
+    tokens_seen = 0
     since_log = 0
     model.train()
     for step, batch in enumerate(loader, start=1):
-        loss = model(input_ids=batch, labels=batch).loss
+        if instruction:
+            loss = model(**batch).loss
+            tokens += batch["attention_mask"].sum()
+        else:
+            loss = model(input_ids=batch, labels=batch).loss
+            tokens += batch.numel()
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), plan["max_grad_norm"])
         optimizer.step()
@@ -58,8 +70,10 @@ def main() -> None:
         window += loss.detach()
         since_log += 1
         if step % plan["log_every"] == 0 or step == plan["max_steps"]:
-            log.record(step, loss=accelerator.reduce(window, "mean").item() / since_log)
+            tokens_seen += int(accelerator.reduce(tokens, "sum").item())
+            log.record(step, loss=accelerator.reduce(window, "mean").item() / since_log, tokens=tokens_seen)
             window.zero_()
+            tokens.zero_()
             since_log = 0
         if step == plan["max_steps"]:
             break

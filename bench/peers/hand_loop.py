@@ -1,9 +1,12 @@
 """A minimal hand-written PyTorch training loop: one process, or DDP / FSDP2 (`fully_shard`) under torchrun.
+Instruction rows are padded per micro batch to its longest row, with an attention mask and the labels IGNORE on
+the padding; each rank takes its contiguous slice of every global batch, as the runner's ranks do.
 
     python bench/peers/hand_loop.py --plan plan.json --records steps.jsonl
     torchrun --standalone --nproc_per_node 2 bench/peers/hand_loop.py --plan plan.json --records steps.jsonl --strategy fsdp
 """
 
+import functools
 import math
 import os
 
@@ -14,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared import StepLog, arguments, evaluate_first, token_rows
+from shared import StepLog, arguments, evaluate_first, padded, token_rows
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -70,29 +73,45 @@ def main() -> None:
         optimizer, warmup_cosine(plan["warmup_steps"], plan["max_steps"], plan["min_lr_ratio"]))
 
     rows, eval_rows = token_rows(plan)
-    sampler = DistributedSampler(rows, shuffle=False) if distributed else None
-    loader = DataLoader(rows, batch_size=plan["micro_batch_size"], sampler=sampler)
+    micro = plan["micro_batch_size"]
+    instruction = isinstance(rows, list)  # examples of their own lengths, else text blocks of seq_len tokens
+    if instruction:
+        mine = [i for start in range(0, len(rows), plan["global_batch"])
+                for i in range(start + rank * micro, start + (rank + 1) * micro)]
+        loader = DataLoader(rows, batch_size=micro, sampler=mine,
+                            collate_fn=functools.partial(padded, pad_token_id=plan["pad_token_id"]))
+    else:
+        sampler = DistributedSampler(rows, shuffle=False) if distributed else None
+        loader = DataLoader(rows, batch_size=micro, sampler=sampler)
 
     log = StepLog(args.records)
-    evaluate_first(model, eval_rows, plan["micro_batch_size"], device, log)
-    window = torch.zeros((), device=device)
+    evaluate_first(model, eval_rows, micro, device, log)
+    window = torch.zeros(2, device=device)  # the loss summed over the steps since the last log; the real tokens
+    tokens_seen = 0
     since_log = 0
     model.train()
     for step, batch in enumerate(loader, start=1):
-        batch = batch.to(device)
-        loss = model(input_ids=batch, labels=batch).loss
+        if instruction:
+            batch = {name: tensor.to(device) for name, tensor in batch.items()}
+            loss = model(**batch).loss
+            window[1] += batch["attention_mask"].sum()
+        else:
+            batch = batch.to(device)
+            loss = model(input_ids=batch, labels=batch).loss
+            window[1] += batch.numel()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), plan["max_grad_norm"])
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
 
-        window += loss.detach()
+        window[0] += loss.detach()
         since_log += 1
         if step % plan["log_every"] == 0 or step == plan["max_steps"]:
             if distributed:
                 dist.all_reduce(window)
-            log.record(step, loss=window.item() / world / since_log)
+            tokens_seen += int(window[1].item())
+            log.record(step, loss=window[0].item() / world / since_log, tokens=tokens_seen)
             window.zero_()
             since_log = 0
         if step == plan["max_steps"]:

@@ -1,5 +1,11 @@
 """The same training with the transformers `Trainer`; FSDP through its `fsdp` arguments (FSDP2).
 
+Instruction rows go through the collator one would pick for them: `DataCollatorForSeq2Seq`, which pads each micro
+batch to its longest row and the labels with -100 (the Trainer's own default collator pads no labels), or with
+`--collator flattening` transformers' padding-free `DataCollatorWithFlattening`, which concatenates the micro
+batch's examples into one row with position_ids restarting at each (no attention mask: the model finds the
+examples from the position_ids and keeps each to itself).
+
     python bench/peers/trainer_loop.py --plan plan.json --records steps.jsonl
     torchrun --standalone --nproc_per_node 2 bench/peers/trainer_loop.py ... --strategy fsdp
 """
@@ -8,9 +14,10 @@ import tempfile
 
 import torch
 from torch.utils.data import Dataset
-from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
+                          Trainer, TrainerCallback, TrainingArguments)
 
-from shared import StepLog, arguments, token_rows, unsupported
+from shared import StepLog, arguments, real_tokens, token_rows, unsupported
 
 
 class CausalLMRows(Dataset):
@@ -24,13 +31,29 @@ class CausalLMRows(Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
+class InstructionRows(Dataset):
+    def __init__(self, rows: list[tuple]):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        ids, labels = self.rows[i]
+        return {"input_ids": ids.tolist(), "labels": labels.tolist()}
+
+
 class LogTimes(TrainerCallback):
-    def __init__(self, log: StepLog):
-        self.log = log
+    """The Trainer's logged loss with its time, and the real tokens of the steps done: it takes the global batches
+    in order (a sequential sampler, each process its contiguous slice), so they are the first `step` batches'."""
+
+    def __init__(self, log: StepLog, rows, global_batch: int):
+        self.log, self.rows, self.global_batch = log, rows, global_batch
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
-            self.log.record(state.global_step, loss=logs["loss"])
+            step = state.global_step
+            self.log.record(step, loss=logs["loss"], tokens=real_tokens(self.rows[: step * self.global_batch]))
 
 
 def main() -> None:
@@ -64,8 +87,17 @@ def main() -> None:
             **(fsdp if args.strategy == "fsdp" else {}),
         )
         log = StepLog(args.records)
-        trainer = Trainer(model=model, args=training, train_dataset=CausalLMRows(token_rows(plan)[0]),
-                          callbacks=[LogTimes(log)])
+        rows = token_rows(plan)[0]
+        if isinstance(rows, list):  # instruction examples of their own lengths
+            from runner.config.model import byte_tokenizer
+
+            dataset = InstructionRows(rows)
+            collator = (DataCollatorWithFlattening() if args.collator == "flattening"
+                        else DataCollatorForSeq2Seq(byte_tokenizer(), label_pad_token_id=-100))
+        else:
+            dataset, collator = CausalLMRows(rows), None
+        trainer = Trainer(model=model, args=training, train_dataset=dataset, data_collator=collator,
+                          callbacks=[LogTimes(log, rows, plan["global_batch"])])
         if args.strategy == "fsdp" and not trainer.is_fsdp_enabled:
             unsupported(f"the Trainer runs FSDP on accelerators only; here it would run "
                         f"{trainer.accelerator.distributed_type}")

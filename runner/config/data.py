@@ -1,7 +1,17 @@
 """The `data` group: documents read through `datasets`, tokenized, split, and served to each rank.
 
-Plain text is packed into fixed-length blocks. Instruction data (prompt/response pairs) keeps one example per
-row and trains on the response tokens only: prompt positions carry the label IGNORE.
+Plain text is cut into fixed-length blocks. Instruction data (prompt/response pairs) keeps one example per row,
+padded to the longest row of its batch, and trains on the response tokens only: prompt positions carry the label
+IGNORE.
+
+With `packing`, each row of seq_len tokens holds several documents or examples, each with its own positions
+(restarting at 0) and attending only to itself: the rows carry position_ids and no attention mask, and the
+model's attention confines each token to its segment (a block-diagonal mask under sdpa and eager attention,
+variable-length kernels under flash and flex attention). A segment's first token is not predicted, so each
+example's loss is the one it has alone in a row.
+
+Every row stores its token and label counts, so that a step knows its global batch's counts without asking the
+other ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 IGNORE = -100
-Batch = dict[str, "torch.Tensor"]
+Batch = dict[str, "torch.Tensor"]  # the model's inputs and the labels
 
 
 class DataFormat(str, Enum):
@@ -43,6 +53,8 @@ class DataConfig:
     seq_len: int = 256
     # Share of the documents held out for evaluation.
     eval_fraction: float = 0.05
+    # Several documents or examples per row, each attending only to itself (see above); no padding to train on.
+    packing: bool = False
 
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -127,37 +139,114 @@ def build_datasets(
     )
 
 
+Segment = tuple[list[int], list[int]]  # one document's or example's input ids and labels
+
+
 def _text_blocks(data: DataConfig, tokenizer: PreTrainedTokenizerBase):
-    def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
-        stream: list[int] = []
-        for ids in tokenizer(batch[data.text_field], add_special_tokens=False)["input_ids"]:
-            stream += ids + [tokenizer.eos_token_id]
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list]:
+        documents = [ids + [tokenizer.eos_token_id]
+                     for ids in tokenizer(batch[data.text_field], add_special_tokens=False)["input_ids"]]
+        if data.packing:
+            return _rows(_cut_into_rows(documents, data.seq_len), packed=True)
+        stream = [token for document in documents for token in document]
         usable = len(stream) // data.seq_len * data.seq_len
         blocks = [stream[i : i + data.seq_len] for i in range(0, usable, data.seq_len)]
-        return {"input_ids": blocks, "labels": blocks}
+        return _rows([[(block, block)] for block in blocks], packed=False)
 
     return encode
 
 
 def _instruction_rows(data: DataConfig, tokenizer: PreTrainedTokenizerBase):
-    def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list]:
         prompts = tokenizer(batch[data.prompt_field], add_special_tokens=False)["input_ids"]
         responses = tokenizer(batch[data.response_field], add_special_tokens=False)["input_ids"]
-        rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+        examples: list[Segment] = []
         for prompt, response in zip(prompts, responses):
             response = response + [tokenizer.eos_token_id]
             labels = ([IGNORE] * len(prompt) + response)[: data.seq_len]
-            if all(label == IGNORE for label in labels):
+            if all(label == IGNORE for label in labels[1:]):
                 continue  # the prompt alone fills the sequence: nothing to learn from this row
-            rows["input_ids"].append((prompt + response)[: data.seq_len])
-            rows["labels"].append(labels)
-        return rows
+            examples.append(((prompt + response)[: data.seq_len], labels))
+        if data.packing:
+            return _rows(_fill_rows(examples, data.seq_len), packed=True)
+        return _rows([[example] for example in examples], packed=False)
 
     return encode
 
 
-def collate(rows: dict[str, list[list[int]]], pad_token_id: int) -> Batch:
-    """Right-pads a batch; padded positions are masked out and carry the label IGNORE."""
+def _cut_into_rows(documents: list[list[int]], seq_len: int) -> list[list[Segment]]:
+    """The documents one after another, cut every seq_len tokens; a document cut at a row's end goes on as the
+    next row's first segment."""
+    rows: list[list[Segment]] = [[]]
+    room = seq_len
+    for document in documents:
+        while document:
+            piece, document = document[:room], document[room:]
+            rows[-1].append((piece, piece))
+            room -= len(piece)
+            if room == 0:
+                rows.append([])
+                room = seq_len
+    return [row for row in rows if sum(len(ids) for ids, _ in row) == seq_len]  # the last, partial row is left out
+
+
+def _fill_rows(examples: list[Segment], seq_len: int) -> list[list[Segment]]:
+    """Whole examples in their order, as many to a row as fit in seq_len tokens."""
+    rows: list[list[Segment]] = []
+    used = seq_len
+    for example in examples:
+        if used + len(example[0]) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(example)
+        used += len(example[0])
+    return rows
+
+
+def _rows(rows: list[list[Segment]], packed: bool) -> dict[str, list]:
+    """The dataset's columns for rows of segments: input ids, labels (a packed segment's first token is not
+    predicted: nothing before it in its segment), position ids when packed, and each row's counts."""
+    columns: dict[str, list] = {"input_ids": [], "labels": [], "tokens": [], "label_tokens": []}
+    if packed:
+        columns["position_ids"] = []
+    for segments in rows:
+        ids = [token for segment_ids, _ in segments for token in segment_ids]
+        labels = [label for _, segment_labels in segments
+                  for label in ([IGNORE, *segment_labels[1:]] if packed else segment_labels)]
+        columns["input_ids"].append(ids)
+        columns["labels"].append(labels)
+        columns["tokens"].append(len(ids))
+        columns["label_tokens"].append(sum(label != IGNORE for label in labels[1:]))
+        if packed:
+            columns["position_ids"].append([position for segment_ids, _ in segments
+                                            for position in range(len(segment_ids))])
+    return columns
+
+
+@dataclass
+class MicroBatch:
+    inputs: Batch  # the forward's: input_ids, with attention_mask (padded rows) or position_ids (packed rows)
+    labels: torch.Tensor
+    tokens: int  # its tokens, padding aside
+    label_tokens: int  # its predicted labels: every label but each row's (and packed segment's) first, not IGNORE
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return replace(self, inputs={k: v.to(device) for k, v in self.inputs.items()}, labels=self.labels.to(device))
+
+
+@dataclass
+class GlobalBatch:
+    """This rank's micro batches of one optimizer step, and the counts of the whole global batch (every rank's),
+    read from the rows: nothing to sum across ranks before the forward."""
+
+    micro_batches: list[MicroBatch]
+    tokens: int
+    label_tokens: int
+
+
+def collate(rows: dict[str, list], pad_token_id: int) -> MicroBatch:
+    """Right-pads a batch to its longest row; padding carries the label IGNORE. Padded rows mask it out with an
+    attention mask; packed rows make it a segment of its own, so that no real token attends to it."""
     import torch
 
     length = max(len(ids) for ids in rows["input_ids"])
@@ -165,11 +254,13 @@ def collate(rows: dict[str, list[list[int]]], pad_token_id: int) -> Batch:
     def padded(seqs: list[list[int]], value: int) -> torch.Tensor:
         return torch.tensor([seq + [value] * (length - len(seq)) for seq in seqs])
 
-    return {
-        "input_ids": padded(rows["input_ids"], pad_token_id),
-        "labels": padded(rows["labels"], IGNORE),
-        "attention_mask": padded([[1] * len(ids) for ids in rows["input_ids"]], 0),
-    }
+    inputs = {"input_ids": padded(rows["input_ids"], pad_token_id)}
+    if "position_ids" in rows:
+        inputs["position_ids"] = torch.tensor([positions + list(range(length - len(positions)))
+                                               for positions in rows["position_ids"]])
+    else:
+        inputs["attention_mask"] = padded([[1] * len(ids) for ids in rows["input_ids"]], 0)
+    return MicroBatch(inputs, padded(rows["labels"], IGNORE), sum(rows["tokens"]), sum(rows["label_tokens"]))
 
 
 def train_batches(
@@ -182,7 +273,7 @@ def train_batches(
     seed: int,
     pad_token_id: int,
     start_step: int = 0,
-) -> Iterator[list[Batch]]:
+) -> Iterator[GlobalBatch]:
     """For each optimizer step after start_step, this rank's micro batches.
 
     Every epoch draws one seeded permutation of the rows and cuts it into global batches of
@@ -195,20 +286,23 @@ def train_batches(
     global_batch = per_rank * dp_size
     steps_per_epoch = len(dataset) // global_batch
     epoch, first = divmod(start_step, steps_per_epoch)
+    counts = dataset.select_columns(["tokens", "label_tokens"])
     while True:
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
         for start in range(first * global_batch, steps_per_epoch * global_batch, global_batch):
+            everyone = counts[order[start : start + global_batch]]
             mine = order[start + dp_rank * per_rank : start + (dp_rank + 1) * per_rank]
-            yield [
-                collate(dataset[mine[i : i + micro_batch_size]], pad_token_id)
-                for i in range(0, per_rank, micro_batch_size)
-            ]
+            yield GlobalBatch(
+                [collate(dataset[mine[i : i + micro_batch_size]], pad_token_id)
+                 for i in range(0, per_rank, micro_batch_size)],
+                tokens=sum(everyone["tokens"]), label_tokens=sum(everyone["label_tokens"]),
+            )
         epoch, first = epoch + 1, 0
 
 
 def eval_batches(
     dataset: datasets.Dataset, *, micro_batch_size: int, max_batches: int, dp_rank: int, dp_size: int, pad_token_id: int
-) -> Iterator[Batch]:
+) -> Iterator[MicroBatch]:
     """This rank's share of the first max_batches x micro_batch_size eval rows, in batches of micro_batch_size.
 
     The rows are the same whatever the number of ranks (rounded down to a multiple of it, so that every rank runs

@@ -3,8 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from runner.errors import require
+
+
+class LossKind(str, Enum):
+    """How the summed next-token loss is computed (runner/engine/loss.py)."""
+
+    # chunked where it is exact for the model type (Llama, Mistral, Qwen 2 and 3), else full
+    auto = "auto"
+    # the head on the label positions only, chunk by chunk: the whole batch's fp32 logits never exist
+    chunked = "chunked"
+    # the model's own forward and its logits
+    full = "full"
+
+
+# Model types whose causal-LM forward is exactly `lm_head(last_hidden_state)`: no logit soft-capping or scaling and
+# no auxiliary loss, so the chunked sum equals the full one. Others keep the full loss under train.loss=auto.
+PLAIN_HEADS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def loss_kind_in_effect(requested: LossKind, model_type: str) -> LossKind:
+    if requested is LossKind.auto:
+        return LossKind.chunked if model_type in PLAIN_HEADS else LossKind.full
+    return requested
 
 
 @dataclass
@@ -24,10 +47,15 @@ class TrainConfig:
     save_model: bool = True
     # A rank that spends this many seconds in one step, evaluation or checkpoint says where it waits (0: never).
     stall_report_s: float = 300.0
+    loss: LossKind = LossKind.auto
+    # Label positions per chunk of the chunked loss: its logits are the largest transient of a step.
+    loss_chunk_tokens: int = 1024
+    # torch.compile each transformer block (torchtitan's way: compile time does not grow with depth).
+    compile: bool = False
 
 
 def check(train: TrainConfig) -> None:
-    for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+    for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_every", "eval_batches", "loss_chunk_tokens"):
         value = getattr(train, key)
         require(value > 0, f"train.{key}={value} must be a positive integer")
     require(train.checkpoint_every >= 0, f"train.checkpoint_every={train.checkpoint_every} must be >= 0")

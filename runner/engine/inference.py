@@ -16,6 +16,7 @@ from runner.config.precision import autocast
 from runner.config.task import DeviceMap, InferenceTaskConfig, TrainedModel, trained_model
 from runner.engine.generation import Batch, Decoding, up_to_eos
 from runner.engine.metrics import ProgressBar
+from runner.engine.loss import with_summed_loss
 from runner.engine.placement import device_of, placed_model
 
 if TYPE_CHECKING:
@@ -77,6 +78,7 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
                 shutil.rmtree(own_offload_dir, ignore_errors=True)
             raise
         model.eval().requires_grad_(False)
+        with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
         first = next(iter(device_map.values()))
         input_device = torch.device("cuda", first) if isinstance(first, int) else torch.device("cpu")
         return InferenceModel(model, tokenizer, input_device, cast_forward,

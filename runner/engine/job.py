@@ -41,13 +41,14 @@ class PreparedJob:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stepper: Stepper
     # This rank's micro batches of each optimizer step after the given one.
-    train_batches: Callable[[int], Iterator[list[data.Batch]]]
-    eval_batches: Callable[[], Iterator[data.Batch]]
+    train_batches: Callable[[int], Iterator[data.GlobalBatch]]
+    eval_batches: Callable[[], Iterator[data.MicroBatch]]
     autocast: Callable[[], ContextManager]
     trackers: list[Tracker]
     dp_size: int
     precision_in_effect: Callable[[], PrecisionInEffect]
     train_sequences: int
+    train_tokens: int  # padding aside
     eval_sequences: int
     # Where a resumed run starts: the checkpoint's step and what the loop had counted by then.
     start_step: int = 0
@@ -118,6 +119,7 @@ def prepare_job(
         dp_size=dp_size,
         precision_in_effect=placed.precision_in_effect,
         train_sequences=len(train_set),
+        train_tokens=sum(train_set["tokens"]),
         eval_sequences=len(eval_set),
     )
     if spec.resume:

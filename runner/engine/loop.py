@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.distributed import all_ranks_sums
 from runner.engine import checkpoint
-from runner.engine.metrics import MetricsWindow, ProgressBar, peak_memory_gib, training_flops_per_token
+from runner.engine.metrics import (
+    MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib, training_flops_per_token)
 from runner.engine.overview import overview
 from runner.engine.signals import GracefulStop
 from runner.engine.stall_watch import StallWatch
@@ -36,7 +37,7 @@ class Progress:
 
     first_eval_loss: float = math.nan
     tokens_seen: float = 0
-    train_time: float = 0.0
+    train_time: float = 0.0  # the steps' own, compilation aside
     skipped_steps: int = 0
 
 
@@ -67,7 +68,7 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
 
     for step in range(job.start_step + 1, cfg.max_steps + 1):
         watch.entering(f"in step {step}")
-        tic = time.perf_counter()
+        tic, compiled_before = time.perf_counter(), compile_seconds() if cfg.compile else 0.0
         result = train_step(job, next(batches))
         if result.outcome.applied:
             job.scheduler.step()
@@ -82,7 +83,10 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
             last_good = checkpoint.complete_checkpoints(job.run_dir)
             raise NonFiniteLoss(f"the loss is {step_loss} at step {step}; the last good checkpoint is "
                                 f"{last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
-        elapsed = time.perf_counter() - tic
+        compiling = compile_seconds() - compiled_before if cfg.compile else 0.0
+        if compiling:
+            log.info("step %d/%d | torch.compile: %.1f s, left out of the step times", step, cfg.max_steps, compiling)
+        elapsed = time.perf_counter() - tic - compiling
         progress.train_time, progress.tokens_seen = progress.train_time + elapsed, progress.tokens_seen + result.tokens
         window.add(step_loss, result.tokens, elapsed)
         # The mean tokens/s of the training steps so far, as the done line gives it.
@@ -138,6 +142,8 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, eval_loss: 
         "tokens_seen": progress.tokens_seen,
         "skipped_steps": progress.skipped_steps,
         "tokens_per_s": progress.tokens_seen / progress.train_time,
+        # This process's: the evaluations' graphs too (a resumed run compiles again)
+        "compile_time_s": compile_seconds() if job.spec.train.compile else 0.0,
         "peak_memory_gib": peak_memory_gib(job.device),
         "wall_time_s": time.perf_counter() - started,
         "run_dir": str(job.run_dir),
@@ -150,8 +156,9 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, eval_loss: 
         tracker.finish()
     log.info(
         "done: train loss %.4f | eval loss %.4f (from %.4f) | %s tokens/s (mean of the training steps) | "
-        "peak memory %.2f GiB | %.0f s", train_loss, eval_loss, progress.first_eval_loss,
+        "peak memory %.2f GiB | %.0f s%s", train_loss, eval_loss, progress.first_eval_loss,
         f"{summary['tokens_per_s']:,.0f}", summary["peak_memory_gib"], summary["wall_time_s"],
+        f" (torch.compile: {summary['compile_time_s']:.0f} s of it)" if job.spec.train.compile else "",
     )
     log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
     if model_dir:

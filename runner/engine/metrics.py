@@ -6,6 +6,7 @@ from __future__ import annotations
 import resource
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -53,13 +54,33 @@ def training_flops_per_token(config: Any, n_params: int, seq_len: int) -> float:
     return 6 * n_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
 
 
+def compile_seconds() -> float:
+    """The seconds torch.compile has spent in this process: tracing, lowering and code generation, of the forward
+    and (when its first backward runs) of the backward."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    return calculate_time_spent().get("total_wall_time", 0.0)
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated device memory on a GPU; the process's peak resident memory on the CPU."""
     import torch
 
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1024**3
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+    return peak_resident_kib() / 1024**2
+
+
+def peak_resident_kib() -> int:
+    """This process's own peak resident memory. Linux's VmHWM starts afresh when a process starts a program;
+    ru_maxrss keeps the peak of the process it was forked from (a large parent's, for a job started from one)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 class ProgressBar:

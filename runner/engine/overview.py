@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 from runner.config.data import resolve_files
 from runner.config.scheduler import Decay, warmup_steps
-from runner.strategies.protocol import model_class_name, parameter_count
+from runner.config.train import LossKind, loss_kind_in_effect
+from runner.strategies.protocol import model_class_name, parameter_count, unwrapped
 
 if TYPE_CHECKING:
     from runner.engine.job import PreparedJob
@@ -22,7 +23,9 @@ def overview(job: PreparedJob) -> list[str]:
                      f"{spec.optim.weight_decay:g}; {schedule(job)}",
         "batch": f"global batch {job.global_batch_size} = micro batch {train.micro_batch_size} x {job.dp_size} "
                  f"data-parallel ranks x {train.grad_accum_steps} accumulation steps; {train.max_steps} steps of "
+                 f"{'up to ' if job.train_tokens < job.train_sequences * spec.data.seq_len else ''}"
                  f"{job.global_batch_size * spec.data.seq_len:,} tokens",
+        "loss": loss_line(job),
         "strategy": spec.strategy.describe(spec.hardware),
         "precision": job.precision_in_effect().line(),
         "trackers": ", ".join(["metrics.jsonl", *(name for name, _ in spec.tracker.chosen())]),
@@ -45,8 +48,22 @@ def data_source(job: PreparedJob) -> str:
     data = job.spec.data
     where = f"{data.hub_dataset} (hub)" if data.hub_dataset else \
         f"{data.files} ({len(resolve_files(data.files))} files)"
-    return (f"{where}: {job.train_sequences:,} train sequences of {data.seq_len} tokens "
-            f"({job.train_sequences * data.seq_len:,} tokens), {job.eval_sequences:,} eval sequences")
+    rows = f"{job.train_sequences:,} train {'packed rows' if data.packing else 'sequences'} of "
+    if job.train_tokens == job.train_sequences * data.seq_len:
+        rows += f"{data.seq_len} tokens ({job.train_tokens:,} tokens)"
+    else:  # rows of varied lengths: what share of the rows' room they fill, before a batch pads them
+        rows += (f"up to {data.seq_len} tokens ({job.train_tokens:,} tokens, "
+                 f"{job.train_tokens / (job.train_sequences * data.seq_len):.0%} of the rows' room)")
+    return f"{where}: {rows}, {job.eval_sequences:,} eval sequences"
+
+
+def loss_line(job: PreparedJob) -> str:
+    train = job.spec.train
+    kind = loss_kind_in_effect(train.loss, unwrapped(job.model).config.model_type)
+    how = (f"chunked ({train.loss_chunk_tokens:,} label tokens a chunk; no whole-batch logits)"
+           if kind is LossKind.chunked else "full logits")
+    compiled = "; transformer blocks compiled (train.compile)" if train.compile else ""
+    return f"next-token cross entropy, {how} (train.loss={train.loss.value}){compiled}"
 
 
 def schedule(job: PreparedJob) -> str:

@@ -1,11 +1,14 @@
 """The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its
-`parallelize_llama`): build -> fp8 -> the weights' dtype -> activation checkpointing -> wrap or shard (with rank 0's
-weights) -> optimizer -> stepper.
+`parallelize_llama`): build (with the summed loss in its forward) -> fp8 -> the weights' dtype -> activation
+checkpointing -> compile each block -> wrap or shard (with rank 0's weights) -> optimizer -> stepper.
 
 Why this order: fp8 swaps the linear layers, so it comes before anything that holds on to them (checkpointed
 blocks, FSDP's units, DeepSpeed's partitions). The dtype is the weights' before sharding, so that shards, buckets
 and all-gathers take it. Activation checkpointing wraps each block's forward inside the block, and the
-strategy's wrapping then sees the checkpointed blocks; FSDP shards unit by unit, the blocks first. The optimizer
+strategy's wrapping then sees the checkpointed blocks. Compiling replaces each block's forward with its compiled
+version, in place: the strategy's hooks and the checkpointing around it stay eager, and the blocks keep their
+class and parameter names, which FSDP's wrap policy and every checkpoint read. FSDP shards unit by unit, the
+blocks first. The optimizer
 takes the parameters as the strategy left them (FSDP's DTensor shards), and DeepSpeed's engine takes model and
 optimizer together, in the stepper. An inference task (evaluate, generate) takes the same path up to the wrap,
 without activation checkpointing, optimizer or stepper: no gradient or optimizer state is ever allocated.
@@ -22,6 +25,8 @@ from runner.config.hardware import Accelerator
 from runner.config.model import build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
+from runner.engine.loss import with_summed_loss
+from runner.memory.facts import blocks
 
 if TYPE_CHECKING:
     import torch
@@ -80,12 +85,15 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     model = build_model(spec.model, tokenizer, weights=builds_weights)
     if weights is not None and builds_weights:
         model.load_state_dict(weights)
+    with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
     fp8_layers = convert_to_fp8(model, spec.precision.fp8) if spec.precision.fp8 else []
     if fp8_layers:
         log.info("fp8: %d linear layers converted: %s", len(fp8_layers), summarize_names(fp8_layers))
     model = cast_weights(model, spec.precision)
     if training and strategy.activation_checkpointing:
         checkpoint_activations(model)
+    if training and spec.train.compile:
+        compile_blocks(model)
     if training or strategy.shards_inference:
         return strategy.wrap(model, spec, device), fp8_layers
     return model.to(device), fp8_layers
@@ -97,6 +105,15 @@ def device_of(spec: RunSpec, ranks: Ranks) -> torch.device:
 
     cuda = spec.hardware.accelerator is Accelerator.cuda
     return torch.device("cuda", ranks.local_rank) if cuda else torch.device("cpu")
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each transformer block's forward (each block compiles once, whatever the depth: the blocks
+    share their code and recompile only on new shapes)."""
+    import torch
+
+    for _, block in blocks(model):
+        block.forward = torch.compile(block.forward)
 
 
 def checkpoint_activations(model: nn.Module) -> None:

@@ -14,8 +14,9 @@ bytes of a saved matmul input (c; 1 for fp8 linears), q = heads x head_dim and k
     dropout     2 h                  one-byte masks, where the model has hidden dropout
 
 With c = r = l = 2, LayerNorm, a 4h GELU MLP and eager attention with dropout this is the paper's 34 h + 5 a s.
-The whole model: t x (L x layer + final norm + (c + 4) V for the logits and their fp32 log-softmax). With
-activation checkpointing (strategy.activation_checkpointing=true, under every strategy) each layer keeps only its
+The whole model: t x (L x layer + final norm + (c + 4) V for the logits and their fp32 log-softmax). The chunked
+loss (train.loss, runner/engine/loss.py) keeps no logits: its head's input, r h per token, and in backward one
+chunk's recomputed logits and their gradients at a time. With activation checkpointing (strategy.activation_checkpointing=true, under every strategy) each layer keeps only its
 input, t x L x r x h, and one layer at a time is recomputed (the paper's "full recomputation", 2sbhL).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from runner.config.train import LossKind, loss_kind_in_effect
 from runner.memory.terms import FP32, Part, micro_batch_tokens
 
 if TYPE_CHECKING:
@@ -63,11 +65,14 @@ def layer_activation_bytes(layer: LayerShape, seq_len: int, dtypes: ActivationDt
 
 
 def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: ActivationDtypes,
-                     checkpointing: bool) -> int:
+                     checkpointing: bool, chunked_loss: bool = False) -> int:
     layer = facts.layer
     per_layer = layer_activation_bytes(layer, seq_len, dtypes)
     head_input = (FP32 + dtypes.stream) * layer.hidden + dtypes.compute * layer.hidden  # final norm, lm_head input
-    logits = (dtypes.compute + FP32) * facts.vocab  # the logits, and the loss's fp32 log-softmax
+    if chunked_loss:  # the label positions' hidden states, which each chunk's head recomputes from
+        logits = dtypes.stream * layer.hidden
+    else:  # the logits, and the loss's fp32 log-softmax
+        logits = (dtypes.compute + FP32) * facts.vocab
     if checkpointing:  # each layer keeps its input; one layer at a time is recomputed in backward
         blocks = facts.layers * dtypes.stream * layer.hidden + per_layer
     else:
@@ -75,15 +80,28 @@ def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: Activ
     return tokens * (blocks + head_input + logits)
 
 
-def loss_gradient_bytes(facts: ModelFacts, tokens: int) -> int:
-    """The fp32 gradients of the log-probabilities and of the logits, at the start of backward."""
+def chunked_loss(spec: RunSpec, facts: ModelFacts) -> bool:
+    return loss_kind_in_effect(spec.train.loss, facts.model_type) is LossKind.chunked
+
+
+def loss_gradient_bytes(spec: RunSpec, facts: ModelFacts) -> int:
+    """At the start of backward: the fp32 gradients of the log-probabilities and of the logits; under the chunked
+    loss, one chunk's recomputed logits (and their fp32 copy) with those gradients and the logits' own."""
+    tokens = micro_batch_tokens(spec)
+    if chunked_loss(spec, facts):
+        compute = spec.precision.compute_dtype.bytes
+        return min(spec.train.loss_chunk_tokens, tokens) * (2 * compute + 3 * FP32) * facts.vocab
     return tokens * 2 * FP32 * facts.vocab
 
 
 def activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes) -> Part:
-    """What a micro batch's forward keeps for backward, under the spec's activation checkpointing."""
-    checkpointing = spec.strategy.activation_checkpointing
+    """What a micro batch's forward keeps for backward, under the spec's activation checkpointing and loss. Packed
+    rows are full rows of seq_len tokens; padded ones at most that (the longest row of the batch)."""
+    checkpointing, chunked = spec.strategy.activation_checkpointing, chunked_loss(spec, facts)
     attention = "eager attention (s x s scores)" if facts.layer.eager_attention else "sdpa (no s x s scores)"
-    note = (f"{spec.train.micro_batch_size} x {spec.data.seq_len} tokens, {facts.layers} layers, {attention}, "
-            f"{'activation checkpointing' if checkpointing else 'no checkpointing'}; the logits")
-    return Part(activation_bytes(facts, micro_batch_tokens(spec), spec.data.seq_len, dtypes, checkpointing), note)
+    rows = "packed rows" if spec.data.packing else "rows"
+    note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers, {attention}, "
+            f"{'activation checkpointing' if checkpointing else 'no checkpointing'}; "
+            f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}")
+    return Part(activation_bytes(facts, micro_batch_tokens(spec), spec.data.seq_len, dtypes, checkpointing, chunked),
+                note)

@@ -36,6 +36,7 @@ class LayerShape:
 @dataclass
 class ModelFacts:
     model: Any  # the nn.Module, on the meta device
+    model_type: str  # transformers' name for the architecture: llama, qwen2, ...
     parameters: int  # tied parameters once
     parameter_shapes: list[tuple[int, ...]]
     buffer_bytes: int
@@ -103,6 +104,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
     linear = {id(p): p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
     return ModelFacts(
         model=model,
+        model_type=config.model_type,
         parameters=sum(p.numel() for p in parameters),
         parameter_shapes=[tuple(p.shape) for p in parameters],
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),

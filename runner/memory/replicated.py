@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.facts import fp8_linears
-from runner.memory.terms import FP32, Estimate, Part, dtype_name, micro_batch_tokens
+from runner.memory.terms import FP32, Estimate, Part, dtype_name
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -28,7 +28,7 @@ def whole_copies(spec: RunSpec, facts: ModelFacts) -> Estimate:
         gradients=Part(P * w, f"{dtype_name(w)}, whole"),
         optimizer_states=Part(k * P * w, f"{states}, {dtype_name(w)}"),
         activations=activations_part(spec, facts, dtypes),
-        backward_start=Part(copies + loss_gradient_bytes(facts, micro_batch_tokens(spec)),
+        backward_start=Part(copies + loss_gradient_bytes(spec, facts),
                             "the loss gradient" + (", autocast's casts of the linear weights" if copies else "")),
         step=Part(spec.optim.step_copies() * P * w, "the optimizer's foreach temporaries"),
         host_loading=Part((spec.hardware.nproc_per_node or 1) * FP32 * P, "each process builds the fp32 model"),

@@ -18,7 +18,7 @@ from runner.errors import require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.facts import facts_of, fp8_linears
 from runner.memory.terms import (
-    FP32, Change, Estimate, Part, dtype_name, micro_batch_tokens, processes, share, strategy_change)
+    FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change)
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout, StepOutcome
@@ -70,6 +70,9 @@ class DeepSpeedStrategy(StrategyConfig):
 
     def check(self, spec: RunSpec) -> None:
         precision, machine = spec.precision, spec.hardware
+        require(not spec.train.compile,
+                "train.compile=true runs under strategy=single, ddp and fsdp; DeepSpeed's ZeRO hooks swap the "
+                "parameters a compiled block would trace (use strategy=fsdp, or train.compile=false)")
         require(precision.param_dtype is Dtype.fp32,
                 "strategy=deepspeed keeps fp32 master weights itself; precision.param_dtype=bf16 applies to "
                 "single, ddp and fsdp (use precision=bf16)")
@@ -168,7 +171,7 @@ def _stage0(spec: RunSpec, facts: ModelFacts, m: int, common: dict) -> Estimate:
                                                                                  else "")),
         gradients=Part(m * P, f"{module}, whole"),
         optimizer_states=Part(k * FP32 * P, f"{states}, fp32, whole"),
-        backward_start=Part(loss_gradient_bytes(facts, micro_batch_tokens(spec)), "the loss gradient"),
+        backward_start=Part(loss_gradient_bytes(spec, facts), "the loss gradient"),
         backward_end=Part(min(P, ALLREDUCE_BUCKET) * m, "the all-reduce's flat gradient bucket"),
         step=Part((2 if master else 1) * FP32 * P, "the step's temporaries" + (", fp32 gradients" if master else "")),
         **common,
@@ -189,7 +192,7 @@ def _stages_1_2(spec: RunSpec, facts: ModelFacts, m: int, zero: dict, common: di
         optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
         buffers=Part(reduce_bucket * m * (2 if overlap else 1),
                      f"the reduce bucket of {reduce_bucket:.0e} elements" + (", twice (overlap_comm)" if overlap else "")),
-        backward_start=Part(loss_gradient_bytes(facts, micro_batch_tokens(spec)), "the loss gradient"),
+        backward_start=Part(loss_gradient_bytes(spec, facts), "the loss gradient"),
         # ZeRO-1 reduces once, after backward: the whole gradients exist until then.
         backward_end=Part(m * P, "ZeRO-1's whole gradients before their reduction") if stage == 1 else Part(0, ""),
         step=Part(2 * FP32 * partition, "fp32 gradients of the partition, the step's temporaries"),
@@ -210,7 +213,7 @@ def _stage3(spec: RunSpec, facts: ModelFacts, m: int, zero: dict, common: dict) 
         gradients=Part(m * partition, f"{module}{share(N)}"),
         optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
         buffers=Part(reduce_bucket * m, f"the reduce bucket of {reduce_bucket:.0e} elements"),
-        backward_start=Part(live * m + loss_gradient_bytes(facts, micro_batch_tokens(spec)),
+        backward_start=Part(live * m + loss_gradient_bytes(spec, facts),
                             "gathered parameters (the largest module + the prefetch bucket); the loss gradient"),
         backward_end=Part(live * m, "gathered parameters"),
         # The optimizer steps the partition in sub-groups of sub_group_size elements.

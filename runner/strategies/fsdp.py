@@ -24,7 +24,7 @@ from runner.errors import require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.facts import fp8_linears
 from runner.memory.terms import (
-    FP32, Change, Estimate, Part, dtype_name, micro_batch_tokens, processes, share, sharded_elements, strategy_change)
+    FP32, Change, Estimate, Part, dtype_name, processes, share, sharded_elements, strategy_change)
 from runner.strategies.protocol import CheckpointLayout
 from runner.strategies.torch_stepper import TorchStepper
 
@@ -206,7 +206,7 @@ class FSDPStrategy(StrategyConfig):
         part_of = share(shards)
         nproc = spec.hardware.nproc_per_node or 1
         loaders = 1 if self.cpu_ram_efficient_loading else nproc
-        loss_gradient = loss_gradient_bytes(facts, micro_batch_tokens(spec))
+        loss_gradient = loss_gradient_bytes(spec, facts)
         result = Estimate(
             weights=Part(held * w + facts.buffer_bytes, f"{dtype_name(w)}{part_of} ({self.sharding_strategy.value})"),
             gradients=Part(held * w, f"{dtype_name(w)}{part_of}"),

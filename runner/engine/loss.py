@@ -1,0 +1,76 @@
+"""The loss every task computes: next-token cross entropy summed over the label tokens, in fp32 whatever dtype the
+forward ran in, computed inside the model's forward so that every strategy's wrapping (DDP, FSDP's all-gathers,
+DeepSpeed's partitions) sees it as part of the forward.
+
+`with_summed_loss` gives the model a forward that takes `loss_labels` and returns that sum. Chunked (the default
+where it is exact), it never materialises the whole batch's logits: the head runs on the label positions only,
+`chunk_tokens` at a time, each chunk's logits recomputed in backward (as Liger's and torchtune's chunked losses
+avoid the (tokens x vocab) fp32 logits, the largest activation of a large-vocabulary model). Full, it is the
+model's own forward and its logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from runner.config.data import IGNORE
+from runner.config.train import LossKind, loss_kind_in_effect
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+log = logging.getLogger("runner")
+
+def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -> LossKind:
+    """Sets the model's forward to return the summed loss when it is given `loss_labels` (and to be its own forward
+    otherwise); the kind in effect."""
+    kind = loss_kind_in_effect(requested, model.config.model_type)
+    own_forward = model.forward
+
+    def forward(*args, loss_labels: torch.Tensor | None = None, **kwargs):
+        if loss_labels is None:
+            return own_forward(*args, **kwargs)
+        if kind is LossKind.full:
+            return summed_cross_entropy(own_forward(*args, use_cache=False, **kwargs).logits, loss_labels)
+        hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
+        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens)
+
+    model.forward = forward
+    return kind
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy over the whole batch's logits. The labels are shifted (the last position gets
+    IGNORE) rather than the logits, whose slice would be a copy of the largest activation."""
+    import torch.nn.functional as F
+
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
+                                 chunk_tokens: int) -> torch.Tensor:
+    """The same sum from the last hidden states: the head runs on the positions that predict a label, chunk by
+    chunk; under autograd each chunk keeps only its input, and backward recomputes its logits one chunk at a time."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.checkpoint import checkpoint
+
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).flatten().to(hidden.device)
+    predicting = targets != IGNORE
+    hidden, targets = hidden.flatten(0, 1)[predicting], targets[predicting]
+    total = torch.zeros((), device=hidden.device)
+    for hidden_chunk, target_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
+        if torch.is_grad_enabled():
+            total = total + checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(head, hidden_chunk, target_chunk)
+    return total
+
+
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
