@@ -118,6 +118,30 @@ def test_without_the_boundaries_a_token_would_see_its_neighbour(pairs):
         second_example_loss(row["input_ids"], running_on), rel=1e-6)
 
 
+def test_per_example_attention_is_the_block_diagonal_mask_without_its_cost(pairs, tmp_path):
+    """On the CPU, packed rows attend one example at a time (runner/engine/attention.py): the same loss and
+    gradients as sdpa under transformers' block-diagonal mask. A saved model does not name it: it loads anywhere."""
+    from transformers import AutoConfig
+
+    from runner.engine.attention import attend_within_examples
+
+    tokenizer = byte_tokenizer()
+    rows, _ = build_datasets(instruction_data(pairs, packing=True), tokenizer, seed=0)
+    batch = collate(rows[:4], tokenizer.pad_token_id)
+    block_mask, per_example = tiny_model(), tiny_model()
+    attend_within_examples(per_example)
+    results = []
+    for model in (block_mask, per_example):
+        loss = model(**batch.inputs, loss_labels=batch.labels)
+        loss.backward()
+        results.append((loss.item(), [p.grad for p in model.parameters()]))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    for expected, got in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-5)
+    per_example.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path)._attn_implementation != "runner_packed_examples"
+
+
 def test_text_packing_restarts_positions_at_each_document():
     tokenizer = byte_tokenizer()
     data = DataConfig(files=str(STDLIB / "email" / "*.py"), seq_len=128, packing=True)

@@ -1,6 +1,7 @@
 """The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its
-`parallelize_llama`): build (with the summed loss in its forward) -> fp8 -> the weights' dtype -> activation
-checkpointing -> compile each block -> wrap or shard (with rank 0's weights) -> optimizer -> stepper.
+`parallelize_llama`): build (with the summed loss in its forward) -> fp8 -> the weights' dtype -> the attention
+(per example, for packed rows on the CPU) -> activation checkpointing -> compile each block -> wrap or shard (with
+rank 0's weights) -> optimizer -> stepper.
 
 Why this order: fp8 swaps the linear layers, so it comes before anything that holds on to them (checkpointed
 blocks, FSDP's units, DeepSpeed's partitions). The dtype is the weights' before sharding, so that shards, buckets
@@ -25,6 +26,7 @@ from runner.config.hardware import Accelerator
 from runner.config.model import build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
+from runner.engine.attention import attend_within_examples
 from runner.engine.loss import with_summed_loss
 from runner.memory.facts import blocks
 
@@ -90,6 +92,8 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     if fp8_layers:
         log.info("fp8: %d linear layers converted: %s", len(fp8_layers), summarize_names(fp8_layers))
     model = cast_weights(model, spec.precision)
+    if training and spec.data.packing and device.type == "cpu":
+        attend_within_examples(model)
     if training and strategy.activation_checkpointing:
         checkpoint_activations(model)
     if training and spec.train.compile:

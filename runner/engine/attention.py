@@ -1,0 +1,58 @@
+"""Variable-length attention for packed rows where no kernel does it: each example of a row attends causally to
+itself alone, one example at a time.
+
+On GPUs, flash attention's variable-length kernel and flex attention's block mask skip the attention between a
+row's examples; sdpa with transformers' block-diagonal mask computes it and masks it out. On the CPU flex attention
+has no backward, and the block-diagonal mask costs the whole row's (seq_len x seq_len) attention however short the
+examples are: one causal sdpa per example costs the sum of their squares instead, with no mask to build.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+NAME = "runner_packed_examples"
+
+
+def attend_within_examples(model: nn.Module) -> None:
+    """Makes the model's attention the per-example one. Its rows must carry position_ids restarting at 0 at each
+    example, and no attention mask: packed rows (runner/config/data.py)."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    # torch.compile leaves it out of a compiled block: the examples' bounds are data, not shapes.
+    AttentionInterface.register(NAME, torch.compiler.disable(per_example_attention))
+    AttentionMaskInterface.register(NAME, no_mask)
+    model.set_attn_implementation(NAME)
+
+
+def no_mask(*args, **kwargs) -> None:
+    return None  # the examples' bounds come from the position ids, in per_example_attention
+
+
+def per_example_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                          scaling: Optional[float] = None, position_ids: Optional[torch.Tensor] = None,
+                          **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface: query (batch, heads, seq, dim), key and value (batch, kv heads,
+    seq, dim); the output (batch, seq, heads, dim)."""
+    import torch
+    import torch.nn.functional as F
+
+    if position_ids is None or attention_mask is not None:
+        raise ValueError("per-example attention takes packed rows: position_ids and no attention mask")
+    rows = []
+    for row in range(query.shape[0]):
+        starts = (position_ids[row] == 0).nonzero().flatten().tolist() + [query.shape[2]]
+        rows.append(torch.cat([
+            F.scaled_dot_product_attention(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
+                                           value[row : row + 1, :, start:end], dropout_p=dropout, is_causal=True,
+                                           scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+            for start, end in zip(starts, starts[1:])
+        ], dim=2))
+    return torch.cat(rows).transpose(1, 2).contiguous(), None
