@@ -6,8 +6,9 @@ IGNORE.
 
 With `packing`, each row of seq_len tokens holds several documents or examples, each with its own positions
 (restarting at 0) and attending only to itself: the rows carry position_ids and no attention mask, and the
-model's attention confines each token to its segment (a block-diagonal mask under sdpa and eager attention,
-variable-length kernels under flash and flex attention). A segment's first token is not predicted, so each
+model's attention confines each token to its segment (on GPUs transformers' block-diagonal mask under sdpa, or
+variable-length kernels under flash and flex attention; on the CPU runner/engine/attention.py, one example at a
+time). A segment's first token is not predicted, so each
 example's loss is the one it has alone in a row.
 
 Every row stores its token and label counts, so that a step knows its global batch's counts without asking the

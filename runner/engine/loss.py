@@ -11,7 +11,6 @@ model's own forward and its logits.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from runner.config.data import IGNORE
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-log = logging.getLogger("runner")
 
 def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -> LossKind:
     """Sets the model's forward to return the summed loss when it is given `loss_labels` (and to be its own forward
