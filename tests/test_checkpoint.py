@@ -43,6 +43,18 @@ def kill_at_step(args: list[str], cwd: Path, step: int) -> Path:
     raise AssertionError(f"the run ended or stalled before step {step}: {job.stderr.read()[-2000:]}")
 
 
+def killed_and_resumed(args: list[str], tmp_path: Path, step: int) -> tuple[dict[int, float], dict[int, float]]:
+    """The losses of an uninterrupted run, and of the same run killed at `step` and resumed (`resume=auto`)."""
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    uninterrupted = run_cli(*args, cwd=whole)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+    run_dir = kill_at_step(args, tmp_path, step)
+    resumed = run_cli("resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return logged(run_dirs(whole)[0], "loss"), logged(run_dir, "loss")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("uninterrupted")

@@ -258,18 +258,11 @@ def test_packed_training_has_the_losses_of_one_process_under_every_strategy(pair
 
 @pytest.mark.slow
 def test_a_packed_run_killed_and_resumed_has_the_uninterrupted_losses(pairs, tmp_path):
-    from test_checkpoint import kill_at_step
+    from test_checkpoint import killed_and_resumed
 
     args = [*packed_run(pairs), "train.max_steps=10", "train.checkpoint_every=2"]
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    uninterrupted = run_cli(*args, cwd=whole)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
-    expected = logged(run_dirs(whole)[0], "loss")
-    run_dir = kill_at_step(args, tmp_path, 5)
-    resumed = run_cli("resume=auto", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert logged(run_dir, "loss") == expected
+    expected, resumed = killed_and_resumed(args, tmp_path, 5)
+    assert resumed == expected
 
 
 COMPILE_VARIANTS = {"ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"]}

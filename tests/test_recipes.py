@@ -27,10 +27,13 @@ def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
     """What `model.pretrained` points at, as far as validation reads it: the config.json of the published model
     (the architecture the model group of the same name describes)."""
     model = Path(spec.model.pretrained).name.lower().replace("meta-", "").replace("-", "")
-    name = {"llama38b": "llama3_8b"}[model]
+    name = {"llama38b": "llama3_8b", "llama370b": "llama3_70b"}[model]
     architecture = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())["architecture"]
     (tmp / "config.json").write_text(json.dumps(architecture))
     return tmp
+
+
+PARAMETERS = {"meta-llama/Meta-Llama-3-8B": 8_030_261_248, "meta-llama/Meta-Llama-3-70B": 70_553_706_496}
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
@@ -39,12 +42,12 @@ def test_gpu_recipe_validates_and_fits_its_hardware(recipe, tmp_path):
     pairs.write_text('{"prompt": "2 + 2 =", "response": " 4"}\n')
     planned = composed([f"recipe={recipe}"])
     assert planned.hardware.accelerator is Accelerator.cuda and planned.precision.compute_dtype.value == "bf16"
-    assert planned.model.pretrained == "meta-llama/Meta-Llama-3-8B"
+    assert planned.model.pretrained in PARAMETERS
     checkpoint = local_checkpoint(tmp_path, planned)
     # task=estimate validates everything but the presence of the GPUs, which this machine may not have.
     spec = validate(composed([f"recipe={recipe}", f"model.pretrained={checkpoint}", f"data.files={pairs}",
                               "task=estimate"]))
-    assert facts_of(spec.model).parameters == 8_030_261_248
+    assert facts_of(spec.model).parameters == PARAMETERS[planned.model.pretrained]
     check_fit(replace(spec, task=TrainTask()))  # the check every launch runs: raises if it does not fit
     assert fit(spec, estimate(spec, facts_of(spec.model))).fits
 
@@ -131,7 +134,7 @@ def test_a_command_writes_recipes_only_under_plain_names_in_recipes(command, nam
 
 
 @pytest.mark.parametrize("args,message", [
-    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_fsdp, cpu_quick"),
+    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_fsdp, cpu_lora, cpu_qlora, cpu_quick"),
     (["--copy-recipe", "no_such"], "no recipe named no_such"),
     (["--copy-recipe"], "usage: run --copy-recipe <name> [<new name>]"),
 ])
@@ -161,4 +164,5 @@ def test_tab_completion_offers_the_recipes(flag, workdir):
     typed = {"COMP_LINE": "run recipe=cpu_", "COMP_POINT": "15"}
     result = run_cli(flag, "query=bash", cwd=workdir, env=typed)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_fsdp", "recipe=cpu_mine", "recipe=cpu_quick"]
+    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_fsdp", "recipe=cpu_lora", "recipe=cpu_mine",
+                                     "recipe=cpu_qlora", "recipe=cpu_quick"]

@@ -12,6 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from runner.cli import recipes
+from runner.config.adapter import AdapterConfig
 from runner.config.data import DataConfig
 from runner.config.hardware import Accelerator, HardwareConfig
 from runner.config.model import ModelConfig
@@ -40,6 +41,7 @@ SCHEMAS = {
     "strategy": STRATEGIES,
     "precision": {"base": PrecisionConfig},
     "model": {"base": ModelConfig},
+    "adapter": {"base": AdapterConfig},
     "data": {"base": DataConfig},
     "optim": {"adamw": AdamWConfig, "sgd": SGDConfig},
     "scheduler": {"base": SchedulerConfig},

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 from runner.errors import require
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
@@ -81,20 +82,29 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, weights: bool = True) -> nn.Module:
-    """The model in fp32 (master weights stay fp32 whatever dtype a checkpoint was saved in): on the CPU with its
-    weights, or without them on the meta device, reading no weight file."""
+def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, weights: bool = True,
+                dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The model in fp32 (master weights stay fp32 whatever dtype a checkpoint was saved in), or in `dtype` (a
+    frozen base: a checkpoint saved in that dtype stays memory-mapped); on the CPU with its weights, or without
+    them on the meta device, reading no weight file."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = dtype or torch.float32
     if model.pretrained and weights:
-        return AutoModelForCausalLM.from_pretrained(model.pretrained, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(model.pretrained, dtype=dtype)
     if model.pretrained:
         config = AutoConfig.from_pretrained(model.pretrained)
     else:
         config = architecture_config(model, tokenizer)
     with torch.device("cpu" if weights else "meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks: instances of the classes the model names as not to be split."""
+    block_classes = set(getattr(model, "_no_split_modules", None) or [])
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in block_classes]
 
 
 def architecture_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase):

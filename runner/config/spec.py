@@ -14,7 +14,8 @@ from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.config import data, hardware, model, precision, scheduler, train, tracker
+from runner.config import adapter, data, hardware, model, precision, scheduler, train, tracker
+from runner.config.adapter import AdapterConfig
 from runner.config.data import DataConfig
 from runner.config.hardware import HardwareConfig
 from runner.config.model import ModelConfig
@@ -36,6 +37,7 @@ class RunSpec:
     precision: PrecisionConfig = MISSING
     tracker: TrackerConfig = MISSING
     model: ModelConfig = MISSING
+    adapter: AdapterConfig = MISSING
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     scheduler: SchedulerConfig = MISSING
@@ -105,6 +107,7 @@ def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:
     spec.optim.check()
     scheduler.check(spec.scheduler, spec.train.max_steps)
     model.check(spec.model)
+    adapter.check(spec.adapter)
     data.check(spec.data)
     here = on_this_machine and spec.task.runs_on_this_machine
     spec = replace(spec, hardware=hardware.on_this_machine(spec.hardware) if here else hardware.planned(spec.hardware))
@@ -117,6 +120,9 @@ def check_combination(spec: RunSpec) -> None:
     """The rules between the strategy, the precision and the hardware: what a change to any of them must keep."""
     spec.strategy.check(spec)
     precision.check(spec.precision, spec.hardware, spec.strategy.float8_all_gather)
+    require(not (spec.adapter.active and spec.precision.fp8),
+            f"adapter={spec.adapter.kind.value} with precision.fp8: fp8 training of a frozen base is not supported; "
+            "use precision=bf16")
 
 
 def to_plain(spec: RunSpec, hide_secrets: bool = True) -> dict:

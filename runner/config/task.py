@@ -106,13 +106,22 @@ def trained_model(value: str) -> TrainedModel:
     path = Path(value).expanduser()
     key = f"task.trained={value}"
     if (path / "meta.json").is_file():
-        layout = json.loads((path / "meta.json").read_text()).get("layout")
+        meta = json.loads((path / "meta.json").read_text())
+        layout = meta.get("layout")
+        require(meta.get("adapter", "none") == "none",
+                f"{key} is a checkpoint of an adapter={meta.get('adapter')} run, which holds the adapters only: "
+                "give the run directory, whose model/merged/ is saved with adapter.merge=true")
         require(layout == "full",
                 f"{key} is a checkpoint of {layout} layout (each rank's shards or DeepSpeed's own): evaluate its "
                 "run's model/ instead, or write FULL checkpoints (strategy.state_dict_type=FULL)")
         require((path / "model.safetensors").is_file(), f"{key} is a checkpoint without model.safetensors")
         return TrainedModel(checkpoint=path, run_dir=path.parent.parent)
     if (path / "spec.yaml").is_file():
+        if (path / "model" / "adapter_config.json").is_file():
+            require((path / "model" / "merged" / "config.json").is_file(),
+                    f"{key} trained an adapter, saved in peft's format (model/) without the merged model: load it "
+                    "with peft's PeftModel.from_pretrained, or train with adapter.merge=true to evaluate it here")
+            return TrainedModel(model_dir=path / "model" / "merged", run_dir=path)
         require((path / "model" / "config.json").is_file(),
                 f"{key} is a run directory without a saved model (model/): the run has not finished, or it set "
                 "train.save_model=false; give one of its checkpoints (<run dir>/checkpoints/step_<N>) instead")

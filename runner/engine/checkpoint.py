@@ -79,6 +79,7 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any]) -> Path:
             "world_size": job.ranks.world_size,
             "layout": job.spec.strategy.checkpoint_layout.value,
             "strategy": job.spec.strategy.name,
+            "adapter": job.spec.adapter.kind.value,
             "scheduler": job.scheduler.state_dict(),
             **progress,
         })
@@ -119,6 +120,10 @@ def check_resumable(spec: RunSpec) -> None:
     require(written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
             f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "
             f"strategy={strategy.name}; only FULL checkpoints move between strategies, to those that read them")
+    adapter = written.get("adapter", "none")
+    require(adapter == spec.adapter.kind.value,
+            f"the checkpoint {spec.resume} was written with adapter={adapter}, this run has "
+            f"adapter={spec.adapter.kind.value}; resume with adapter={adapter}")
     require(written["step"] < spec.train.max_steps,
             f"the checkpoint {spec.resume} is at step {written['step']}, the end of train.max_steps="
             f"{spec.train.max_steps}; raise train.max_steps to train further")

@@ -13,11 +13,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from runner.config import adapter
 from runner.distributed import all_ranks_sums
 from runner.engine import checkpoint
 from runner.engine.metrics import (
     MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib, training_flops_per_token)
 from runner.engine.overview import overview
+from runner.engine.placement import frozen_base
 from runner.engine.signals import GracefulStop
 from runner.engine.stall_watch import StallWatch
 from runner.engine.step import evaluate, train_step
@@ -161,21 +163,28 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, eval_loss: 
         f" (torch.compile: {summary['compile_time_s']:.0f} s of it)" if job.spec.train.compile else "",
     )
     log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
-    if model_dir:
+    adapter_only = job.spec.adapter.active and not job.spec.adapter.merge
+    if model_dir and adapter_only:
+        log.info("use it: PeftModel.from_pretrained(<the base>, %s) (peft); adapter.merge=true also saves the merged "
+                 "model, which task=evaluate and task=generate read", model_dir)
+    elif model_dir:
         log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
                  "run task=evaluate task.trained=%s", job.run_dir, job.run_dir)
     return summary
 
 
 def save_model(job: PreparedJob) -> Optional[Path]:
-    """save_pretrained (safetensors) of the whole model plus the tokenizer, by rank 0, moved into place once
-    complete; every rank takes part in gathering the weights."""
+    """save_pretrained (safetensors) of the whole model, or the adapter of a frozen base, plus the tokenizer, by
+    rank 0, moved into place once complete; every rank takes part in gathering the weights."""
     final = job.run_dir / "model"
     state = job.stepper.full_state_dict()
     if job.ranks.rank == 0:
         partial = job.run_dir / "model.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        unwrapped(job.model).save_pretrained(partial, state_dict=state)
+        if job.spec.adapter.active:
+            save_adapter(job, state, partial, final)
+        else:
+            unwrapped(job.model).save_pretrained(partial, state_dict=state)
         job.tokenizer.save_pretrained(partial)
         if final.exists():  # a resumed run replaces the model its first part saved
             previous = job.run_dir / "model.previous"
@@ -185,3 +194,19 @@ def save_model(job: PreparedJob) -> Optional[Path]:
         else:
             os.replace(partial, final)
     return final
+
+
+def save_adapter(job: PreparedJob, state: Optional[dict[str, Any]], directory: Path, final: Path) -> None:
+    """The adapter in peft's format; the base beside it (base/) when it was initialised here rather than loaded
+    from model.pretrained; with adapter.merge, the merged model (merged/)."""
+    spec, model = job.spec, unwrapped(job.model)
+    trained = state if state is not None else {
+        name: parameter.detach() for name, parameter in model.named_parameters() if parameter.requires_grad}
+    needs_base = spec.adapter.merge or not spec.model.pretrained
+    base = frozen_base(spec, job.tokenizer) if needs_base else None
+    if not spec.model.pretrained:
+        base.save_pretrained(directory / "base")
+    adapter.export(directory, spec.adapter, trained, model, spec.model.pretrained or str(final / "base"))
+    if spec.adapter.merge:
+        adapter.export_merged(directory / "merged", spec.adapter, trained, base, spec.hardware.world_size)
+        job.tokenizer.save_pretrained(directory / "merged")

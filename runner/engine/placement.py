@@ -1,18 +1,20 @@
 """The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its
-`parallelize_llama`): build (with the summed loss in its forward) -> fp8 -> the weights' dtype -> the attention
-(per example, for packed rows on the CPU) -> activation checkpointing -> compile each block -> wrap or shard (with
-rank 0's weights) -> optimizer -> stepper.
+`parallelize_llama`): build (with the summed loss in its forward) -> the adapters (LoRA; QLoRA's NF4 base) -> fp8
+-> the weights' dtype -> the attention (per example, for packed rows on the CPU) -> activation checkpointing ->
+compile each block -> wrap or shard (with rank 0's weights) -> optimizer -> stepper.
 
-Why this order: fp8 swaps the linear layers, so it comes before anything that holds on to them (checkpointed
-blocks, FSDP's units, DeepSpeed's partitions). The dtype is the weights' before sharding, so that shards, buckets
-and all-gathers take it. Activation checkpointing wraps each block's forward inside the block, and the
-strategy's wrapping then sees the checkpointed blocks. Compiling replaces each block's forward with its compiled
-version, in place: the strategy's hooks and the checkpointing around it stay eager, and the blocks keep their
-class and parameter names, which FSDP's wrap policy and every checkpoint read. FSDP shards unit by unit, the
-blocks first. The optimizer
-takes the parameters as the strategy left them (FSDP's DTensor shards), and DeepSpeed's engine takes model and
-optimizer together, in the stepper. An inference task (evaluate, generate) takes the same path up to the wrap,
-without activation checkpointing, optimizer or stepper: no gradient or optimizer state is ever allocated.
+Why this order: the adapters come first, so that everything after sees the frozen base as it is kept (in the
+compute dtype, or NF4) and the adapters as parameters of the blocks they adapt. fp8 swaps the linear layers, so it
+comes before anything that holds on to them (checkpointed blocks, FSDP's units, DeepSpeed's partitions). The
+dtype is the weights' before sharding, so that shards, buckets and all-gathers take it. Activation checkpointing
+wraps each block's forward inside the block, and the strategy's wrapping then sees the checkpointed blocks.
+Compiling replaces each block's forward with its compiled version, in place: the strategy's hooks and the
+checkpointing around it stay eager, and the blocks keep their class and parameter names, which FSDP's wrap
+policy and every checkpoint read. FSDP shards unit by unit, the blocks first. The optimizer takes the parameters
+as the strategy left them (FSDP's DTensor shards; the adapters only, when the base is frozen), and DeepSpeed's
+engine takes model and optimizer together, in the stepper. An inference task (evaluate, generate) takes the same
+path up to the wrap, without activation checkpointing, optimizer or stepper: no gradient or optimizer state is
+ever allocated.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ from typing import TYPE_CHECKING, ContextManager, Optional
 
 from runner.config.float8 import convert_to_fp8, summarize_names
 from runner.config.hardware import Accelerator
-from runner.config.model import build_model
+from runner.config.adapter import add_adapter
+from runner.config.model import blocks, build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
 from runner.engine.attention import attend_within_examples
 from runner.engine.loss import with_summed_loss
-from runner.memory.facts import blocks
 
 if TYPE_CHECKING:
     import torch
@@ -84,14 +86,22 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     torch.manual_seed(spec.seed)
     # Build fp32 master weights on the CPU; on the meta device on the ranks that receive rank 0's weights.
     builds_weights = strategy.loads_weights(ranks.rank)
-    model = build_model(spec.model, tokenizer, weights=builds_weights)
+    # A frozen base is built in the dtype it is kept in; trained weights in fp32. Inference reads what an adapter
+    # run saved merged, and adds no adapter.
+    adapted = training and spec.adapter.active
+    base_dtype = spec.precision.compute_dtype.torch if adapted else None
+    model = build_model(spec.model, tokenizer, weights=builds_weights, dtype=base_dtype)
     if weights is not None and builds_weights:
         model.load_state_dict(weights)
     with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
+    if adapted:
+        log.info("adapter %s", add_adapter(model, spec.adapter, spec.precision.param_dtype.torch,
+                                           spec.hardware.world_size))
     fp8_layers = convert_to_fp8(model, spec.precision.fp8) if spec.precision.fp8 else []
     if fp8_layers:
         log.info("fp8: %d linear layers converted: %s", len(fp8_layers), summarize_names(fp8_layers))
-    model = cast_weights(model, spec.precision)
+    if not adapted:  # the adapters are in param_dtype already, the frozen base in its own
+        model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
     if training and strategy.activation_checkpointing:
@@ -101,6 +111,14 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     if training or strategy.shards_inference:
         return strategy.wrap(model, spec, device), fp8_layers
     return model.to(device), fp8_layers
+
+
+def frozen_base(spec: RunSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:
+    """The base of an adapter run as it was built before training (it never changed): on the CPU, in its dtype."""
+    import torch
+
+    torch.manual_seed(spec.seed)
+    return build_model(spec.model, tokenizer, dtype=spec.precision.compute_dtype.torch)
 
 
 def device_of(spec: RunSpec, ranks: Ranks) -> torch.device:

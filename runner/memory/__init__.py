@@ -18,6 +18,14 @@ Weights, gradients and optimizer states, per device:
     deepspeed 3       weights m.P/N + m.P_persist + 4.P/N, gradients m.P/N, states 4k.P/N
                       (P_persist: parameters of at most stage3_param_persistence_threshold elements stay whole)
 
+With an adapter (adapter=lora, qlora; runner/memory/parameters.py) P is the T trained adapter parameters (rank x
+(in + out) per adapted linear layer) in every formula above, and the weights add the frozen base: all the model's
+parameters in the compute dtype c (under qlora the adapted linear weights in NF4, about 0.52 bytes each), whole
+under single, ddp and DeepSpeed ZeRO-0..2 (DeepSpeed's module dtype m), sharded 1/S under fsdp (NF4 as NF4) and
+1/N under ZeRO-3. Being in c already, the frozen weights get no autocast casts; qlora dequantizes one NF4 weight
+at a time. Loading a pretrained base memory-maps its checkpoint in c: each process's RAM holds only the NF4 copies
+and the adapters (a random-init base is built in c).
+
 The optim group has no 8-bit optimizer yet; one (bitsandbytes' or torchao's AdamW8bit) would hold 2 bytes of states
 per parameter plus a scale per block instead of AdamW's 8.
 
@@ -41,7 +49,8 @@ the start of backward (+ gradients when accumulating), or gradients + transients
 temporaries; and, for DeepSpeed, which moves the whole module onto each device before partitioning it, m.P while
 loading. Each node's RAM holds what offload moves there, and while loading, the fp32 model each process builds.
 
-Where each part is: facts.py (the model, from the meta device), activations.py, terms.py (the parts of an
+Where each part is: facts.py (the model, from the meta device), parameters.py (what trains, what is frozen and
+in what dtype), activations.py, terms.py (the parts of an
 estimate, its phases and peak), replicated.py (whole copies, single and ddp), each strategy's own terms in its
 backend (runner/strategies/<name>.py), advice.py (the fit check and the cheapest changes that fit), report.py
 (what `run task=estimate` prints) and accelerate_view.py (accelerate estimate-memory's table).

@@ -18,6 +18,12 @@ The whole model: t x (L x layer + final norm + (c + 4) V for the logits and thei
 loss (train.loss, runner/engine/loss.py) keeps no logits: its head's input, r h per token, and in backward one
 chunk's recomputed logits and their gradients at a time. With activation checkpointing (strategy.activation_checkpointing=true, under every strategy) each layer keeps only its
 input, t x L x r x h, and one layer at a time is recomputed (the paper's "full recomputation", 2sbhL).
+
+With LoRA adapters (runner/memory/parameters.py) each adapted linear adds, per token, lora_B's input (rank x c) and,
+with adapter.dropout > 0, the dropout's output and mask (in x (c + 1)); the frozen base is stored in c, so the
+stream is c and autocast makes no casts of it. The inputs of frozen linear layers that are not adapted are still
+counted, though autograd does not keep them (no weight gradient needs them): an overcount where target_modules
+is a subset.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runner.config.train import LossKind, loss_kind_in_effect
+from runner.memory.parameters import parameters_of
 from runner.memory.terms import FP32, Part, micro_batch_tokens
 
 if TYPE_CHECKING:
@@ -65,9 +72,10 @@ def layer_activation_bytes(layer: LayerShape, seq_len: int, dtypes: ActivationDt
 
 
 def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: ActivationDtypes,
-                     checkpointing: bool, chunked_loss: bool = False) -> int:
+                     checkpointing: bool, chunked_loss: bool = False, adapters: int = 0) -> int:
+    """`adapters`: bytes per token the LoRA adapters of all the layers save (runner/memory/parameters.py)."""
     layer = facts.layer
-    per_layer = layer_activation_bytes(layer, seq_len, dtypes)
+    per_layer = layer_activation_bytes(layer, seq_len, dtypes) + adapters // facts.layers
     head_input = (FP32 + dtypes.stream) * layer.hidden + dtypes.compute * layer.hidden  # final norm, lm_head input
     if chunked_loss:  # the label positions' hidden states, which each chunk's head recomputes from
         logits = dtypes.stream * layer.hidden
@@ -100,8 +108,12 @@ def activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes)
     checkpointing, chunked = spec.strategy.activation_checkpointing, chunked_loss(spec, facts)
     attention = "eager attention (s x s scores)" if facts.layer.eager_attention else "sdpa (no s x s scores)"
     rows = "packed rows" if spec.data.packing else "rows"
+    parameters = parameters_of(spec, facts)
+    adapters = parameters.activation_bytes(dtypes.compute)
     note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers, {attention}, "
             f"{'activation checkpointing' if checkpointing else 'no checkpointing'}; "
-            f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}")
-    return Part(activation_bytes(facts, micro_batch_tokens(spec), spec.data.seq_len, dtypes, checkpointing, chunked),
-                note)
+            f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}"
+            + (f"; the adapters' rank-{parameters.rank} intermediates" + (" and dropout copies" if parameters.dropout
+                                                                          else "") if adapters else ""))
+    return Part(activation_bytes(facts, micro_batch_tokens(spec), spec.data.seq_len, dtypes, checkpointing, chunked,
+                                 adapters), note)

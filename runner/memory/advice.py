@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
+from runner.config.adapter import AdapterConfig, AdapterKind, check as check_adapter
 from runner.config.hardware import GIB, Accelerator
 from runner.config.precision import Dtype
 from runner.config.spec import check_combination
@@ -72,13 +73,26 @@ def changes(spec: RunSpec) -> list[Change]:
                 lambda s, micro=micro, steps=steps: replace(
                     s, train=replace(s.train, micro_batch_size=micro, grad_accum_steps=steps))))
         micro //= 2
+    # Train LoRA adapters on a frozen base instead of every weight: a different fine-tune, so dearer than any
+    # change of how the same training is laid out.
+    if spec.adapter.kind is AdapterKind.none:
+        found += [adapter_change(AdapterKind.lora, 6.0), adapter_change(AdapterKind.qlora, 8.0)]
+    elif spec.adapter.kind is AdapterKind.lora:
+        found.append(adapter_change(AdapterKind.qlora, 2.0))
     return [change for change in found if _valid(change.apply(spec))]
 
 
+def adapter_change(kind: AdapterKind, cost: float) -> Change:
+    """adapter=<kind>, as typed: conf/adapter/<kind>.yaml's values, which are the schema's defaults."""
+    return Change((f"adapter={kind.value}",), cost, lambda s: replace(s, adapter=AdapterConfig(kind=kind)))
+
+
 def _valid(spec: RunSpec) -> bool:
-    """Whether the strategy and precision accept the changed spec (pure bf16 under DeepSpeed, bf16 on an old GPU)."""
+    """Whether the strategy and precision accept the changed spec (pure bf16 under DeepSpeed, bf16 on an old GPU,
+    an adapter with fp8 or qlora under DeepSpeed), and the adapter its packages (peft, torchao)."""
     try:
         check_combination(spec)
+        check_adapter(spec.adapter)
     except SpecError:
         return False
     return True

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from runner.config.float8 import fp8_layer_names
-from runner.config.model import ModelConfig, build_model, build_tokenizer
+from runner.config.model import ModelConfig, blocks, build_model, build_tokenizer
 from runner.config.precision import PrecisionConfig
 from runner.errors import SpecError
 
@@ -115,12 +115,6 @@ def model_facts(model: nn.Module) -> ModelFacts:
         largest_module=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
         largest_parameter=max(p.numel() for p in parameters),
     )
-
-
-def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The transformer blocks: instances of the classes the model names as not to be split."""
-    block_classes = set(getattr(model, "_no_split_modules", None) or [])
-    return [(name, m) for name, m in model.named_modules() if type(m).__name__ in block_classes]
 
 
 def _first_block(model: nn.Module) -> nn.Module:

@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.hardware import GIB, Accelerator
 from runner.errors import SpecError
-from runner.memory.facts import blocks, facts_of
+from runner.config.model import blocks
+from runner.memory.facts import facts_of
 from runner.memory.terms import FP32, Part, dtype_name, part_row, readable, sharded_elements
 
 if TYPE_CHECKING:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Optional
 from runner.memory.accelerate_view import format_accelerate_view
 from runner.memory.advice import cheapest_fits, fit, proposals
 from runner.memory.facts import facts_of
+from runner.memory.parameters import parameters_of
 from runner.memory.terms import Estimate, Part, Phase, estimate, part_row, processes, readable
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
         f"memory estimate: {type(facts.model).__name__} ({facts.parameters:,} parameters), "
         f"{spec.strategy.describe(hardware)}, {dtypes}, {type(spec.optim).__name__.removesuffix('Config')}, "
         f"micro batch {spec.train.micro_batch_size} x {spec.data.seq_len} tokens",
+        f"parameters: {parameters_of(spec, facts).describe(precision.param_dtype.value)}",
         f"per device ({hardware.device_name or hardware.accelerator.value}, {memory}), rank 0:",
         row("weights", result.weights),
         row("gradients", result.gradients),

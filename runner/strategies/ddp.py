@@ -57,9 +57,12 @@ class DDPStrategy(StrategyConfig):
         return True
 
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
-        """DDP's constructor broadcasts rank 0's parameters and buffers to the other ranks."""
+        """DDP's constructor broadcasts rank 0's parameters and buffers to the other ranks; a frozen base (which
+        every rank builds the same, and QLoRA's NF4 tensors cannot be broadcast) is left alone."""
         from torch.nn.parallel import DistributedDataParallel
 
+        frozen = [name for name, parameter in model.named_parameters() if not parameter.requires_grad]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
         ddp = DistributedDataParallel(
             model.to(device),
             device_ids=[device.index] if device.type == "cuda" else None,

@@ -17,6 +17,7 @@ from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.facts import facts_of, fp8_linears
+from runner.memory.parameters import host_loading, parameters_of
 from runner.memory.terms import (
     FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change)
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
+    from runner.memory.parameters import Parameters
 
 # DeepSpeed's defaults for the zero_optimization keys the estimate reads (deepspeed/runtime/zero/config.py).
 ZERO_DEFAULTS = {
@@ -70,6 +72,9 @@ class DeepSpeedStrategy(StrategyConfig):
 
     def check(self, spec: RunSpec) -> None:
         precision, machine = spec.precision, spec.hardware
+        require(not spec.adapter.quantized,
+                "adapter=qlora runs under strategy=single, ddp and fsdp: DeepSpeed flattens and partitions the "
+                "module's tensors, which cannot hold torchao's NF4 base (use strategy=fsdp, or adapter=lora)")
         require(not spec.train.compile,
                 "train.compile=true runs under strategy=single, ddp and fsdp; DeepSpeed's ZeRO hooks swap the "
                 "parameters a compiled block would trace (use strategy=fsdp, or train.compile=false)")
@@ -130,23 +135,26 @@ class DeepSpeedStrategy(StrategyConfig):
         ZeRO-3: weights m.P/N + m.P_persist + 4.P/N, gradients m.P/N, states 4k.P/N (P_persist: parameters of at
         most stage3_param_persistence_threshold elements stay whole).
         offload_optimizer moves the fp32 master, its gradients and the states ((8 + 4k).P/N) to CPU RAM;
-        offload_param the ZeRO-3 weight partitions (m.P/N)."""
-        P = facts.parameters
+        offload_param the ZeRO-3 weight partitions (m.P/N).
+        With an adapter P is the adapters' parameters; the frozen base F, cast to m with the module, adds m.F to
+        the weights (whole under ZeRO-0, 1, 2; m.F/N under ZeRO-3, which partitions every parameter)."""
+        parameters = parameters_of(spec, facts)
         m = 2 if spec.precision.compute_dtype is not Dtype.fp32 else FP32  # DeepSpeed casts the module itself
         _, fp8_blocks = fp8_linears(facts.model, spec.precision)
         dtypes = ActivationDtypes(compute=m, stream=m, casts=False, fp8=fp8_blocks)
+        module = parameters.trained + parameters.frozen_parameters
         common = dict(
             activations=activations_part(spec, facts, dtypes),
-            loading=Part(m * P + facts.buffer_bytes, "deepspeed.initialize moves the whole module onto each device"),
-            host_loading=Part((spec.hardware.nproc_per_node or 1) * FP32 * P, "each process builds the fp32 model"),
+            loading=Part(m * module + facts.buffer_bytes, "deepspeed.initialize moves the whole module onto each device"),
+            host_loading=host_loading(spec, facts, spec.hardware.nproc_per_node or 1),
         )
         if self.zero_stage == 0:
-            return _stage0(spec, facts, m, common)
+            return _stage0(spec, facts, parameters, m, common)
         zero = {**ZERO_DEFAULTS, **deepspeed_config(spec).get("zero_optimization", {})}
         if self.zero_stage in (1, 2):
-            result, partition = _stages_1_2(spec, facts, m, zero, common)
+            result, partition = _stages_1_2(spec, facts, parameters, m, zero, common)
         else:
-            result, partition = _stage3(spec, facts, m, zero, common)
+            result, partition = _stage3(spec, facts, parameters, m, zero, common)
         if self.offload_optimizer is not OffloadDevice.none:
             _offload_optimizer(result, spec, partition)
         return result
@@ -162,13 +170,26 @@ class DeepSpeedStrategy(StrategyConfig):
         return changes
 
 
-def _stage0(spec: RunSpec, facts: ModelFacts, m: int, common: dict) -> Estimate:
-    P, module = facts.parameters, dtype_name(m)
+def _frozen(parameters: Parameters, m: int) -> tuple[int, str]:
+    """The frozen base in DeepSpeed's module dtype, whole (ZeRO-0, 1, 2), and its note."""
+    if not parameters.frozen:
+        return 0, ""
+    return m * parameters.frozen_parameters, f" + the frozen base, {dtype_name(m)}, whole"
+
+
+def _adapters(parameters: Parameters) -> str:
+    return "adapters " if parameters.frozen else ""
+
+
+def _stage0(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, common: dict) -> Estimate:
+    P, module = parameters.trained, dtype_name(m)
     k, states = spec.optim.states()
     master = FP32 * P if m < FP32 else 0  # 16-bit: DeepSpeed's FP16_Optimizer keeps whole fp32 weights
+    frozen, frozen_note = _frozen(parameters, m)
     return Estimate(
-        weights=Part(m * P + master + facts.buffer_bytes, f"{module}, whole" + (" + fp32 master weights" if master
-                                                                                 else "")),
+        weights=Part(m * P + master + frozen + facts.buffer_bytes,
+                     f"{_adapters(parameters)}{module}, whole" + (" + fp32 master weights" if master else "")
+                     + frozen_note),
         gradients=Part(m * P, f"{module}, whole"),
         optimizer_states=Part(k * FP32 * P, f"{states}, fp32, whole"),
         backward_start=Part(loss_gradient_bytes(spec, facts), "the loss gradient"),
@@ -178,16 +199,19 @@ def _stage0(spec: RunSpec, facts: ModelFacts, m: int, common: dict) -> Estimate:
     )
 
 
-def _stages_1_2(spec: RunSpec, facts: ModelFacts, m: int, zero: dict, common: dict) -> tuple[Estimate, int]:
-    P, N, module, stage = facts.parameters, spec.hardware.world_size, dtype_name(m), spec.strategy.zero_stage
+def _stages_1_2(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict,
+                common: dict) -> tuple[Estimate, int]:
+    P, N, module, stage = parameters.trained, spec.hardware.world_size, dtype_name(m), spec.strategy.zero_stage
     k, states = spec.optim.states()
     partition = math.ceil(P / N)
     # A parameter that straddles a partition's edge keeps its whole gradient on both ranks.
-    straddling = min(N - 1, 2) * facts.largest_parameter
+    straddling = min(N - 1, 2) * parameters.largest_trained
     reduce_bucket = int(zero["reduce_bucket_size"])
     overlap = zero.get("overlap_comm", False)
+    frozen, frozen_note = _frozen(parameters, m)
     return Estimate(
-        weights=Part(m * P + FP32 * partition + facts.buffer_bytes, f"{module}, whole, + fp32 master weights{share(N)}"),
+        weights=Part(m * P + FP32 * partition + frozen + facts.buffer_bytes,
+                     f"{_adapters(parameters)}{module}, whole, + fp32 master weights{share(N)}{frozen_note}"),
         gradients=Part(m * (partition + straddling), f"{module}{share(N)} (+ whole gradients at its edges)"),
         optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
         buffers=Part(reduce_bucket * m * (2 if overlap else 1),
@@ -200,16 +224,22 @@ def _stages_1_2(spec: RunSpec, facts: ModelFacts, m: int, zero: dict, common: di
     ), partition
 
 
-def _stage3(spec: RunSpec, facts: ModelFacts, m: int, zero: dict, common: dict) -> tuple[Estimate, int]:
+def _stage3(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict,
+            common: dict) -> tuple[Estimate, int]:
     strategy, N, module = spec.strategy, spec.hardware.world_size, dtype_name(m)
     k, states = spec.optim.states()
-    partition = sum(math.ceil(math.prod(shape) / N) for shape in facts.parameter_shapes)
-    persistent = _persistent_parameters(facts, zero)
+    # Every parameter of the module is partitioned and gathered alike; the frozen ones have no master or states.
+    shapes = [*parameters.trained_shapes, *(shape for group in parameters.frozen for shape in group.shapes)]
+    partitioned = sum(math.ceil(math.prod(shape) / N) for shape in shapes)
+    partition = sum(math.ceil(math.prod(shape) / N) for shape in parameters.trained_shapes)
+    persistent = _persistent_parameters(shapes, zero)
     live = min(int(zero["stage3_max_live_parameters"]), facts.largest_module + int(zero["stage3_prefetch_bucket_size"]))
     reduce_bucket = int(zero["reduce_bucket_size"])
+    frozen = ", the frozen base included" if parameters.frozen else ""
     result = Estimate(
-        weights=Part(m * (partition + persistent) + FP32 * partition + facts.buffer_bytes,
-                     f"{module}{share(N)} (+ {persistent:,} small parameters whole), + fp32 master weights{share(N)}"),
+        weights=Part(m * (partitioned + persistent) + FP32 * partition + facts.buffer_bytes,
+                     f"{module}{share(N)}{frozen} (+ {persistent:,} small parameters whole), + fp32 master weights"
+                     f"{share(N)}"),
         gradients=Part(m * partition, f"{module}{share(N)}"),
         optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
         buffers=Part(reduce_bucket * m, f"the reduce bucket of {reduce_bucket:.0e} elements"),
@@ -226,7 +256,7 @@ def _stage3(spec: RunSpec, facts: ModelFacts, m: int, zero: dict, common: dict) 
                               f"{persistent:,} small parameters whole, + fp32 master weights{share(N)}; "
                               f"the weight partitions on {strategy.offload_param.value} (offload_param)")
         if strategy.offload_param is OffloadDevice.cpu:
-            result.host_offload = Part((spec.hardware.nproc_per_node or 1) * m * partition,
+            result.host_offload = Part((spec.hardware.nproc_per_node or 1) * m * partitioned,
                                        f"offload_param: {module} weight partitions")
     return result, partition
 
@@ -248,12 +278,12 @@ def _offload_optimizer(result: Estimate, spec: RunSpec, partition: int) -> None:
         result.host_offload = Part(result.host_offload.bytes + moved, note)
 
 
-def _persistent_parameters(facts: ModelFacts, zero: dict) -> int:
+def _persistent_parameters(shapes: list[tuple[int, ...]], zero: dict) -> int:
     """ZeRO-3 keeps parameters of at most stage3_param_persistence_threshold elements whole on every rank, up to
     stage3_model_persistence_threshold elements in all (DeepSpeed's mark_persistent_parameters)."""
     threshold, budget = int(zero["stage3_param_persistence_threshold"]), int(zero["stage3_model_persistence_threshold"])
     kept = 0
-    for numel in (math.prod(shape) for shape in facts.parameter_shapes):
+    for numel in (math.prod(shape) for shape in shapes):
         if numel <= threshold and numel + kept <= budget:
             kept += numel
     return kept
@@ -311,16 +341,26 @@ class DeepSpeedStepper:
         scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
         return StepOutcome(float(self.engine.get_global_grad_norm() or 0.0), self.engine.was_step_applied(), scale)
 
+    @property
+    def frozen_base(self) -> bool:
+        """A frozen base (adapter=lora) is left out of what is written, read and exported."""
+        return any(not parameter.requires_grad for parameter in self.engine.module.parameters())
+
     def save(self, directory: Path, rank: int) -> None:
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="engine")
+        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="engine",
+                                    exclude_frozen_parameters=self.frozen_base)
 
     def load(self, directory: Path, rank: int, written: CheckpointLayout) -> None:
-        self.engine.load_checkpoint(str(directory / "deepspeed"), tag="engine", load_lr_scheduler_states=False)
+        self.engine.load_checkpoint(str(directory / "deepspeed"), tag="engine", load_lr_scheduler_states=False,
+                                    load_module_strict=not self.frozen_base)
 
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        frozen = self.frozen_base
         if self.zero_stage == 3:  # gathers the partitioned parameters
-            return self.engine._zero3_consolidated_16bit_state_dict() or {}
-        return self.engine.module.state_dict()
+            return self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=frozen) or {}
+        trained = {name for name, parameter in self.engine.module.named_parameters() if parameter.requires_grad}
+        return {name: tensor for name, tensor in self.engine.module.state_dict().items()
+                if not frozen or name in trained}
 
 
 class WeightsOnlyLoading:

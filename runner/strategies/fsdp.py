@@ -14,6 +14,7 @@ where `group` is `hybrid_shard_size`: by default the processes of one node, as i
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, List, Optional
@@ -23,8 +24,9 @@ from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.facts import fp8_linears
+from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
 from runner.memory.terms import (
-    FP32, Change, Estimate, Part, dtype_name, processes, share, sharded_elements, strategy_change)
+    Change, Estimate, Part, dtype_name, processes, share, sharded_elements, strategy_change)
 from runner.strategies.protocol import CheckpointLayout
 from runner.strategies.torch_stepper import TorchStepper
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
+    from runner.memory.parameters import Parameters
 
 
 class ShardingStrategy(str, Enum):
@@ -116,6 +119,10 @@ class FSDPStrategy(StrategyConfig):
         require(self.sync_module_states or not self.cpu_ram_efficient_loading,
                 "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
                 "get their weights from rank 0")
+        require(not (spec.adapter.quantized and self.cpu_ram_efficient_loading),
+                "adapter=qlora with strategy.cpu_ram_efficient_loading=true: each process quantizes its own base "
+                "to NF4 (the base stays memory-mapped, so this costs little CPU RAM); set "
+                "strategy.cpu_ram_efficient_loading=false")
         require(self.min_num_params >= 1, f"strategy.min_num_params={self.min_num_params} must be >= 1")
         require(self.forward_prefetch >= 0 and self.backward_prefetch >= 0,
                 "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0")
@@ -183,47 +190,54 @@ class FSDPStrategy(StrategyConfig):
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
         """weights P_S.w, gradients P_S.w, states k.P_S.w, with P_S = sum over parameters of ceil(rows / S) x
         columns (FSDP2 shards dim 0, padded evenly) and S the shard group: N (FULL_SHARD, SHARD_GRAD_OP), 1
-        (NO_SHARD), the group (HYBRID_SHARD*). offload_params moves (2 + k).P_S.w per process to CPU RAM."""
-        precision, P = spec.precision, facts.parameters
+        (NO_SHARD), the group (HYBRID_SHARD*). offload_params moves (2 + k).P_S.w per process to CPU RAM.
+        With an adapter P is the adapters' parameters, and the frozen base is sharded alike in its stored dtypes
+        (NF4 included: torchao's NF4 shards and all-gathers as NF4)."""
+        precision, parameters = spec.precision, parameters_of(spec, facts)
         _, shards = self.mesh_shape(spec.hardware)
         w = precision.param_dtype.bytes
         gathered = min(w, precision.compute_dtype.bytes)  # FSDP's mixed-precision policy gathers in compute dtype
         reduce = precision.reduce_dtype.bytes
         k, states = spec.optim.states()
-        held = sharded_elements(facts.parameter_shapes, shards)
-        root, largest = unit_sizes(facts.model, self)
+        held = sharded_elements(list(parameters.trained_shapes), shards)
+        frozen = parameters.frozen_bytes(shards)
+        (root, root_trained), (largest, largest_trained), whole = unit_sizes(facts.model, self, parameters, gathered)
         _, fp8_blocks = fp8_linears(facts.model, precision)
         dtypes = ActivationDtypes(compute=gathered, stream=gathered, casts=False, fp8=fp8_blocks)
         if not self.sharding_strategy.reshards_after_forward:
-            all_gathered = gathered * (P + largest)
+            all_gathered = whole + largest
             gather_note = f"{dtype_name(gathered)} all-gathers: every unit stays gathered from forward to backward"
         else:
             # The root unit stays gathered from forward to backward; each other unit is gathered, copied out of the
             # all-gather buffer, and the next ones prefetched.
             prefetch = max(self.forward_prefetch, self.backward_prefetch)
-            all_gathered = gathered * (root + (2 + prefetch) * largest)
+            all_gathered = root + (2 + prefetch) * largest
             gather_note = f"{dtype_name(gathered)} all-gathers: the root unit and {2 + prefetch} x the largest unit"
+        if parameters.frozen:
+            gather_note = gather_note.replace(dtype_name(gathered), parameters.frozen_note() + " base", 1)
+        dequantized, dequantized_note = adapter_transients(parameters, precision.compute_dtype.bytes)
         part_of = share(shards)
         nproc = spec.hardware.nproc_per_node or 1
         loaders = 1 if self.cpu_ram_efficient_loading else nproc
         loss_gradient = loss_gradient_bytes(spec, facts)
         result = Estimate(
-            weights=Part(held * w + facts.buffer_bytes, f"{dtype_name(w)}{part_of} ({self.sharding_strategy.value})"),
+            weights=Part(held * w + frozen + facts.buffer_bytes,
+                         weights_note(parameters, dtype_name(w), f"{part_of} ({self.sharding_strategy.value})")),
             gradients=Part(held * w, f"{dtype_name(w)}{part_of}"),
             optimizer_states=Part(k * held * w, f"{states}, {dtype_name(w)}{part_of}"),
             activations=activations_part(spec, facts, dtypes),
-            backward_start=Part(all_gathered + loss_gradient + largest * (gathered + reduce),
-                                f"{gather_note}; the loss gradient; a unit's reduce-scatter"),
+            backward_start=Part(all_gathered + loss_gradient + largest_trained * (gathered + reduce) + dequantized,
+                                f"{gather_note}; the loss gradient; a unit's reduce-scatter{dequantized_note}"),
             # The root unit's gradients are reduced last, its parameters still gathered.
-            backward_end=Part(root * gathered + root * (gathered + reduce) + largest * gathered,
-                              "the root unit's reduce-scatter"),
+            backward_end=Part(root + root_trained * (gathered + reduce) + largest, "the root unit's reduce-scatter"),
             step=Part(spec.optim.step_copies() * held * w, "the optimizer's foreach temporaries"),
-            host_loading=Part(loaders * FP32 * P, "each process builds the fp32 model" if loaders > 1
-                              else "one process builds the fp32 model"),
+            host_loading=host_loading(spec, facts, loaders),
         )
         if self.offload_params:
-            result.host_offload = Part(nproc * (2 + k) * held * w,
-                                       f"offload_params: each process's weights, gradients and {states}{part_of}")
+            frozen_note = f", and the frozen base{part_of}" if frozen else ""
+            result.host_offload = Part(nproc * ((2 + k) * held * w + frozen),
+                                       f"offload_params: each process's weights, gradients and {states}{part_of}"
+                                       + frozen_note)
             result.weights = Part(facts.buffer_bytes, "in CPU RAM (offload_params); buffers only")
             result.gradients = Part(0, "in CPU RAM (offload_params)")
             result.optimizer_states = Part(0, "in CPU RAM (offload_params); the step runs on the CPU")
@@ -237,7 +251,7 @@ class FSDPStrategy(StrategyConfig):
                                            sharding_strategy=ShardingStrategy.FULL_SHARD, hybrid_shard_size=None))
         if not self.offload_params:
             changes.append(strategy_change("strategy.offload_params=true", 3.0, offload_params=True))
-        if not self.cpu_ram_efficient_loading:
+        if not self.cpu_ram_efficient_loading and not spec.adapter.quantized:  # qlora: each process quantizes
             changes.append(strategy_change("strategy.cpu_ram_efficient_loading=true", 0.5,
                                            cpu_ram_efficient_loading=True, sync_module_states=True))
         return changes
@@ -260,11 +274,13 @@ def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Rank 0's trained parameters and buffers; a frozen base is left alone: every rank builds the same one, and
+    QLoRA's NF4 tensors cannot be broadcast."""
     import torch
     import torch.distributed as dist
 
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
+        for tensor in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
             dist.broadcast(tensor, src=0)
 
 
@@ -341,10 +357,22 @@ def set_prefetch(units: list[nn.Module], strategy: FSDPStrategy) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - strategy.backward_prefetch) : i][::-1])
 
 
-def unit_sizes(model: nn.Module, strategy: FSDPStrategy) -> tuple[int, int]:
-    """(parameters left in the root unit, parameters of the largest other unit) under the strategy's wrap policy."""
-    units = wrap_units(model, strategy)
-    in_units = {id(p): p.numel() for unit in units for p in unit.parameters()}
-    total = sum(p.numel() for p in model.parameters())
-    largest = max((sum(p.numel() for p in unit.parameters()) for unit in units), default=0)
-    return total - sum(in_units.values()), largest
+def unit_sizes(model: nn.Module, strategy: FSDPStrategy, parameters: Parameters,
+               gathered: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """(all-gathered bytes, trained parameters) of the root unit and of the largest other unit under the strategy's
+    wrap policy, and the whole model's all-gathered bytes. Trained parameters gather in `gathered` bytes, as do the
+    adapters beside an adapted linear; frozen ones in the dtype they are stored in (NF4 as NF4)."""
+    def size(module: nn.Module, prefix: str) -> tuple[int, int]:
+        gathered_bytes, trained = 0.0, 0
+        for name, parameter in module.named_parameters(prefix=prefix):
+            stored = parameters.stored.get(name)
+            gathered_bytes += parameter.numel() * (gathered if stored is None else stored)
+            trained += parameter.numel() if stored is None else 0
+        adapters = sum(parameters.adapters.get(name, 0) for name, _ in module.named_modules(prefix=prefix))
+        return math.ceil(gathered_bytes) + adapters * gathered, trained + adapters
+
+    names = {id(module): name for name, module in model.named_modules()}
+    units = [size(unit, names[id(unit)]) for unit in wrap_units(model, strategy)]
+    whole = size(model, "")
+    root = (whole[0] - sum(unit[0] for unit in units), whole[1] - sum(unit[1] for unit in units))
+    return root, max(units, default=(0, 0)), whole[0]

@@ -75,8 +75,8 @@ class Stepper(Protocol):
         ...
 
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        """The whole model's weights on rank 0, for save_pretrained; None where the model's own are whole (one
-        process). Every rank calls it."""
+        """The whole model's trained weights on rank 0 (all of them, or the adapters of a frozen base), for the
+        export; None where the model's own are whole (one process). Every rank calls it."""
         ...
 
 

@@ -1,7 +1,8 @@
 """The stepper of the strategies torch runs itself (single, ddp, fsdp): backward, clipping, the optimizer step,
 fp16's loss scale, and checkpoints through torch.distributed.checkpoint's state dicts.
 
-A checkpoint holds tensors in safetensors and everything else in JSON: loading unpickles nothing.
+A checkpoint holds tensors in safetensors and everything else in JSON: loading unpickles nothing. Of a model
+with a frozen base (adapter=lora, qlora) it holds the trained parameters only: the base is rebuilt as it was.
 
     FULL      model.safetensors, optimizer.safetensors (the whole state, written by rank 0)
     SHARDED   model-rank<N>.safetensors, optimizer-rank<N>.safetensors (each rank's own shards)
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 from runner.distributed import cpu_copy, local, process_group_up
 from runner.files import save_tensors, write_json
-from runner.strategies.protocol import CheckpointLayout, StepOutcome
+from runner.strategies.protocol import CheckpointLayout, StepOutcome, unwrapped
 
 if TYPE_CHECKING:
     import torch
@@ -68,13 +69,28 @@ class TorchStepper:
         self.optimizer.zero_grad(set_to_none=True)
         return outcome
 
+    def options(self, **choices: bool):
+        """torch's state-dict options; a frozen base is left out of what is written, read and exported."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not parameter.requires_grad for parameter in self.model.parameters())
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen, **choices)
+
+    def trained(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The state of the trained parameters (torch's ignore_frozen_params keeps the second name of a tied
+        frozen parameter, such as an LM head tied to the embeddings)."""
+        names = {name for name, parameter in unwrapped(self.model).named_parameters() if parameter.requires_grad}
+        if len(names) == sum(1 for _ in self.model.parameters()):
+            return state
+        return {name: value for name, value in state.items() if name in names}
+
     def save(self, directory: Path, rank: int) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         sharded = self.layout is CheckpointLayout.SHARDED
         # Both calls are collectives; with full_state_dict, only rank 0 gets the (CPU) result.
-        options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
-        model_state = get_model_state_dict(self.model, options=options)
+        options = self.options(full_state_dict=not sharded, cpu_offload=not sharded)
+        model_state = self.trained(get_model_state_dict(self.model, options=options))
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         model_file, optimizer_file = _files(sharded, rank)
         if sharded or rank == 0:
@@ -101,8 +117,9 @@ class TorchStepper:
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
-        model_state = get_model_state_dict(self.model)
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer)
+        options = self.options()
+        model_state = self.trained(get_model_state_dict(self.model, options=options))
+        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         model_file, optimizer_file = _files(True, rank)
         with torch.no_grad():
             for name, value in load_file(directory / model_file).items():
@@ -111,17 +128,16 @@ class TorchStepper:
             for name, value in load_file(directory / optimizer_file).items():
                 local(flat[name]).copy_(value)
         optimizer_state["param_groups"] = json.loads((directory / "optimizer.json").read_text())
-        set_model_state_dict(self.model, model_state)
-        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state)
+        set_model_state_dict(self.model, model_state, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
 
     def _load_whole(self, directory: Path, rank: int) -> None:
         """Rank 0 reads the whole state and broadcasts it into whatever sharding this run uses."""
         from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         distributed = process_group_up()
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+        options = self.options(full_state_dict=True, broadcast_from_rank0=distributed)
         reads = rank == 0 or not distributed
         model_file, optimizer_file = _files(False, rank)
         model_state = load_file(directory / model_file) if reads else {}
@@ -135,9 +151,10 @@ class TorchStepper:
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if not process_group_up():
             return None  # one process: the model's own weights are whole
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = self.trained(get_model_state_dict(self.model, options=self.options(full_state_dict=True,
+                                                                                   cpu_offload=True)))
         return {name: cpu_copy(tensor) for name, tensor in state.items()}
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
+from runner.config.adapter import targets
 from runner.config.task import TaskConfig
+from runner.memory.facts import meta_model
 from runner.memory.report import report
 
 if TYPE_CHECKING:
@@ -21,4 +23,6 @@ class EstimateTask(TaskConfig):
     runs_on_this_machine: ClassVar[bool] = False
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
+        if spec.adapter.active:
+            targets(spec.adapter, meta_model(spec.model))
         return report(spec, accelerate_view=self.accelerate_view)

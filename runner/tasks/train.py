@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
+from runner.config.adapter import targets
 from runner.config.task import TaskConfig
 from runner.config.tracker import check_services
 from runner.engine.checkpoint import check_resumable
@@ -31,6 +32,8 @@ class TrainTask(TaskConfig):
         if spec.resume:
             check_resumable(spec)
         check_causal_lm(spec.model)
+        if spec.adapter.active:  # the layers to adapt are the model's
+            targets(spec.adapter, meta_model(spec.model))
         if spec.precision.fp8:  # an fp8 run without an fp8 layer is an error, not a bf16 run
             fp8_linears(meta_model(spec.model), spec.precision)
         if self.fit_check:
