@@ -68,19 +68,13 @@ def test_only_the_adapters_train_and_the_base_stays_bit_identical(kind, tmp_path
 
 
 def test_the_exported_adapter_and_merged_model_give_the_trained_logits(tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     job = prepare_job(resolved_spec([*BASE, "adapter=lora", "adapter.rank=4", "adapter.merge=true"]), tmp_path)
     train(job)
     tokens = torch.randint(3, 200, (2, 64), generator=torch.Generator().manual_seed(1))
     job.model.eval()
     with torch.no_grad():
         trained = job.model(input_ids=tokens).logits
-        exported = tmp_path / "model"
-        base = AutoModelForCausalLM.from_pretrained(exported / "base")
-        from_adapter = PeftModel.from_pretrained(base, exported).eval()(input_ids=tokens).logits
-        merged = AutoModelForCausalLM.from_pretrained(exported / "merged").eval()(input_ids=tokens).logits
+    from_adapter, merged = exported_logits(tmp_path / "model")
     assert merged.dtype == torch.float32
     torch.testing.assert_close(from_adapter, trained, atol=1e-5, rtol=0)
     torch.testing.assert_close(merged, trained, atol=1e-5, rtol=0)
@@ -126,11 +120,12 @@ def _train_all(ranks, specs, dirs):
     return [train(prepare_job(spec, Path(run_dir), ranks))["train_loss"] for spec, run_dir in zip(specs, dirs)]
 
 
+EXPORTED = ["train.save_model=true", "adapter.merge=true"]
 LORA_VARIANTS = {
     "ddp": ["strategy=ddp"],
-    "fsdp": ["strategy=fsdp"],
+    "fsdp": ["strategy=fsdp", *EXPORTED],
     "deepspeed ZeRO-2": ["strategy=deepspeed", "strategy.zero_stage=2"],
-    "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3"],
+    "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3", *EXPORTED],
 }
 QLORA_VARIANTS = {"qlora ddp": ["strategy=ddp"], "qlora fsdp": ["strategy=fsdp"]}
 
@@ -155,6 +150,22 @@ def test_lora_and_qlora_have_the_losses_of_one_process_under_every_strategy(tmp_
     for name, run_dir in zip(runs, dirs):
         reference = references["qlora" if name.startswith("qlora") else "lora"]
         assert step_losses(run_dir) == pytest.approx(reference, abs=1e-4), name
+        if EXPORTED[-1] in runs[name]:  # the adapters gathered from their shards: both exports agree
+            adapter_logits, merged_logits = exported_logits(run_dir / "model")
+            torch.testing.assert_close(adapter_logits, merged_logits, atol=1e-5, rtol=0)
+
+
+def exported_logits(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the exported adapter on its base (peft), and of the merged model (transformers)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(3, 200, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(model_dir / "base")
+        from_adapter = PeftModel.from_pretrained(base, model_dir).eval()(input_ids=tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(model_dir / "merged").eval()(input_ids=tokens).logits
+    return from_adapter, merged
 
 
 @pytest.mark.slow

@@ -71,7 +71,9 @@ def test_cpu_recipe_trains(recipe, workdir):
     [summary_file] = workdir.glob("outputs/*/*/summary.json")
     summary = json.loads(summary_file.read_text())
     assert summary["steps"] == composed([f"recipe={recipe}"]).train.max_steps
-    assert summary["eval_loss"] < summary["first_eval_loss"] - 1.0
+    # Adapters on a frozen random-init base learn less in a few steps than a full fine-tune.
+    progress = 0.75 if composed([f"recipe={recipe}"]).adapter.active else 1.0
+    assert summary["eval_loss"] < summary["first_eval_loss"] - progress
 
 
 def test_recipes_are_listed_with_what_they_are_for(workdir):
