@@ -131,7 +131,7 @@ def add_adapter(model: nn.Module, adapter: AdapterConfig, adapter_dtype: torch.d
     with torch.no_grad():
         in_nf4 = sum(_to_nf4(layer.get_base_layer(), shards) for layer in layers) if adapter.quantized else 0
     total = sum(p.numel() for p in model.parameters())
-    base_dtype = str(layers[0].get_base_layer().weight.dtype).removeprefix("torch.") if layers else "?"
+    base_dtype = str(layers[0].get_base_layer().weight.dtype).removeprefix("torch.")  # there is always a target
     described = (f"{adapter.kind.value}: rank {adapter.rank}, alpha {adapter.alpha:g} on {len(layers)} linear layers "
                  f"({', '.join(adapted)}); {trainable:,} of {total:,} parameters train "
                  f"({100 * trainable / total:.2f}%)")
