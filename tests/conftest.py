@@ -61,6 +61,11 @@ def logged(run_dir: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in records if key in r}
 
 
+def step_losses(run_dir: Path) -> list[float]:
+    """A run's logged training losses, in step order."""
+    return list(logged(run_dir, "loss").values())
+
+
 def composed(overrides: list[str]) -> RunSpec:
     """The typed spec, not validated: its hardware is as declared, not this machine's."""
     return load_spec(compose_config(overrides))

@@ -1,6 +1,7 @@
 """Runs a function in a group of real gloo worker processes, so that a test pays the process start once."""
 
 import os
+from pathlib import Path
 
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -30,3 +31,18 @@ def run_in_workers(fn, *args, nproc: int) -> list:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results = elastic_launch(config, _in_process_group)(fn, args)
     return [results[rank] for rank in range(nproc)]
+
+
+def _train_each(ranks, specs, run_dirs):
+    from runner.engine.job import prepare_job
+    from runner.engine.loop import train
+
+    return [train(prepare_job(spec, Path(run_dir), ranks)) for spec, run_dir in zip(specs, run_dirs)]
+
+
+def train_in_workers(specs, run_dirs: list[Path], nproc: int = 2) -> list[dict]:
+    """Each spec trained in turn into its run directory (made if missing) by one group of `nproc` worker processes;
+    rank 0's summaries."""
+    for run_dir in run_dirs:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    return run_in_workers(_train_each, specs, [str(d) for d in run_dirs], nproc=nproc)[0]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import QUICK, logged, resolved_spec, run_cli
-from distributed import run_in_workers
+from conftest import QUICK, resolved_spec, run_cli, step_losses
+from distributed import train_in_workers
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
@@ -21,10 +21,6 @@ LORA = [*BASE, "adapter=lora", "adapter.rank=4", "train.save_model=false"]
 # A tiny model wide enough for every adapted weight to split into whole NF4 scale blocks on two processes.
 QLORA = [*BASE, "adapter=qlora", "adapter.rank=4", "train.save_model=false", "model.architecture.hidden_size=256",
          "model.architecture.intermediate_size=1024"]
-
-
-def step_losses(run_dir: Path) -> list[float]:
-    return list(logged(run_dir, "loss").values())
 
 
 def stored(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -116,10 +112,6 @@ def test_an_unknown_target_stops_the_command_in_one_line_writing_nothing(tmp_pat
     assert not (tmp_path / "outputs").exists()
 
 
-def _train_all(ranks, specs, dirs):
-    return [train(prepare_job(spec, Path(run_dir), ranks))["train_loss"] for spec, run_dir in zip(specs, dirs)]
-
-
 EXPORTED = ["train.save_model=true", "adapter.merge=true"]
 LORA_VARIANTS = {
     "ddp": ["strategy=ddp"],
@@ -144,9 +136,7 @@ def test_lora_and_qlora_have_the_losses_of_one_process_under_every_strategy(tmp_
     specs = [resolved_spec([*overrides, "hardware.nproc_per_node=2", "train.grad_accum_steps=2"])
              for overrides in runs.values()]
     dirs = [tmp_path / str(i) for i in range(len(specs))]
-    for run_dir in dirs:
-        run_dir.mkdir()
-    run_in_workers(_train_all, specs, [str(d) for d in dirs], nproc=2)
+    train_in_workers(specs, dirs)
     for name, run_dir in zip(runs, dirs):
         reference = references["qlora" if name.startswith("qlora") else "lora"]
         assert step_losses(run_dir) == pytest.approx(reference, abs=1e-4), name

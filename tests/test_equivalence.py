@@ -5,12 +5,11 @@ accumulation, of DDP, of FSDP under each sharding strategy and wrap policy, and 
 10 optimizer steps. Activation checkpointing, under any strategy, changes none of them.
 """
 
-from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, logged, resolved_spec
-from distributed import run_in_workers
+from conftest import QUICK, logged, resolved_spec, step_losses
+from distributed import train_in_workers
 from runner.config.scheduler import lr_factor
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
@@ -45,14 +44,6 @@ VARIANTS = {
 }
 
 
-def step_losses(run_dir: Path) -> list[float]:
-    return list(logged(run_dir, "loss").values())
-
-
-def _train_all(ranks, specs, run_dirs):
-    return [train(prepare_job(spec, Path(run_dir), ranks)) for spec, run_dir in zip(specs, run_dirs)]
-
-
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("single")
@@ -79,7 +70,7 @@ def test_scheduler_steps_once_per_optimizer_step(reference_run):
 def two_rank_losses(tmp_path_factory):
     specs = [resolved_spec([*BASE, *TWO_RANKS, *overrides]) for overrides in VARIANTS.values()]
     run_dirs = [tmp_path_factory.mktemp(name.split()[0]) for name in VARIANTS]
-    run_in_workers(_train_all, specs, [str(d) for d in run_dirs], nproc=2)
+    train_in_workers(specs, run_dirs)
     return {name: step_losses(run_dir) for name, run_dir in zip(VARIANTS, run_dirs)}
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK, logged, resolved_spec, run_cli, run_dirs
-from distributed import run_in_workers
+from conftest import QUICK, resolved_spec, run_cli, run_dirs, step_losses
+from distributed import run_in_workers, train_in_workers
 from runner.config.data import IGNORE, DataConfig, DataFormat, build_datasets, collate
 from runner.config.model import ModelConfig, build_model, byte_tokenizer
 from runner.config.train import LossKind
@@ -222,14 +222,6 @@ def packed_run(pairs: Path) -> list[str]:
     return [*BASE, "data=instruction_files", f"data.files={pairs}", "data.seq_len=256", "data.packing=true"]
 
 
-def step_losses(run_dir: Path) -> list[float]:
-    return list(logged(run_dir, "loss").values())
-
-
-def _train_all(ranks, specs, run_dirs):
-    return [train(prepare_job(spec, Path(run_dir), ranks)) for spec, run_dir in zip(specs, run_dirs)]
-
-
 PACKED_VARIANTS = {
     "ddp": ["strategy=ddp"],
     "fsdp": ["strategy=fsdp"],
@@ -248,9 +240,7 @@ def test_packed_training_has_the_losses_of_one_process_under_every_strategy(pair
     specs = [resolved_spec([*packed_run(pairs), "hardware.nproc_per_node=2", "train.grad_accum_steps=2", *overrides])
              for overrides in PACKED_VARIANTS.values()]
     dirs = [tmp_path / str(i) for i in range(len(specs))]
-    for run_dir in dirs:
-        run_dir.mkdir()
-    run_in_workers(_train_all, specs, [str(d) for d in dirs], nproc=2)
+    train_in_workers(specs, dirs)
     for name, run_dir in zip(PACKED_VARIANTS, dirs):
         assert step_losses(run_dir) == pytest.approx(reference, rel=1e-4), name
     assert reference[-1] < reference[0]
@@ -281,9 +271,7 @@ def test_compiled_blocks_keep_the_eager_losses_and_report_the_compile_time(tmp_p
     specs = [resolved_spec([*args, "hardware.nproc_per_node=2", "train.compile=true", *overrides])
              for overrides in COMPILE_VARIANTS.values()]
     dirs = [tmp_path / name for name in COMPILE_VARIANTS]
-    for run_dir in dirs:
-        run_dir.mkdir()
-    summaries = run_in_workers(_train_all, specs, [str(d) for d in dirs], nproc=2)[0]
+    summaries = train_in_workers(specs, dirs)
     for name, run_dir, run_summary in zip(COMPILE_VARIANTS, dirs, summaries):
         assert step_losses(run_dir) == pytest.approx(eager, rel=1e-4, abs=1e-4), name
         assert run_summary["compile_time_s"] > 0

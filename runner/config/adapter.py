@@ -140,14 +140,19 @@ def add_adapter(model: nn.Module, adapter: AdapterConfig, adapter_dtype: torch.d
     return described + f"; the frozen base in {base_dtype}"
 
 
+def _nf4(weight: torch.Tensor) -> torch.Tensor:
+    from torchao.quantization import to_nf4
+
+    return to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK)
+
+
 def _to_nf4(linear: nn.Module, shards: int) -> bool:
     from torch import nn
-    from torchao.quantization import to_nf4
 
     weight = linear.weight
     if weight.is_meta or not nf4_fits(tuple(weight.shape), shards):
         return False
-    linear.weight = nn.Parameter(to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+    linear.weight = nn.Parameter(_nf4(weight), requires_grad=False)
     return True
 
 
@@ -190,12 +195,10 @@ def export_merged(directory: Path, adapter: AdapterConfig, trained: dict[str, to
 def _nf4_round_trip(model: nn.Module, adapter: AdapterConfig, shards: int) -> None:
     """The adapted layers' weights as QLoRA training saw them: quantized to NF4 and back."""
     import torch
-    from torchao.quantization import to_nf4
 
     names = set(targets(adapter, model))
     with torch.no_grad():
         for _, block in blocks(model):
             for name, module in block.named_modules():
                 if name.rsplit(".", 1)[-1] in names and nf4_fits(tuple(module.weight.shape), shards):
-                    quantized = to_nf4(module.weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK)
-                    module.weight.copy_(quantized.get_original_weight())
+                    module.weight.copy_(_nf4(module.weight).get_original_weight())

@@ -22,7 +22,7 @@ from runner.memory.terms import (
     FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change)
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout, StepOutcome
+from runner.strategies.protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
 
 if TYPE_CHECKING:
     import torch
@@ -341,26 +341,20 @@ class DeepSpeedStepper:
         scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
         return StepOutcome(float(self.engine.get_global_grad_norm() or 0.0), self.engine.was_step_applied(), scale)
 
-    @property
-    def frozen_base(self) -> bool:
-        """A frozen base (adapter=lora) is left out of what is written, read and exported."""
-        return any(not parameter.requires_grad for parameter in self.engine.module.parameters())
-
+    # A frozen base (adapter=lora) is left out of what is written, read and exported.
     def save(self, directory: Path, rank: int) -> None:
         self.engine.save_checkpoint(str(directory / "deepspeed"), tag="engine",
-                                    exclude_frozen_parameters=self.frozen_base)
+                                    exclude_frozen_parameters=has_frozen_parameters(self.engine))
 
     def load(self, directory: Path, rank: int, written: CheckpointLayout) -> None:
         self.engine.load_checkpoint(str(directory / "deepspeed"), tag="engine", load_lr_scheduler_states=False,
-                                    load_module_strict=not self.frozen_base)
+                                    load_module_strict=not has_frozen_parameters(self.engine))
 
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        frozen = self.frozen_base
         if self.zero_stage == 3:  # gathers the partitioned parameters
+            frozen = has_frozen_parameters(self.engine)
             return self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=frozen) or {}
-        trained = {name for name, parameter in self.engine.module.named_parameters() if parameter.requires_grad}
-        return {name: tensor for name, tensor in self.engine.module.state_dict().items()
-                if not frozen or name in trained}
+        return trained_state(self.engine, self.engine.module.state_dict())
 
 
 class WeightsOnlyLoading:

@@ -138,6 +138,19 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
+def has_frozen_parameters(model: nn.Module) -> bool:
+    """Whether part of the model is frozen (adapter=lora, qlora): checkpoints and exports then hold the rest."""
+    return any(not parameter.requires_grad for parameter in model.parameters())
+
+
+def trained_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of a state dict that belong to trained parameters (all of it when nothing is frozen)."""
+    if not has_frozen_parameters(model):
+        return state
+    names = {name for name, parameter in unwrapped(model).named_parameters() if parameter.requires_grad}
+    return {name: value for name, value in state.items() if name in names}
+
+
 def parameter_count(model: nn.Module) -> int:
     """The whole model's parameters, however they are sharded: an FSDP2 DTensor's numel is its global size, and a
     parameter that DeepSpeed ZeRO-3 partitioned keeps its size in ds_numel (its own data is empty)."""

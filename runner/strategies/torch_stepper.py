@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 
 from runner.distributed import cpu_copy, local, process_group_up
 from runner.files import save_tensors, write_json
-from runner.strategies.protocol import CheckpointLayout, StepOutcome, unwrapped
+from runner.strategies.protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
 
 if TYPE_CHECKING:
     import torch
@@ -73,16 +73,13 @@ class TorchStepper:
         """torch's state-dict options; a frozen base is left out of what is written, read and exported."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        frozen = any(not parameter.requires_grad for parameter in self.model.parameters())
+        frozen = has_frozen_parameters(self.model)
         return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen, **choices)
 
     def trained(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The state of the trained parameters (torch's ignore_frozen_params keeps the second name of a tied
-        frozen parameter, such as an LM head tied to the embeddings)."""
-        names = {name for name, parameter in unwrapped(self.model).named_parameters() if parameter.requires_grad}
-        if len(names) == sum(1 for _ in self.model.parameters()):
-            return state
-        return {name: value for name, value in state.items() if name in names}
+        """torch's ignore_frozen_params keeps the second name of a tied frozen parameter (an LM head tied to the
+        embeddings): the trained parameters' entries only."""
+        return trained_state(self.model, state)
 
     def save(self, directory: Path, rank: int) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
