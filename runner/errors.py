@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from enum import IntEnum
-from typing import Iterable
+from typing import Iterable, Optional
 
 
 class ExitStatus(IntEnum):
@@ -36,7 +36,12 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Stopped(RuntimeError):
-    """A SIGTERM, SIGINT or SIGUSR2 stopped the run after a step, with a checkpoint to resume from."""
+    """A SIGTERM, SIGINT or SIGUSR2 stopped the run after a step, with a checkpoint to resume from. `signal`: the
+    one that asked, where known."""
+
+    def __init__(self, message: str, signal: Optional[str] = None):
+        super().__init__(message)
+        self.signal = signal
 
 
 class SweepStopped(BaseException):

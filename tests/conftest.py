@@ -36,8 +36,29 @@ QUICK = [
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "distributed" in item.keywords:
+        if "distributed" in item.keywords or "cluster" in item.keywords:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real SLURM cluster on this host, started once for the session (tests/cluster/slurm.py) and stopped after
+    it; its clients (sbatch, scontrol, sacct, and submitit through them) find it by $SLURM_CONF."""
+    from cluster import slurm
+
+    try:
+        env = slurm.start()
+    except slurm.Unavailable as reason:
+        pytest.skip(f"no SLURM cluster on this machine: {reason}")
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    yield env
+    slurm.stop()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -42,7 +42,7 @@ def test_local_executor_runs_a_two_point_sweep_one_rank_per_task(workdir):
     (["hydra/launcher=slurm", "hardware=8xh100_80gb", "strategy=fsdp"], "hydra/launcher=slurm submits with sbatch"),
 ])
 def test_cluster_sweeps_that_cannot_work_stop_before_submitting(args, message, workdir):
-    result = run_cli("-m", *args, cwd=workdir)
+    result = run_cli("-m", *args, cwd=workdir, env={"PATH": str(workdir)})  # a machine without SLURM's commands
     assert result.returncode == 2
     assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
     assert not (workdir / "outputs").exists()
@@ -70,3 +70,24 @@ def test_a_missing_hydra_plugin_names_its_package(missing, package):
 
     error = MissingConfigException(f"Could not load '{missing}'.", missing_cfg_file=missing, options=["basic"])
     assert one_line(error).endswith(f"plugin, which is not installed: pip install {package}")
+
+
+def test_a_first_node_without_an_address_is_one_clear_error_not_a_wait():
+    from runner.engine.cluster import check_reachable
+
+    with pytest.raises(RuntimeError, match=r"the job's first node, node-that-is-not\.invalid \(SLURM_JOB_NODELIST\), "
+                                           r"has no address on .*: its ranks cannot meet there"):
+        check_reachable("node-that-is-not.invalid")
+    check_reachable("localhost")
+
+
+def test_a_requeued_job_that_starts_over_writes_its_metrics_afresh(tmp_path):
+    """A job requeued before its first checkpoint runs again from step 0 in its own run directory."""
+    from runner.config.tracker import MetricsFile
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    metrics = MetricsFile(path)
+    metrics.log({"loss": 5.0}, step=1)
+    metrics.finish()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1]

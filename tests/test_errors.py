@@ -68,6 +68,8 @@ BAD_INPUTS = {
                                                     "could not be converted to Integer"),
     "an endpoint without a port": (["strategy=ddp", "hardware.nnodes=2", "hardware.rdzv_endpoint=node0"],
                                    "hardware.rdzv_endpoint=node0 must be <host of node 0>:<port>"),
+    "no time to wait at the rendezvous": (["strategy=ddp", "hardware.nnodes=2", "hardware.rdzv_endpoint=node0:29500",
+                                           "hardware.rdzv_timeout_s=0"], "hardware.rdzv_timeout_s=0 must be >= 1"),
 }
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import QUICK, run_cli, run_dirs
+from conftest import QUICK, run_cli, run_dirs, step_losses
 
 pytestmark = pytest.mark.distributed
 
@@ -90,21 +90,34 @@ def test_sweep_runs_each_job_worker_group_in_turn(workdir):
     assert not [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
 
 
-def test_two_nodes_meet_at_the_rendezvous_endpoint(tmp_path):
-    """Two `run` processes, as on two machines, form one job of two nodes through a static rendezvous."""
+TWO_NODE_JOB = ["strategy=fsdp", *SHORT, "train.micro_batch_size=2", "train.log_every=1"]
+
+
+def start_node(rank: int, endpoint: str, cwd, *overrides: str) -> subprocess.Popen:
+    """`run` as node `rank` of a job of two nodes with one process each."""
+    cwd.mkdir(exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner", "hardware.nnodes=2", "hardware.nproc_per_node=1", f"hardware.node_rank={rank}",
+         f"hardware.rdzv_endpoint={endpoint}", *overrides],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def first_error(stderr: str) -> str:
+    return stderr[stderr.index("run: error: "):].splitlines()[0]
+
+
+def test_two_nodes_train_as_the_same_job_on_one_node(tmp_path):
+    """Two `run` processes, as on two machines, form one job of two nodes through a static rendezvous: started 2 s
+    apart (their run directories are named by other seconds), node 0 naming its host localhost, node 1 127.0.0.1.
+    The job's losses are those of its two processes on one node, to the bit."""
     from runner.distributed import free_port
 
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    port = free_port()
     jobs = []
-    for rank, node in enumerate(nodes):
-        node.mkdir()
+    for rank, host in enumerate(("localhost", "127.0.0.1")):
         if rank:
-            time.sleep(2)  # as on two machines, started apart: their run directories are named by other seconds
-        jobs.append(subprocess.Popen(
-            [sys.executable, "-m", "runner", "strategy=fsdp", "hardware.nnodes=2", "hardware.nproc_per_node=1",
-             f"hardware.node_rank={rank}", f"hardware.rdzv_endpoint={endpoint}", *SHORT, "train.micro_batch_size=2"],
-            cwd=node, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            time.sleep(2)
+        jobs.append(start_node(rank, f"{host}:{port}", tmp_path / f"node{rank}", *TWO_NODE_JOB))
     try:
         outputs = [job.communicate(timeout=300) for job in jobs]
     finally:
@@ -112,11 +125,90 @@ def test_two_nodes_meet_at_the_rendezvous_endpoint(tmp_path):
             job.kill()  # if they still wait for each other: no process outlives the test
     assert [job.returncode for job in jobs] == [0, 0], outputs[1][1][-2000:]
     assert "fsdp FULL_SHARD, 2 processes" in outputs[0][0]
-    [node0_run] = run_dirs(nodes[0])
-    [node1_run] = run_dirs(nodes[1])
+    for rank, (stdout, _) in enumerate(outputs):
+        assert (f"node {rank} of 2: waiting up to 900 s (hardware.rdzv_timeout_s) for the job's 2 nodes at the "
+                "rendezvous") in stdout
+    assert outputs[1][0].strip().splitlines()[-1].endswith(
+        "node 1 of 2: this node's ranks (1) finished; the job's outputs are in node 0's run directory")
+    [node0_run] = run_dirs(tmp_path / "node0")
+    [node1_run] = run_dirs(tmp_path / "node1")
     assert node0_run.name != node1_run.name
     assert (node0_run / "summary.json").exists() and (node0_run / "model").is_dir()
     assert "step 4/4" in (node1_run / "rank1.log").read_text()
+
+    (tmp_path / "one_node").mkdir()
+    one_node = run_cli(*TWO_NODE_JOB, "hardware.nproc_per_node=2", cwd=tmp_path / "one_node")
+    assert one_node.returncode == 0, one_node.stderr[-3000:]
+    [one_node_run] = run_dirs(tmp_path / "one_node")
+    assert len(step_losses(node0_run)) == 4
+    assert step_losses(node0_run) == step_losses(one_node_run)
+
+
+@pytest.mark.parametrize("killed", ["run process and worker", "run process"])
+def test_a_node_that_dies_ends_the_other_within_30_seconds_and_leaves_no_process(tmp_path, killed):
+    """Node 1 killed mid-training, its worker with it or (its run process alone) left to notice: node 0 ends
+    within 30 s, its first error line naming node 1, and no process of either node is left."""
+    from runner.distributed import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    job = ["strategy=fsdp", *QUICK, "train.max_steps=500", "train.log_every=1", "train.eval_every=0",
+           "train.micro_batch_size=2"]
+    node0, node1 = (start_node(rank, endpoint, tmp_path / f"node{rank}", *job) for rank in (0, 1))
+    try:
+        deadline = time.monotonic() + 180
+        worker = None
+        while time.monotonic() < deadline and worker is None:
+            time.sleep(0.5)
+            logs = list((tmp_path / "node1").glob("outputs/*/*/rank1.log"))
+            if logs and "step 3/500" in logs[0].read_text():
+                worker = int(re.search(r"rank 1 of 2, process (\d+)", logs[0].read_text()).group(1))
+        assert worker is not None, "rank 1 never got to step 3"
+        processes = [psutil.Process(node.pid) for node in (node0, node1)]
+        processes += [child for process in list(processes) for child in process.children(recursive=True)]
+        os.kill(node1.pid, signal.SIGKILL)
+        if killed == "run process and worker":
+            os.kill(worker, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = node0.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 30
+        assert node0.returncode != 0
+        assert first_error(stderr).startswith("run: error: node 1 left the job: rank 0 on this node lost its "
+                                              "connection to it ("), stderr[-3000:]
+        _, alive = psutil.wait_procs(processes, timeout=10)
+        assert not alive
+        if killed == "run process":
+            assert re.search(r"rank 1: this node's run process \(\d+\) ended; leaving the job", logs[0].read_text())
+    finally:
+        for node in (node0, node1):
+            node.kill()
+
+
+def test_a_node_whose_peers_never_come_ends_after_the_rendezvous_timeout(tmp_path):
+    """Node 0 without node 1, and node 1 without node 0 (each alone at its own endpoint): each says once what it
+    waits for, then ends after hardware.rdzv_timeout_s with one line naming the endpoint and what did not come."""
+    from runner.distributed import free_port
+
+    endpoints = [f"127.0.0.1:{free_port()}" for _ in (0, 1)]
+    started = time.monotonic()
+    nodes = [start_node(rank, endpoints[rank], tmp_path / f"node{rank}", "strategy=fsdp", *SHORT,
+                        "hardware.rdzv_timeout_s=3") for rank in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert time.monotonic() - started < 90  # starting, reading the data, 3 s at the rendezvous
+    for rank, (stdout, stderr) in enumerate(outputs):
+        assert nodes[rank].returncode != 0
+        assert stdout.count("waiting up to") == 1
+        assert (f"node {rank} of 2: waiting up to 3 s (hardware.rdzv_timeout_s) for the job's 2 nodes at the "
+                f"rendezvous {endpoints[rank]}, then starting 1 worker processes on this node") in stdout
+        assert "frame #" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    for rank, awaited in enumerate(("the other nodes", "node 0")):
+        assert first_error(outputs[rank][1]).startswith(
+            f"run: error: node {rank} of 2: the job's nodes did not meet at the rendezvous {endpoints[rank]}, where "
+            f"this node waits up to 3 s (hardware.rdzv_timeout_s) for {awaited}: ")
+    assert "1/2 clients joined" in first_error(outputs[0][1])
 
 
 def test_a_rank_that_waits_on_a_stopped_rank_says_where_it_waits(workdir):

@@ -5,6 +5,7 @@ through the elastic launcher (several), or as one task of a submitit job (a clus
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -16,10 +17,13 @@ from omegaconf import DictConfig, OmegaConf
 from runner.cli.compose import CONF_DIR
 from runner.cli.run_dir import chosen_options, discard_run_dir, run_identity, scrub_secrets, spec_file
 from runner.cli.user_errors import USER_ERRORS, one_line
+from runner.config.hardware import check_rendezvous
 from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
-from runner.engine.cluster import check_launcher, current_task, submits_to_cluster
+from runner.engine.checkpoint import complete_checkpoints
+from runner.engine.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
 from runner.engine.signals import SweepStop
-from runner.errors import LaunchRefused, NothingToLaunch, SpecError, Stopped, SweepStopped
+from runner.errors import (ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, SpecError, Stopped,
+                           SweepStopped, WorkerFailed)
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report
 
@@ -37,9 +41,10 @@ def run_job(config: DictConfig) -> float:
     from runner.engine.launch import launch, run_task
 
     task = current_task()  # a task of a submitit job is one rank; every task of the job runs this
+    hydra_config = HydraConfig.get()
     if task is not None:  # started by submitit, not by `run`
         quiet_libraries()
-    hydra_config = HydraConfig.get()
+        resume_requeued(config, task, Path(hydra_config.runtime.output_dir))
     sweeping = hydra_config.mode == RunMode.MULTIRUN and task is None
     if sweeping:
         stop_if_asked(hydra_config, "started")  # by a signal between the jobs
@@ -69,18 +74,47 @@ def run_job(config: DictConfig) -> float:
             return run_task(task, spec, run_dir, log_format, identity)["objective"]
         return launch(spec, run_dir, log_format, identity)["objective"]
     except Stopped as stop:
+        if task is not None:
+            end_if_requeued(task, stop)
         if not sweeping:
             raise
         record_error(run_dir, stop)
         raise stopped_sweep(hydra_config, f"job {hydra_config.job.num} {stop}", next_job=hydra_config.job.num + 1)
-    except Exception:
+    except Exception as error:
         # Hydra holds a sweep job's error until the whole sweep has run: its log says why it failed now.
         if hydra_config.mode == RunMode.MULTIRUN:
             logging.getLogger("runner").exception("the job failed")
+        if task is not None and not isinstance(error, (WorkerFailed, NonFiniteLoss)):  # `run` says it in one line
+            raise WorkerFailed(f"rank {task.rank} failed (SLURM job {task.job_id}): {one_line(error)} (its "
+                               f"traceback: the logs in {run_dir})") from None
         raise
     finally:
         if sweeping:  # the elastic launcher leaves its own signal handlers behind
             SWEEP.stop.install()
+
+
+def end_if_requeued(task: Task, stop: Stopped) -> None:
+    """A cluster job stopped after its checkpoint that SLURM will run again ends this run without a result, which
+    would tell submitit the job is over: near its time limit (SIGUSR2) it requeues itself; requeued by SLURM
+    (`scontrol requeue`, a preemption) it is already. Stopped otherwise (scancel), it ends stopped, as the sweep
+    report then says."""
+    logging.getLogger("runner").warning("%s", stop)
+    if stop.signal == "SIGUSR2":
+        if task.rank == 0:
+            requeue(task)
+    elif not requeued(task):
+        return
+    sys.exit(ExitStatus.STOPPED)
+
+
+def resume_requeued(config: DictConfig, task: Task, run_dir: Path) -> None:
+    """A cluster job that SLURM started again (near its time limit, preempted, `scontrol requeue`) continues from
+    its last complete checkpoint; without one, it starts over."""
+    found = complete_checkpoints(run_dir)
+    if found and not config.resume:
+        config.resume = str(found[-1])
+        logging.getLogger("runner").info("SLURM started job %s again (restart %d): resuming from %s", task.job_id,
+                                         task.restarts, found[-1])
 
 
 @dataclass
@@ -134,6 +168,8 @@ def checked(config: DictConfig, prefix: str = "", launcher: Optional[DictConfig]
         if launcher is not None:
             check_launcher(launcher, config)
         spec = validated(config, Path.cwd(), on_this_machine=launcher is None)
+        if launcher is None:
+            check_rendezvous(spec.hardware)
         return spec, shown_spec(config, spec) if print_spec else spec.task.before_launch(spec)
     except USER_ERRORS as error:
         raise LaunchRefused(f"{prefix}{one_line(error)}") from None

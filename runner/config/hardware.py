@@ -27,6 +27,8 @@ class HardwareConfig:
     # Several machines: this machine's index and the host:port of node 0, where the processes meet.
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = None
+    # How long a node waits there for the others before it gives up.
+    rdzv_timeout_s: int = 900
     device_name: Optional[str] = None
     device_memory_gib: Optional[float] = None
     host_memory_gib: Optional[float] = None
@@ -104,15 +106,20 @@ def on_this_machine(declared: HardwareConfig) -> HardwareConfig:
                 "hardware asks for CUDA GPUs but this machine has none; use hardware=auto or hardware=cpu")
     require(0 <= declared.node_rank < declared.nnodes,
             f"hardware.node_rank={declared.node_rank} must be in [0, hardware.nnodes={declared.nnodes})")
-    require(declared.nnodes == 1 or bool(declared.rdzv_endpoint),
-            f"hardware.nnodes={declared.nnodes} needs hardware.rdzv_endpoint=<host of node 0>:<free port>, "
-            "the same on every node")
     machine = detect(declared)
     if machine.accelerator is Accelerator.cuda:
         require(machine.nproc_per_node <= cuda_device_count(),
                 f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
                 f"{cuda_device_count()} this machine has")
     return machine
+
+
+def check_rendezvous(declared: HardwareConfig) -> None:
+    """Nodes that `run` starts itself meet at an endpoint the user gives (a cluster's job meets on its first
+    node)."""
+    require(declared.nnodes == 1 or bool(declared.rdzv_endpoint),
+            f"hardware.nnodes={declared.nnodes} needs hardware.rdzv_endpoint=<host of node 0>:<free port>, "
+            "the same on every node")
 
 
 def planned(declared: HardwareConfig) -> HardwareConfig:
@@ -135,6 +142,7 @@ def check_declared(declared: HardwareConfig) -> None:
         require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
                 f"hardware.rdzv_endpoint={declared.rdzv_endpoint} must be <host of node 0>:<port>, for example "
                 "10.0.0.1:29500")
+    require(declared.rdzv_timeout_s >= 1, f"hardware.rdzv_timeout_s={declared.rdzv_timeout_s} must be >= 1")
     for key in ("device_memory_gib", "host_memory_gib"):
         given = getattr(declared, key)
         require(given is None or given > 0, f"hardware.{key}={given} must be > 0 (or unset: read from the machine)")

@@ -137,7 +137,8 @@ class Tracker(Protocol):
 class MetricsFile:
     """One JSON object per logged step, appended and flushed as it comes, with the wall-clock time it was
     written at (`time`, seconds since the epoch). A resumed run first drops the records after its checkpoint's
-    step, which it is about to log again."""
+    step, which it is about to log again; a run that starts over (a cluster job requeued before its first
+    checkpoint) drops them all."""
 
     def __init__(self, path: Path, start_step: int = 0):
         if start_step and path.exists():
@@ -145,7 +146,7 @@ class MetricsFile:
             whole = path.read_text().split("\n")[:-1]
             kept = [line for line in whole if json.loads(line)["step"] <= start_step]
             path.write_text("".join(line + "\n" for line in kept))
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a" if start_step else "w", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}

@@ -6,8 +6,12 @@ job starts no launcher of its own.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
+import socket
+import subprocess
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -27,6 +31,8 @@ class Task:
     tasks_per_node: int
     main_host: str
     job_id: str
+    # How many times SLURM has requeued the job (its time limit, a preemption, `scontrol requeue`).
+    restarts: int
 
 
 def current_task() -> Task | None:
@@ -37,7 +43,35 @@ def current_task() -> Task | None:
 
     job = submitit.JobEnvironment()
     return Task(job.global_rank, job.local_rank, job.num_tasks, job.num_tasks // job.num_nodes,
-                job.hostnames[0], job.job_id)
+                job.hostnames[0], job.job_id, int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+
+
+def check_reachable(host: str) -> None:
+    """The ranks meet on the job's first node, by its SLURM name: a name without an address would keep them
+    waiting until the rendezvous times out."""
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as error:
+        raise RuntimeError(f"the job's first node, {host} (SLURM_JOB_NODELIST), has no address on "
+                           f"{socket.gethostname()} ({error.strerror}): its ranks cannot meet there") from None
+
+
+def requeued(task: Task) -> bool:
+    """Whether SLURM is putting the job back in the queue (`scontrol requeue`, a preemption) rather than ending it
+    (scancel): it counts the restart as it signals the job."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", task.job_id], capture_output=True, text=True, timeout=60)
+    restarts = re.search(r"\bRestarts=(\d+)", shown.stdout)
+    return restarts is not None and int(restarts.group(1)) > task.restarts
+
+
+def requeue(task: Task) -> None:
+    """Puts the job back in the queue; SLURM ends this run of it and starts it again, from its checkpoint."""
+    done = subprocess.run(["scontrol", "requeue", task.job_id], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"scontrol requeue {task.job_id} failed: {(done.stderr or done.stdout).strip()}; "
+                           "the checkpoint is kept: requeue or resubmit the job to continue")
+    logging.getLogger("runner").warning("the time limit is near: requeued SLURM job %s, which resumes from its "
+                                        "checkpoint", task.job_id)
 
 
 def is_first_task() -> bool:

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 import sys
+import threading
+import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,18 +24,26 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner.distributed import Ranks, free_port
 from runner.engine.build_locks import clear_stale_build_locks
 from runner.engine.checkpoint import complete_checkpoints
+from runner.engine.cluster import Task, check_reachable
 from runner.errors import ExitStatus, Stopped, WorkerFailed
 from runner.quiet import name_deepspeed_accelerator, quiet_loggers
 
 if TYPE_CHECKING:
+    from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
-    from runner.engine.cluster import Task
+
+# prctl(2)'s option for the signal a process gets when its parent ends.
+PR_SET_PDEATHSIG = 1
+# A peer's end as gloo reports it, after the source location: "Read error [10.0.0.2]:6552: Connection reset by
+# peer", "Connection closed by peer [10.0.0.2]:6552".
+LOST_PEER = r"(\w[\w ]*\[[\w.:]+\]:\d+: )?Connection (reset|closed) by peer( \[[\w.:]+\]:\d+)?"
 
 
 def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
     """Runs the job's task on hardware.nproc_per_node local workers (of hardware.nnodes nodes); returns the summary of
     this node's first rank (every rank computes the same one)."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -43,12 +55,13 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         min_nodes=hardware.nnodes,
         max_nodes=hardware.nnodes,
         nproc_per_node=hardware.nproc_per_node,
-        # The rendezvous keeps a job's keys under its id, so every node must name the job alike: node 0's endpoint.
-        # (Named by their run directories, nodes started in different seconds would wait for each other forever.)
-        run_id=f"runner@{endpoint}",
+        # The rendezvous keeps a job's keys under its id, so every node must name the job alike, whatever the run
+        # directory (named by the second it started) or the spelling of node 0's host (localhost, 127.0.0.1): the
+        # store at the endpoint serves this one job.
+        run_id="runner",
         rdzv_backend="static",
         rdzv_endpoint=endpoint,
-        rdzv_configs={"rank": hardware.node_rank, "timeout": 900},
+        rdzv_configs={"rank": hardware.node_rank, "timeout": hardware.rdzv_timeout_s},
         max_restarts=0,
         start_method="spawn",
         # On SIGTERM the workers finish their step and checkpoint before the launcher would kill them.
@@ -57,22 +70,32 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
     )
     clear_stale_build_locks()
-    logging.getLogger("runner").info(
-        "starting %d worker processes on this node (node %d of %d, rendezvous %s)",
-        hardware.nproc_per_node, hardware.node_rank, hardware.nnodes, endpoint,
-    )
+    log = logging.getLogger("runner")
+    if hardware.nnodes == 1:
+        log.info("starting %d worker processes on this node", hardware.nproc_per_node)
+    else:
+        log.info("node %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's %d nodes at the rendezvous "
+                 "%s, then starting %d worker processes on this node", hardware.node_rank, hardware.nnodes,
+                 hardware.rdzv_timeout_s, hardware.nnodes, endpoint, hardware.nproc_per_node)
     # The launcher's own loggers would print each failure's traceback ahead of the report below.
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    if hardware.node_rank:
+        wait_for_node0(hardware, endpoint)
     try:
-        results = elastic_launch(config, worker)(spec, run_dir, log_format, identity)
+        results = elastic_launch(config, worker)(spec, run_dir, log_format, identity, os.getpid())
     except ChildFailedError as error:
         if all(failure.exitcode == ExitStatus.STOPPED for failure in error.failures.values()):
             raise stopped(run_dir, "a signal") from None
-        rank, failure = error.get_first_failure()
-        raise WorkerFailed(failure_report(rank, failure)) from None
+        raise WorkerFailed(failures_report(error, hardware)) from None
     except SignalException as error:
         raise stopped(run_dir, error.sigval.name) from None
+    except DistError as error:  # outside the workers, only the rendezvous talks to the other nodes
+        cause = str(error).splitlines()[0]  # a C++ stack trace may follow
+        raise WorkerFailed(rendezvous_report(hardware, endpoint, cause)) from None
+    if hardware.node_rank:
+        log.info("node %d of %d: this node's ranks (%s) finished; the job's outputs are in node 0's run directory",
+                 hardware.node_rank, hardware.nnodes, ", ".join(map(str, sorted(results))))
     return results[min(results)]
 
 
@@ -80,6 +103,49 @@ def stopped(run_dir: Path, cause: str) -> Stopped:
     found = complete_checkpoints(run_dir)
     where = f"checkpoint {found[-1]}" if found else "no checkpoint"
     return Stopped(f"stopped by {cause}, {where}; continue with: run resume={run_dir}")
+
+
+def failures_report(error: Any, hardware: HardwareConfig) -> str:
+    """The first failed rank's error on the first line, its traceback below; when every rank of this node failed
+    only because a connection to a peer closed, the cause is another node, which the first line names."""
+    rank, failure = error.get_first_failure()
+    report = failure_report(rank, failure)
+    if hardware.nnodes == 1 or not all(lost_peer(failed) for failed in error.failures.values()):
+        return report
+    gone = f"node {1 - hardware.node_rank}" if hardware.nnodes == 2 else "another node"
+    return f"{gone} left the job: rank {rank} on this node lost its connection to it ({lost_peer(failure)})\n\n{report}"
+
+
+def lost_peer(failure: Any) -> str:
+    """gloo's words for a connection that the peer closed (it ended), or nothing for any other error."""
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    found = re.search(LOST_PEER, message)
+    return found.group(0) if found else ""
+
+
+def wait_for_node0(hardware: HardwareConfig, endpoint: str) -> None:
+    """Node 0 listens at the endpoint from the moment it reaches the rendezvous. The other nodes wait for that here,
+    until hardware.rdzv_timeout_s: torch's own client would try twice as long, printing C++ stack traces."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    address = parse_rendezvous_endpoint(endpoint, default_port=-1)
+    deadline = time.monotonic() + hardware.rdzv_timeout_s
+    while True:
+        try:
+            socket.create_connection(address, timeout=5).close()
+            return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise WorkerFailed(rendezvous_report(hardware, endpoint, str(error))) from None
+            time.sleep(1)
+
+
+def rendezvous_report(hardware: HardwareConfig, endpoint: str, cause: str) -> str:
+    """Node 0 waits at the rendezvous for the other nodes, the others wait there for node 0."""
+    awaited = "the other nodes" if hardware.node_rank == 0 else "node 0"
+    return (f"node {hardware.node_rank} of {hardware.nnodes}: the job's nodes did not meet at the rendezvous "
+            f"{endpoint}, where this node waits up to {hardware.rdzv_timeout_s} s (hardware.rdzv_timeout_s) for "
+            f"{awaited}: {cause}")
 
 
 def failure_report(rank: int, failure: Any) -> str:
@@ -93,7 +159,38 @@ def failure_report(rank: int, failure: Any) -> str:
 
 
 @record
-def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
+def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity,
+           controller: int) -> dict[str, Any]:
+    """One rank of the elastic launcher's group, which ends with its controller (process `controller`): a stop ends
+    it with the status that the controller reports."""
+    end_with_controller(controller)
+    try:
+        return rank_main(spec, run_dir, log_format, identity)
+    except Stopped as stop:
+        logging.getLogger("runner").warning("%s", stop)
+        sys.exit(ExitStatus.STOPPED)  # the launcher sees the exit status, and the controller reports the stop
+
+
+def end_with_controller(controller: int) -> None:
+    """A worker whose `run` process died (killed, out of memory) ends at once, saying why, instead of training on
+    without it. torch's spawn would send it a SIGINT, which the loop takes for a stop that every rank of the job
+    agrees on: the other nodes would then report a stop by a signal that none of them got."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 0)
+
+    def watch() -> None:
+        while os.getppid() == controller:
+            time.sleep(1)
+        logging.getLogger("runner").error("rank %s: this node's run process (%d) ended; leaving the job",
+                                          os.environ["RANK"], controller)
+        os._exit(ExitStatus.FAILED)
+
+    threading.Thread(target=watch, name="end_with_controller", daemon=True).start()
+
+
+def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
+    """Runs the task as one rank of the job's process group."""
     import torch
     import torch.distributed as dist
 
@@ -112,9 +209,6 @@ def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         dist.init_process_group("gloo")
     try:
         return spec.task.run(spec, run_dir, ranks, identity)
-    except Stopped as stop:
-        logging.getLogger("runner").warning("%s", stop)
-        sys.exit(ExitStatus.STOPPED)  # the launcher sees the exit status, and the controller reports the stop
     finally:
         dist.destroy_process_group()
 
@@ -151,6 +245,7 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
              identity: RunIdentity) -> dict[str, Any]:
     """Runs the job as rank `task.rank` of a submitit job: the rendezvous is the job's first host, on a port drawn from
     its id. SLURM started every task; none starts workers of its own."""
+    check_reachable(task.main_host)
     os.environ.update(
         RANK=str(task.rank),
         LOCAL_RANK=str(task.local_rank),
@@ -170,4 +265,4 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
     logging.getLogger("submitit").propagate = False
     if task.local_rank == 0:
         clear_stale_build_locks()
-    return worker(spec, run_dir, log_format, identity)
+    return rank_main(spec, run_dir, log_format, identity)

@@ -107,7 +107,7 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
             raise Stopped(f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "
-                          f"continue with: run resume={job.run_dir}")
+                          f"continue with: run resume={job.run_dir}", signal=stop.requested)
 
     bar.close()
     watch.entering("saving the model")

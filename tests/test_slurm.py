@@ -1,0 +1,184 @@
+"""Jobs on a real SLURM cluster (slurmctld, two slurmd, slurmdbd: tests/cluster/slurm.py) through Hydra's submitit
+launcher, `hydra/launcher=slurm`, as on a real cluster: sweeps, a failed job, the time limit's warning, `scontrol
+requeue`, `scancel`, and a job over two nodes. The final states are SLURM's own, from sacct."""
+
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import QUICK, step_losses
+
+pytestmark = pytest.mark.cluster
+
+SHORT = [*QUICK, "train.max_steps=6", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2"]
+ON_SLURM = ["-m", "hydra/launcher=slurm", "hardware=cpu"]
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def finished(job: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+    try:
+        stdout, stderr = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    return job.returncode, stdout, stderr
+
+
+def sweep_dir(cwd: Path) -> Path:
+    [found] = cwd.glob("outputs/multirun/*/*")
+    return found
+
+
+def report(cwd: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((sweep_dir(cwd) / "report.csv").open()))
+
+
+def slurm_jobs(cwd: Path) -> list[str]:
+    """The SLURM job ids of a sweep's jobs, from the names of their tasks' logs (<job>_<task>_log.out)."""
+    logs = (sweep_dir(cwd) / ".submitit").glob("*/*_log.out")
+    return sorted({re.sub(r"_\d+_log\.out$", "", log.name) for log in logs})
+
+
+def sacct(job_id: str, *fields: str, every_run: bool = False) -> list[dict[str, str]]:
+    """SLURM's accounting records of a job (each run of a requeued one with `every_run`)."""
+    names = ["JobID", "State", *fields]
+    done = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(names),
+                           *(["--duplicates"] if every_run else [])], capture_output=True, text=True, check=True)
+    return [dict(zip(names, line.split("|"))) for line in done.stdout.splitlines()]
+
+
+def final_state(job_id: str) -> str:
+    """The job's state once slurmdbd has it (it comes a moment after the job ends)."""
+    deadline = time.monotonic() + 30
+    while True:
+        [record] = sacct(job_id)
+        if record["State"] not in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED") or time.monotonic() > deadline:
+            return record["State"]
+        time.sleep(1)
+
+
+def wait_for(condition, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+        time.sleep(0.5)
+
+
+def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, tmp_path):
+    """A 2-point sweep of 2-task jobs, a job that fails, and a job over SLURM's two nodes, side by side."""
+    sweep = start(*ON_SLURM, "hardware.nproc_per_node=2", "strategy=ddp,fsdp", *SHORT, cwd=tmp_path / "sweep")
+    # 4 query heads cannot share 3 key-value heads: the spec is valid, the first forward fails.
+    failing = start(*ON_SLURM, "hardware.nproc_per_node=2", "strategy=ddp", *SHORT,
+                    "model.architecture.num_key_value_heads=3", cwd=tmp_path / "failing")
+    two_nodes = start(*ON_SLURM, "hardware.nnodes=2", "hardware.nproc_per_node=1", "strategy=fsdp", *SHORT,
+                      cwd=tmp_path / "two_nodes")
+
+    code, stdout, stderr = finished(sweep)
+    assert code == 0, stderr[-3000:]
+    rows = report(tmp_path / "sweep")
+    assert [(row["swept"], row["status"]) for row in rows] == [("strategy=ddp", "completed"),
+                                                              ("strategy=fsdp", "completed")]
+    for job in ("0", "1"):
+        run_dir = sweep_dir(tmp_path / "sweep") / job
+        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+        assert (run_dir / "model" / "config.json").exists() and (run_dir / "spec.yaml").exists()
+        assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000006"]
+        assert "rank 1 of 2" in (run_dir / "rank1.log").read_text()
+    assert [final_state(job) for job in slurm_jobs(tmp_path / "sweep")] == ["COMPLETED", "COMPLETED"]
+
+    code, stdout, stderr = finished(failing)
+    assert code == 1
+    first_line = stderr[stderr.index("run: error: "):].splitlines()[0]
+    assert "must match the size of tensor b (3)" in first_line
+    [row] = report(tmp_path / "failing")
+    assert row["status"] == "failed" and "must match the size of tensor b (3)" in row["error"]
+    assert "must match the size of tensor b (3)" in (sweep_dir(tmp_path / "failing") / "0" / "error.txt").read_text()
+
+    code, stdout, stderr = finished(two_nodes)
+    assert code == 0, stderr[-3000:]
+    [job_id] = slurm_jobs(tmp_path / "two_nodes")
+    [record] = sacct(job_id, "NNodes", "NodeList")
+    assert record["NNodes"] == "2", record
+    two_node_run = sweep_dir(tmp_path / "two_nodes") / "0"
+    assert "fsdp FULL_SHARD, 2 processes" in (two_node_run / "run.log").read_text()
+    # Two nodes of one rank each compute what one node of two ranks does.
+    assert step_losses(two_node_run) == step_losses(sweep_dir(tmp_path / "sweep") / "1")
+
+
+def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses(slurm_cluster,
+                                                                                              tmp_path):
+    """A two-minute time limit with the warning 1 s ahead, for a job that needs more: SLURM sends SIGUSR2 once its
+    time checks find less than 31 s left (they look 30 s ahead), so about 90 s into each run. The job checkpoints
+    after its step, requeues itself and resumes, until it is done, with the losses of the same job run here
+    without a stop."""
+    job = ["strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=400", "train.log_every=1",
+           "train.eval_every=0", "train.save_model=false"]
+    on_slurm = start(*ON_SLURM, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=1", *job,
+                     cwd=tmp_path / "slurm")
+    assert finished(start("hardware=cpu", *job, cwd=tmp_path / "here"))[0] == 0
+
+    code, stdout, stderr = finished(on_slurm, timeout=900)
+    assert code == 0, stderr[-3000:]
+    [job_id] = slurm_jobs(tmp_path / "slurm")
+    assert final_state(job_id) == "COMPLETED"
+    assert "REQUEUED" in [record["State"] for record in sacct(job_id, every_run=True)]
+    run_dir = sweep_dir(tmp_path / "slurm") / "0"
+    log = (run_dir / "run.log").read_text()
+    stopped_at = [int(step) for step in re.findall(r"stopped by SIGUSR2 after step (\d+)", log)]
+    resumed_at = [int(step) for step in re.findall(r"resuming from step (\d+)", log)]
+    assert stopped_at and set(resumed_at) == set(stopped_at) and "requeued SLURM job" in log, log
+    [here] = (tmp_path / "here").glob("outputs/*/*")
+    assert step_losses(run_dir) == step_losses(here) and len(step_losses(here)) == 400
+
+
+def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stops_with_a_checkpoint(slurm_cluster,
+                                                                                                    tmp_path):
+    """One job: SLURM's warning signal (sent now, with scancel --signal), then `scontrol requeue`, then scancel;
+    against the same job run here without a stop, as far as the job went."""
+    job = ["strategy=single", "hardware.nproc_per_node=1", *QUICK, "train.max_steps=5000", "train.log_every=1",
+           "train.eval_every=0", "train.save_model=false"]
+    submitted = start(*ON_SLURM, *job, cwd=tmp_path / "slurm")
+    uninterrupted = start("hardware=cpu", *job, cwd=tmp_path / "here")
+    try:
+        wait_for(lambda: list(tmp_path.glob("slurm/outputs/multirun/*/*/0/metrics.jsonl")), "the job to train")
+        run_dir = sweep_dir(tmp_path / "slurm") / "0"
+        [job_id] = slurm_jobs(tmp_path / "slurm")
+        log = run_dir / "run.log"
+        for stop in (["scancel", "--signal=USR2", job_id], ["scontrol", "requeue", job_id], ["scancel", job_id]):
+            resumed = [int(step) for step in re.findall(r"resuming from step (\d+)", log.read_text())]
+            wait_for(lambda: len(step_losses(run_dir)) >= (resumed[-1] if resumed else 0) + 5, "5 more steps")
+            subprocess.run(stop, check=True)
+            if stop[0] != "scancel" or stop[1:2] == ["--signal=USR2"]:
+                wait_for(lambda: log.read_text().count("resuming from step") > len(resumed), f"{stop} to resume")
+        code, stdout, stderr = finished(submitted, timeout=120)
+        text = log.read_text()
+        stopped_at = [int(step) for step in re.findall(r"stopped by SIG\w+ after step (\d+)", text)]
+        [here] = (tmp_path / "here").glob("outputs/*/*")
+        wait_for(lambda: len(step_losses(here)) >= stopped_at[-1], "the uninterrupted run to get as far")
+    finally:
+        for process in (submitted, uninterrupted):
+            if process.poll() is None:
+                process.kill()
+    assert code == 3, stderr[-3000:]
+    assert re.findall(r"stopped by (SIG\w+) after", text) == ["SIGUSR2", "SIGTERM", "SIGTERM"], text
+    assert re.findall(r"resuming from step (\d+)", text) == [str(step) for step in stopped_at[:2]]
+    [row] = report(tmp_path / "slurm")
+    assert row["status"] == "stopped" and f"after step {stopped_at[-1]}, checkpoint" in row["error"]
+    assert (run_dir / "checkpoints" / f"step_{stopped_at[-1]:08d}" / "meta.json").exists()
+    assert "Stopped: stopped by SIGTERM" in (run_dir / "error.txt").read_text()
+    assert [record["State"] for record in sacct(job_id, every_run=True)][:2] == ["REQUEUED", "REQUEUED"]
+    assert final_state(job_id).startswith("CANCELLED")
+    losses = step_losses(run_dir)
+    assert len(losses) == stopped_at[-1] and losses == step_losses(here)[:len(losses)]
