@@ -1,13 +1,15 @@
 """Writing files: the run directory's JSON (atomically where a reader may look while it is written) and tensors
-in safetensors, so that nothing the runner reads back is ever unpickled; the recipes the runner's commands write."""
+in safetensors, so that nothing the runner reads back is ever unpickled; the recipes the runner's commands write;
+the spec's local paths made absolute."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from runner.distributed import cpu_copy
 from runner.errors import SpecError
@@ -23,7 +25,30 @@ def write_json(path: Path, value: Any) -> None:
 def write_json_atomically(path: Path, value: Any) -> None:
     partial = path.with_suffix(path.suffix + ".partial")
     write_json(partial, value)
-    os.replace(partial, path)
+    move_into_place(partial, path)
+
+
+# The suffix of a directory that move_into_place moved aside, removed once the new one is in place.
+ASIDE = ".previous"
+
+
+def move_into_place(partial: Path, final: Path) -> None:
+    """Moves a completely written file or directory to `final`, replacing what is there. A directory there is moved
+    aside (`<final>.previous`) and removed once the new one is in place, so that a reader always finds one of them."""
+    if partial.is_dir() and final.exists():
+        previous = final.with_name(final.name + ASIDE)
+        shutil.rmtree(previous, ignore_errors=True)  # left by a run killed before it removed it
+        os.replace(final, previous)
+        os.replace(partial, final)
+        shutil.rmtree(previous)
+    else:
+        os.replace(partial, final)
+
+
+def absolute_path(path: Optional[str], base: Path) -> Optional[str]:
+    """A local path with `~` expanded, from `base` when relative, normalised without resolving symlinks; None or
+    empty as it is."""
+    return os.path.abspath(os.path.join(base, os.path.expanduser(path))) if path else path
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,43 +1,73 @@
-"""The tests' shared helpers, and their tiers.
+"""The tests' fixtures, tiers and order; the helpers they share are in helpers.py.
 
 Tiers, as pytest markers (registered in pyproject.toml):
-    slow          starts `run` or worker processes, or trains more than a few steps: not in the fast tier
+    slow          trains more than a few steps, starts worker processes or a new interpreter, or waits on a real
+                  timeout: not in the fast tier
     distributed   real multi-process gloo groups or multi-process `run` jobs (always slow too)
+    cluster       jobs on a real SLURM cluster (always slow too)
+    signals       signals, kills and stalls of running jobs (always slow too)
 The fast tier, `python -m pytest -m "not slow"`, covers composing, validation and errors, the estimate's formulas
-and one short single-process training run; the full suite is `python -m pytest`.
+and short single-process training runs; the full suite is `python -m pytest`.
+
+pytest-xdist runs two workers (pyproject.toml's addopts), each taking whole modules; `-n 0` runs one process.
 """
 
-import json
+import glob
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-from runner.cli.compose import RECIPES_DIR, compose_config, register
-from runner.config.spec import RunSpec, load_spec, validate
+from helpers import warm_processes
 
-register(RECIPES_DIR)
+# One thread per process: two workers share the two cores, and each test's processes take one each. Two runs of the
+# default job at once took 8.7 s with one thread each, 11.9 s with torch's two (one alone: 8.2 s and 7.6 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# A small slice of the default corpus keeps test runs to seconds: 20 documents, 2 held out.
-SMALL_CORPUS = f"{sysconfig.get_paths()['stdlib']}/email/*.py"
-QUICK = [
-    f"data.files={SMALL_CORPUS}",
-    "data.eval_fraction=0.1",
-    "data.seq_len=128",
-    "train.max_steps=30",
-    "train.log_every=10",
-    "train.eval_every=15",
-    "train.eval_batches=4",
-]
+# The modules start in this order of their heaviest tests, then of their number of slow tests: the cluster's first
+# (they mostly wait on SLURM, and overlap the rest), the quick ones last, so that the two workers end together.
+KINDS = ("slow", "distributed", "cluster")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "distributed" in item.keywords or "cluster" in item.keywords:
+        if any(marker in item.keywords for marker in ("distributed", "cluster", "signals")):
             item.add_marker(pytest.mark.slow)
+    weights: dict[str, tuple[int, int]] = {}
+    for item in items:
+        kind = max((rank + 1 for rank, marker in enumerate(KINDS) if marker in item.keywords), default=0)
+        heaviest, slow = weights.get(item.module.__name__, (0, 0))
+        weights[item.module.__name__] = (max(heaviest, kind), slow + (kind > 0))
+    items.sort(key=lambda item: weights[item.module.__name__], reverse=True)  # stable: each module keeps its order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_server():
+    """The forkserver every `run` and worker of the tests comes from, started before the first test, so that no
+    test finds it among its new processes."""
+    warm_processes()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_op(request):
+    """DeepSpeed compiles its CPU communication op the first time it runs on a machine (half a minute here), within
+    whichever test gets there first. On a machine without it, the first worker compiles it in the background from
+    the session's start, while the other tests run; torch's lock file makes a job that needs it first wait."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or f"{get_default_build_root()}/*"
+    needed = any("distributed" in item.keywords for item in request.session.items)
+    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
+    if not needed or not first_worker or glob.glob(f"{root}/deepspeed_shm_comm/*.so"):
+        yield
+        return
+    build = subprocess.Popen([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                             env={**os.environ, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    yield
+    build.wait()  # not killed: a compile stopped midway leaves its lock behind
 
 
 @pytest.fixture(scope="session")
@@ -59,44 +89,6 @@ def slurm_cluster():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The `run` command as a user types it, in its own process (with `env` added to the environment)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600
-    )
-
-
-def run_dirs(cwd: Path) -> list[Path]:
-    return sorted(p.parent for p in (cwd / "outputs").glob("*/*/spec.yaml"))
-
-
-def logged(run_dir: Path, key: str) -> dict[int, float]:
-    """The values of one metric in a run's metrics.jsonl, by step. A line still being written (the run goes on)
-    is left out: only whole lines count."""
-    path = run_dir / "metrics.jsonl"
-    text = path.read_text() if path.exists() else ""
-    records = [json.loads(line) for line in text.split("\n")[:-1]]  # the part after the last newline is not whole
-    return {r["step"]: r[key] for r in records if key in r}
-
-
-def step_losses(run_dir: Path) -> list[float]:
-    """A run's logged training losses, in step order."""
-    return list(logged(run_dir, "loss").values())
-
-
-def composed(overrides: list[str]) -> RunSpec:
-    """The typed spec, not validated: its hardware is as declared, not this machine's."""
-    return load_spec(compose_config(overrides))
-
-
-def resolved_spec(overrides: list[str]) -> RunSpec:
-    """The spec as `run` launches it: validated on this machine, its task's pre-launch checks passed."""
-    spec = validate(composed(overrides))
-    spec.task.before_launch(spec)
-    return spec
 
 
 @pytest.fixture

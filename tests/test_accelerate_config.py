@@ -10,7 +10,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from conftest import run_cli
+from helpers import run_cli
 from runner.cli.compose import CONF_DIR, RECIPES_DIR, register
 from runner.config.spec import RunSpec, load_spec, to_plain, validate
 from runner.errors import SpecError

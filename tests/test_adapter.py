@@ -8,8 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import QUICK, resolved_spec, run_cli, step_losses
-from distributed import train_in_workers
+from helpers import QUICK, killed_and_resumed, resolved_spec, run_cli, step_losses, train_in_workers
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
@@ -158,15 +157,14 @@ def exported_logits(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return from_adapter, merged
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["single", "fsdp"])
-def test_a_lora_run_killed_and_resumed_has_the_uninterrupted_losses(strategy, tmp_path):
-    from test_checkpoint import killed_and_resumed
+@pytest.mark.signals
+@pytest.mark.parametrize("strategy", ["single", pytest.param("fsdp", marks=pytest.mark.distributed)])
+def test_a_lora_run_killed_and_resumed_has_the_uninterrupted_losses(strategy, tmp_path, tmp_path_factory):
 
     args = [*BASE, "adapter=lora", "adapter.rank=4", "train.max_steps=10", "train.checkpoint_every=2",
             "train.save_model=false", f"strategy={strategy}",
             *(["hardware.nproc_per_node=2", "strategy.state_dict_type=SHARDED"] if strategy == "fsdp" else [])]
-    expected, resumed = killed_and_resumed(args, tmp_path, 5)
+    expected, resumed = killed_and_resumed(args, tmp_path, 5, tmp_path_factory)
     assert resumed == expected
     refused = run_cli("resume=auto", "adapter=none", cwd=tmp_path)
     assert refused.returncode != 0 and "written with adapter=lora" in refused.stderr

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import QUICK, composed, resolved_spec
+from helpers import QUICK, composed, resolved_spec
 from runner.cli.compose import CONF_DIR
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT
 from runner.errors import SpecError
@@ -368,7 +368,7 @@ def _held_after_a_step(ranks, specs):
 
 @pytest.mark.distributed
 def test_each_rank_holds_what_the_estimate_says_of_an_adapter_run():
-    from distributed import run_in_workers
+    from helpers import run_in_workers
 
     specs = {name: resolved_spec([*TWO_RANK_LLAMA, *overrides]) for name, overrides in TWO_RANK_CASES.items()}
     held = run_in_workers(_held_after_a_step, specs, nproc=2)

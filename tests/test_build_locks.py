@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, run_cli
+from helpers import QUICK, run_cli
 from runner.engine.build_locks import STALE_AFTER_S, clear_stale_build_locks
 
 BUILT = Path.home() / ".cache" / "torch_extensions"

@@ -1,18 +1,16 @@
 """Checkpoints and resume: a job killed at any step continues exactly where it stopped."""
 
-import os
 import random
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, logged, resolved_spec, run_cli, run_dirs
-from distributed import run_in_workers
+from helpers import (QUICK, hold_at_step, kill_at_step, logged, resolved_spec, run_cli, run_dirs, run_in_workers,
+                     start_cli, uninterrupted_losses)
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import NonFiniteLoss
@@ -28,50 +26,17 @@ def losses(run_dir: Path) -> dict[int, float]:
     return logged(run_dir, "loss")
 
 
-def kill_at_step(args: list[str], cwd: Path, step: int) -> Path:
-    """Starts `run`, and kills it and its workers with SIGKILL once it has logged `step`."""
-    job = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and job.poll() is None:
-        dirs = run_dirs(cwd)
-        if dirs and max(losses(dirs[0]), default=0) >= step:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-            return dirs[0]
-        time.sleep(0.05)
-    raise AssertionError(f"the run ended or stalled before step {step}: {job.stderr.read()[-2000:]}")
-
-
-def killed_and_resumed(args: list[str], tmp_path: Path, step: int) -> tuple[dict[int, float], dict[int, float]]:
-    """The losses of an uninterrupted run, and of the same run killed at `step` and resumed (`resume=auto`)."""
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    uninterrupted = run_cli(*args, cwd=whole)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
-    run_dir = kill_at_step(args, tmp_path, step)
-    resumed = run_cli("resume=auto", cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    return logged(run_dirs(whole)[0], "loss"), logged(run_dir, "loss")
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("uninterrupted")
-    result = run_cli(*ARGS, cwd=cwd)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return losses(run_dirs(cwd)[0])
+    return uninterrupted_losses(ARGS, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted_ddp(tmp_path_factory):
-    cwd = tmp_path_factory.mktemp("uninterrupted_ddp")
-    result = run_cli(*ARGS, *TWO_RANKS, "strategy=ddp", cwd=cwd)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return losses(run_dirs(cwd)[0])
+    return uninterrupted_losses([*ARGS, *TWO_RANKS, "strategy=ddp"], tmp_path_factory)
 
 
-@pytest.mark.slow
+@pytest.mark.signals
 def test_kill_and_resume_gives_the_same_losses(uninterrupted, tmp_path):
     run_dir = kill_at_step(ARGS, tmp_path, random.Random().randint(4, STEPS - 2))
     result = run_cli("resume=auto", cwd=tmp_path)
@@ -82,7 +47,7 @@ def test_kill_and_resume_gives_the_same_losses(uninterrupted, tmp_path):
     assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # train.keep_checkpoints
 
 
-@pytest.mark.slow
+@pytest.mark.signals
 def test_a_half_written_newest_checkpoint_is_skipped(uninterrupted, tmp_path):
     run_dir = kill_at_step(ARGS, tmp_path, 8)
     # The kill may also have left the next step's checkpoint half-written, as step_<N>.partial.
@@ -137,6 +102,7 @@ def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, f
 
 
 @pytest.mark.distributed
+@pytest.mark.signals
 @pytest.mark.parametrize("strategy,resume_on,tolerance", [
     (["strategy=ddp"], TWO_RANKS, 0),
     (["strategy=fsdp", "strategy.state_dict_type=SHARDED"], TWO_RANKS, 1e-5),
@@ -166,29 +132,28 @@ def test_sharded_checkpoint_on_another_process_count_is_refused(tmp_path):
     assert "holds 2 ranks' shards (sharded) and this run has 1 processes" in result.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.signals
 @pytest.mark.parametrize("strategy", [[], ["strategy=ddp", *TWO_RANKS]], ids=["single", "ddp"])
 def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninterrupted, uninterrupted_ddp,
                                                                tmp_path):
-    job = subprocess.Popen([sys.executable, "-m", "runner", *ARGS, *strategy, "train.checkpoint_every=100"],
-                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        dirs = run_dirs(tmp_path)
-        if dirs and max(losses(dirs[0]), default=0) >= 4:
-            break
-        time.sleep(0.05)
-    job.send_signal(signal.SIGTERM)
-    assert job.wait(timeout=60) == 3
-    stopped_at = sorted((dirs[0] / "checkpoints").glob("step_*"))
+    job = start_cli(*ARGS, *strategy, "train.checkpoint_every=100", cwd=tmp_path, new_session=True)
+    try:
+        run_dir, _ = hold_at_step(job, tmp_path, 4)
+        job.send_signal(signal.SIGTERM)  # to the run process, as `kill <pid>` sends it; it arrives mid-step
+        job.resume()
+        assert job.wait(timeout=120) == 3
+    finally:
+        job.kill()
+    stopped_at = sorted((run_dir / "checkpoints").glob("step_*"))
     assert len(stopped_at) == 1 and (stopped_at[0] / "meta.json").exists()
-    assert "continue with: run resume=" in job.stderr.read()
-    result = run_cli(f"resume={dirs[0]}", cwd=tmp_path)
+    assert "continue with: run resume=" in job.stderr()
+    result = run_cli(f"resume={run_dir}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     reference = uninterrupted_ddp if strategy else uninterrupted
-    assert losses(dirs[0]) == reference
+    assert losses(run_dir) == reference
 
 
+@pytest.mark.signals
 @pytest.mark.parametrize("signal_name", ["SIGINT", "SIGUSR2"])
 def test_a_second_signal_stops_at_once(signal_name, tmp_path):
     """The loop's handler: the first signal asks for a stop after the step, a later one ends the process. SIGUSR2,

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 
 
 def test_help_lists_groups_and_options(workdir):

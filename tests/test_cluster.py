@@ -7,7 +7,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from conftest import QUICK, run_cli
+from helpers import QUICK, run_cli
 from runner.cli.compose import CONF_DIR
 
 SHORT = [*QUICK, "train.max_steps=6", "train.log_every=3", "train.eval_every=0", "train.eval_batches=2",

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import composed
+from helpers import composed
 from runner.cli.compose import GROUP_DIRS
 from runner.config.hardware import Accelerator
 from runner.config.spec import RunSpec, to_yaml, validate

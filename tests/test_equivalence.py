@@ -8,8 +8,7 @@ accumulation, of DDP, of FSDP under each sharding strategy and wrap policy, and 
 
 import pytest
 
-from conftest import QUICK, logged, resolved_spec, step_losses
-from distributed import train_in_workers
+from helpers import QUICK, logged, resolved_spec, step_losses, train_in_workers
 from runner.config.scheduler import lr_factor
 from runner.engine.job import prepare_job
 from runner.engine.loop import train

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from helpers import run_cli
 
 BAD_INPUTS = {
     "unknown key": (["strategy.shardng=x"], "unknown key strategy.shardng"),

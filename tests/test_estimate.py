@@ -12,8 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import QUICK, composed, resolved_spec, run_cli
-from distributed import run_in_workers
+from helpers import QUICK, composed, resolved_spec, run_cli, run_in_workers
 from runner.distributed import Ranks
 from runner.errors import SpecError
 from runner.memory import facts as model_facts

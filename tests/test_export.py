@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import QUICK, resolved_spec
-from distributed import run_in_workers
+from helpers import QUICK, resolved_spec, run_in_workers
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.strategies.protocol import parameter_count, unwrapped

@@ -1,30 +1,27 @@
-"""The inference estimate (runner/memory/inference.py): the KV cache and weights of Llama-3-8B, the layouts
-(replica, pipeline, sharded, a device_map placement), the report and the fit check, and the activations against
-the tensors a real CPU forward of tiny_llama holds. Fast: no process is started."""
+"""The inference estimate (runner/memory/inference.py, inference_report.py): the KV cache and weights of
+Llama-3-8B, the layouts (replica, pipeline, sharded, a device_map placement), the report and the fit check, and the
+activations against the tensors a real CPU forward of tiny_llama holds. Fast: no process is started."""
 
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import composed
+from helpers import composed
 from runner.config.task import DeviceMap
 from runner.errors import SpecError
 from runner.memory.facts import facts_of
 from runner.memory.inference import (
     InferenceLoad,
-    Options,
     activations_part,
-    check_inference_fit,
-    inference_answer,
     inference_estimate,
-    inference_report,
     kv_cache_bytes,
     logits_bytes,
     model_parts,
     pipeline_load,
     stage_layers,
 )
+from runner.memory.inference_report import Options, check_inference_fit, inference_answer, inference_report
 from runner.memory.terms import gib
 
 GIB = 1024**3

@@ -4,8 +4,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -13,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import QUICK, run_cli, run_dirs, step_losses
+from helpers import QUICK, Started, run_cli, run_dirs, start_cli, step_losses, wait_until
 
 pytestmark = pytest.mark.distributed
 
@@ -53,20 +51,21 @@ def test_a_worker_that_raises_ends_the_job_with_its_error_first(workdir):
     assert "must match the size of tensor b (3)" in report.splitlines()[0]
     assert "traceback" in report
 
+def rank_pid(log_glob: str, cwd, rank: int, step: str) -> int:
+    """The process of `rank`, from its rank log, once that log shows `step` (such as "step 10/500")."""
+    def found():
+        logs = list(cwd.glob(log_glob))
+        return logs and step in logs[0].read_text() and logs[0]
+    log = wait_until(found, f"rank {rank} at {step}")
+    return int(re.search(rf"rank {rank} of \d+, process (\d+)", log.read_text()).group(1))
+
+
+@pytest.mark.signals
 def test_killing_one_rank_ends_the_job_within_30_seconds_and_leaves_no_process(workdir):
-    job = subprocess.Popen([sys.executable, "-m", "runner", "strategy=ddp", "hardware.nproc_per_node=2", *QUICK,
-                            "train.max_steps=500", "train.eval_every=0"],
-                           cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_cli("strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=500", "train.eval_every=0",
+                    cwd=workdir, new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        rank1 = None
-        while time.monotonic() < deadline and rank1 is None:
-            time.sleep(1)
-            logs = list(workdir.glob("outputs/*/*/rank1.log"))
-            if logs and "step 10/500" in logs[0].read_text():
-                pid = int(re.search(r"rank 1 of 2, process (\d+)", logs[0].read_text()).group(1))
-                rank1 = psutil.Process(pid)
-        assert rank1 is not None, "rank 1 never got to step 10"
+        rank1 = psutil.Process(rank_pid("outputs/*/*/rank1.log", workdir, 1, "step 10/500"))
         workers = psutil.Process(job.pid).children(recursive=True)
         os.kill(rank1.pid, signal.SIGKILL)
         killed_at = time.monotonic()
@@ -75,10 +74,10 @@ def test_killing_one_rank_ends_the_job_within_30_seconds_and_leaves_no_process(w
         assert job.returncode != 0
         gone, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive
-        assert "rank 1 failed" in job.stderr.read()
+        assert "rank 1 failed" in job.stderr()
     finally:
-        if job.poll() is None:
-            job.kill()
+        job.kill()
+
 
 def test_sweep_runs_each_job_worker_group_in_turn(workdir):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -88,18 +87,19 @@ def test_sweep_runs_each_job_worker_group_in_turn(workdir):
     assert len(summaries) == 2
     assert all(json.loads(s.read_text())["steps"] == 4 for s in summaries)
     assert not [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    # The workers, which outlive their `run` only as orphans of another parent, ended too.
+    workers = [int(pid) for log in workdir.glob("outputs/multirun/*/*/*/rank*.log")
+               for pid in re.findall(r"rank \d of 2, process (\d+)", log.read_text())]
+    assert len(workers) == 4 and not [pid for pid in workers if psutil.pid_exists(pid)]
 
 
 TWO_NODE_JOB = ["strategy=fsdp", *SHORT, "train.micro_batch_size=2", "train.log_every=1"]
 
 
-def start_node(rank: int, endpoint: str, cwd, *overrides: str) -> subprocess.Popen:
+def start_node(rank: int, endpoint: str, cwd, *overrides: str) -> Started:
     """`run` as node `rank` of a job of two nodes with one process each."""
-    cwd.mkdir(exist_ok=True)
-    return subprocess.Popen(
-        [sys.executable, "-m", "runner", "hardware.nnodes=2", "hardware.nproc_per_node=1", f"hardware.node_rank={rank}",
-         f"hardware.rdzv_endpoint={endpoint}", *overrides],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_cli("hardware.nnodes=2", "hardware.nproc_per_node=1", f"hardware.node_rank={rank}",
+                     f"hardware.rdzv_endpoint={endpoint}", *overrides, cwd=cwd, new_session=True)
 
 
 def first_error(stderr: str) -> str:
@@ -144,6 +144,7 @@ def test_two_nodes_train_as_the_same_job_on_one_node(tmp_path):
     assert step_losses(node0_run) == step_losses(one_node_run)
 
 
+@pytest.mark.signals
 @pytest.mark.parametrize("killed", ["run process and worker", "run process"])
 def test_a_node_that_dies_ends_the_other_within_30_seconds_and_leaves_no_process(tmp_path, killed):
     """Node 1 killed mid-training, its worker with it or (its run process alone) left to notice: node 0 ends
@@ -155,14 +156,8 @@ def test_a_node_that_dies_ends_the_other_within_30_seconds_and_leaves_no_process
            "train.micro_batch_size=2"]
     node0, node1 = (start_node(rank, endpoint, tmp_path / f"node{rank}", *job) for rank in (0, 1))
     try:
-        deadline = time.monotonic() + 180
-        worker = None
-        while time.monotonic() < deadline and worker is None:
-            time.sleep(0.5)
-            logs = list((tmp_path / "node1").glob("outputs/*/*/rank1.log"))
-            if logs and "step 3/500" in logs[0].read_text():
-                worker = int(re.search(r"rank 1 of 2, process (\d+)", logs[0].read_text()).group(1))
-        assert worker is not None, "rank 1 never got to step 3"
+        worker = rank_pid("node1/outputs/*/*/rank1.log", tmp_path, 1, "step 3/500")
+        [log] = tmp_path.glob("node1/outputs/*/*/rank1.log")
         processes = [psutil.Process(node.pid) for node in (node0, node1)]
         processes += [child for process in list(processes) for child in process.children(recursive=True)]
         os.kill(node1.pid, signal.SIGKILL)
@@ -177,7 +172,7 @@ def test_a_node_that_dies_ends_the_other_within_30_seconds_and_leaves_no_process
         _, alive = psutil.wait_procs(processes, timeout=10)
         assert not alive
         if killed == "run process":
-            assert re.search(r"rank 1: this node's run process \(\d+\) ended; leaving the job", logs[0].read_text())
+            assert re.search(r"rank 1: this node's run process \(\d+\) ended; leaving the job", log.read_text())
     finally:
         for node in (node0, node1):
             node.kill()
@@ -211,35 +206,25 @@ def test_a_node_whose_peers_never_come_ends_after_the_rendezvous_timeout(tmp_pat
     assert "1/2 clients joined" in first_error(outputs[0][1])
 
 
+@pytest.mark.signals
 def test_a_rank_that_waits_on_a_stopped_rank_says_where_it_waits(workdir):
     """Rank 1 stopped (SIGSTOP) mid-run: rank 0 waits in a collective and, after train.stall_report_s, says so with
     its stack; once rank 1 goes on, the job ends as usual."""
-    job = subprocess.Popen([sys.executable, "-m", "runner", "strategy=ddp", "hardware.nproc_per_node=2", *QUICK,
-                            "train.max_steps=100", "train.log_every=1", "train.eval_every=0", "train.save_model=false",
-                            "train.stall_report_s=2"],
-                           cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_cli("strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=30", "train.log_every=1",
+                    "train.eval_every=0", "train.save_model=false", "train.stall_report_s=2", cwd=workdir,
+                    new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        rank1 = None
-        while time.monotonic() < deadline and rank1 is None and job.poll() is None:
-            time.sleep(0.2)
-            logs = list(workdir.glob("outputs/*/*/rank1.log"))
-            if logs and "step 3/100" in logs[0].read_text():
-                rank1 = int(re.search(r"rank 1 of 2, process (\d+)", logs[0].read_text()).group(1))
-        assert rank1 is not None, "rank 1 never got to step 3"
+        rank1 = rank_pid("outputs/*/*/rank1.log", workdir, 1, "step 3/30")
         os.kill(rank1, signal.SIGSTOP)
         [run_dir] = run_dirs(workdir)
         stalls = run_dir / "stalls_rank0.txt"
-        while time.monotonic() < deadline and not stalls.exists():
-            time.sleep(0.5)
-        time.sleep(1)
+        reported = r"rank 0: no progress for \d+ s, in step \d+; where each thread waits: .*stalls_rank0.txt"
+        wait_until(lambda: stalls.exists() and re.search(reported, job.stdout()), "rank 0's report of the stall", job)
         os.kill(rank1, signal.SIGCONT)
         stdout, stderr = job.communicate(timeout=120)
         assert job.returncode == 0, stderr[-3000:]
-        assert re.search(r"rank 0: no progress for \d+ s, in step \d+; where each thread waits: .*stalls_rank0.txt",
-                         stdout)
+        assert re.search(reported, stdout)
         stacks = stalls.read_text()
         assert "== rank 0, in step" in stacks and "(most recent call first)" in stacks and "loop.py" in stacks
     finally:
-        if job.poll() is None:
-            job.kill()
+        job.kill()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK, resolved_spec, run_cli, run_dirs, step_losses
-from distributed import run_in_workers, train_in_workers
+from helpers import (QUICK, killed_and_resumed, resolved_spec, run_cli, run_dirs, run_in_workers, step_losses,
+                     train_in_workers)
 from runner.config.data import IGNORE, DataConfig, DataFormat, build_datasets, collate
 from runner.config.model import ModelConfig, build_model, byte_tokenizer
 from runner.config.train import LossKind
@@ -194,7 +194,7 @@ def test_compile_under_deepspeed_is_refused_in_one_line():
 
 
 def test_the_estimate_counts_one_chunk_of_logits_under_the_chunked_loss():
-    from conftest import composed
+    from helpers import composed
     from runner.memory.terms import estimate
     from runner.memory.facts import facts_of
 
@@ -246,12 +246,11 @@ def test_packed_training_has_the_losses_of_one_process_under_every_strategy(pair
     assert reference[-1] < reference[0]
 
 
-@pytest.mark.slow
-def test_a_packed_run_killed_and_resumed_has_the_uninterrupted_losses(pairs, tmp_path):
-    from test_checkpoint import killed_and_resumed
+@pytest.mark.signals
+def test_a_packed_run_killed_and_resumed_has_the_uninterrupted_losses(pairs, tmp_path, tmp_path_factory):
 
     args = [*packed_run(pairs), "train.max_steps=10", "train.checkpoint_every=2"]
-    expected, resumed = killed_and_resumed(args, tmp_path, 5)
+    expected, resumed = killed_and_resumed(args, tmp_path, 5, tmp_path_factory)
     assert resumed == expected
 
 

@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import composed
-from distributed import run_in_workers
+from helpers import composed, run_in_workers
 from runner.config.model import build_model, build_tokenizer
 from runner.engine.generation import Decoding, next_tokens, prompt_batches
 from runner.engine.pipeline import pipeline_generate, stage_bounds

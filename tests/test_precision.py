@@ -12,8 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import QUICK, composed, resolved_spec
-from distributed import run_in_workers
+from helpers import QUICK, composed, resolved_spec, run_in_workers
 from runner.config.float8 import Float8Config, fp8_layer_names
 from runner.config.model import build_model, build_tokenizer
 from runner.config.spec import check_combination, validate

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import composed, run_cli
+from helpers import composed, run_cli
 from runner.cli import recipes
 from runner.cli.compose import CONF_DIR, RECIPES_DIR
 from runner.config.spec import RunSpec, validate

@@ -2,18 +2,21 @@
 launcher, `hydra/launcher=slurm`, as on a real cluster: sweeps, a failed job, the time limit's warning, `scontrol
 requeue`, `scancel`, and a job over two nodes. The final states are SLURM's own, from sacct."""
 
+import contextlib
 import csv
 import json
 import os
 import re
+import signal
 import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
-from conftest import QUICK, step_losses
+from helpers import QUICK, Started, last_step, run_cli, start_cli, step_losses, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -21,18 +24,15 @@ SHORT = [*QUICK, "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
 ON_SLURM = ["-m", "hydra/launcher=slurm", "hardware=cpu"]
 
 
-def start(*args: str, cwd: Path) -> subprocess.Popen:
-    cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def start(*args: str, cwd: Path) -> Started:
+    return start_cli(*args, cwd=cwd, new_session=True)
 
 
-def finished(job: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
+def finished(job: Started, timeout: float = 600) -> tuple[int, str, str]:
     try:
         stdout, stderr = job.communicate(timeout=timeout)
     finally:
-        if job.poll() is None:
-            job.kill()
+        job.kill()
     return job.returncode, stdout, stderr
 
 
@@ -69,11 +69,82 @@ def final_state(job_id: str) -> str:
         time.sleep(1)
 
 
-def wait_for(condition, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
-        time.sleep(0.5)
+def rank_processes(run_dir: Path, ranks: int) -> list[int]:
+    """The processes of a job's ranks (SLURM's tasks), from their rank logs: those of the job's latest run."""
+    pids = [re.findall(rf"rank {rank} of {ranks}, process (\d+)", (run_dir / f"rank{rank}.log").read_text())
+            for rank in range(ranks)]
+    return [int(found[-1]) for found in pids]
+
+
+def pending(pid: int, signum: int) -> bool:
+    """Whether a signal waits for a stopped process (the kernel's pending set, /proc/<pid>/status); False once the
+    process has ended."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask & (1 << (signum - 1)) for mask in masks)
+
+
+TIME_LIMIT_TEST = "test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses"
+TIME_LIMITED = ["strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=40", "train.log_every=1",
+                "train.eval_every=0", "train.save_model=false"]
+
+
+class TimeLimitedJob:
+    """A job with a two-minute time limit and the warning 1 s ahead: SLURM sends SIGUSR2 once its time checks
+    (every 30 s) find less than 31 s left, 89 to 119 s into the run. Its ranks are held still (SIGSTOP) from
+    their third step until the warning reaches them, so that it comes mid-run on a machine of any speed: SLURM
+    continues them as it signals them, or the signal waits for them and the thread continues them. The thread
+    does that while the module's other tests use the cluster."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        self.job = start(*ON_SLURM, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=1",
+                         *TIME_LIMITED, cwd=cwd)
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._hold_until_warned, name="time limit", daemon=True)
+        self.thread.start()
+
+    def _hold_until_warned(self) -> None:
+        try:
+            self.run_dir = wait_until(lambda: next(iter(self.cwd.glob("outputs/multirun/*/*/0")), None),
+                                      "the job's run directory", self.job, timeout=600)
+            wait_until(lambda: last_step(self.run_dir) >= 3, "the job's third step", self.job, timeout=600)
+            ranks = rank_processes(self.run_dir, 2)
+            for pid in ranks:
+                os.kill(pid, signal.SIGSTOP)
+
+            def warned() -> bool:
+                return (any(pending(pid, signal.SIGUSR2) for pid in ranks)
+                        or "stopped by SIGUSR2" in (self.run_dir / "run.log").read_text())
+
+            wait_until(warned, "SLURM's warning before the time limit", self.job, timeout=240, every=0.5)
+            for pid in ranks:  # SLURM may have continued them itself, and they may have ended since
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        except BaseException as error:  # raised again in the test
+            self.error = error
+
+    def finished(self) -> tuple[int, str, str]:
+        self.thread.join(timeout=900)
+        if self.error is not None:
+            self.job.kill()
+            raise self.error
+        return finished(self.job, timeout=900)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def time_limited_job(request, tmp_path_factory):
+    """Started as the module starts, when its test is chosen: SLURM's clock then runs while the other tests run."""
+    if not any(item.originalname == TIME_LIMIT_TEST for item in request.session.items):
+        yield None
+        return
+    request.getfixturevalue("slurm_cluster")
+    job = TimeLimitedJob(tmp_path_factory.mktemp("time_limited"))
+    yield job
+    job.job.kill()
 
 
 def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, tmp_path):
@@ -117,32 +188,7 @@ def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, tmp_path
     assert step_losses(two_node_run) == step_losses(sweep_dir(tmp_path / "sweep") / "1")
 
 
-def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses(slurm_cluster,
-                                                                                              tmp_path):
-    """A two-minute time limit with the warning 1 s ahead, for a job that needs more: SLURM sends SIGUSR2 once its
-    time checks find less than 31 s left (they look 30 s ahead), so about 90 s into each run. The job checkpoints
-    after its step, requeues itself and resumes, until it is done, with the losses of the same job run here
-    without a stop."""
-    job = ["strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=400", "train.log_every=1",
-           "train.eval_every=0", "train.save_model=false"]
-    on_slurm = start(*ON_SLURM, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=1", *job,
-                     cwd=tmp_path / "slurm")
-    assert finished(start("hardware=cpu", *job, cwd=tmp_path / "here"))[0] == 0
-
-    code, stdout, stderr = finished(on_slurm, timeout=900)
-    assert code == 0, stderr[-3000:]
-    [job_id] = slurm_jobs(tmp_path / "slurm")
-    assert final_state(job_id) == "COMPLETED"
-    assert "REQUEUED" in [record["State"] for record in sacct(job_id, every_run=True)]
-    run_dir = sweep_dir(tmp_path / "slurm") / "0"
-    log = (run_dir / "run.log").read_text()
-    stopped_at = [int(step) for step in re.findall(r"stopped by SIGUSR2 after step (\d+)", log)]
-    resumed_at = [int(step) for step in re.findall(r"resuming from step (\d+)", log)]
-    assert stopped_at and set(resumed_at) == set(stopped_at) and "requeued SLURM job" in log, log
-    [here] = (tmp_path / "here").glob("outputs/*/*")
-    assert step_losses(run_dir) == step_losses(here) and len(step_losses(here)) == 400
-
-
+@pytest.mark.signals
 def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stops_with_a_checkpoint(slurm_cluster,
                                                                                                     tmp_path):
     """One job: SLURM's warning signal (sent now, with scancel --signal), then `scontrol requeue`, then scancel;
@@ -152,21 +198,21 @@ def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stop
     submitted = start(*ON_SLURM, *job, cwd=tmp_path / "slurm")
     uninterrupted = start("hardware=cpu", *job, cwd=tmp_path / "here")
     try:
-        wait_for(lambda: list(tmp_path.glob("slurm/outputs/multirun/*/*/0/metrics.jsonl")), "the job to train")
+        wait_until(lambda: list(tmp_path.glob("slurm/outputs/multirun/*/*/0/metrics.jsonl")), "the job to train")
         run_dir = sweep_dir(tmp_path / "slurm") / "0"
         [job_id] = slurm_jobs(tmp_path / "slurm")
         log = run_dir / "run.log"
         for stop in (["scancel", "--signal=USR2", job_id], ["scontrol", "requeue", job_id], ["scancel", job_id]):
             resumed = [int(step) for step in re.findall(r"resuming from step (\d+)", log.read_text())]
-            wait_for(lambda: len(step_losses(run_dir)) >= (resumed[-1] if resumed else 0) + 5, "5 more steps")
+            wait_until(lambda: len(step_losses(run_dir)) >= (resumed[-1] if resumed else 0) + 5, "5 more steps")
             subprocess.run(stop, check=True)
             if stop[0] != "scancel" or stop[1:2] == ["--signal=USR2"]:
-                wait_for(lambda: log.read_text().count("resuming from step") > len(resumed), f"{stop} to resume")
+                wait_until(lambda: log.read_text().count("resuming from step") > len(resumed), f"{stop} to resume")
         code, stdout, stderr = finished(submitted, timeout=120)
         text = log.read_text()
         stopped_at = [int(step) for step in re.findall(r"stopped by SIG\w+ after step (\d+)", text)]
         [here] = (tmp_path / "here").glob("outputs/*/*")
-        wait_for(lambda: len(step_losses(here)) >= stopped_at[-1], "the uninterrupted run to get as far")
+        wait_until(lambda: len(step_losses(here)) >= stopped_at[-1], "the uninterrupted run to get as far")
     finally:
         for process in (submitted, uninterrupted):
             if process.poll() is None:
@@ -182,3 +228,23 @@ def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stop
     assert final_state(job_id).startswith("CANCELLED")
     losses = step_losses(run_dir)
     assert len(losses) == stopped_at[-1] and losses == step_losses(here)[:len(losses)]
+
+
+@pytest.mark.signals
+def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses(time_limited_job,
+                                                                                              tmp_path):
+    """The time-limited job (TimeLimitedJob) checkpoints after the step the warning reaches, requeues itself,
+    resumes, and ends with the losses of the same job run here without a stop."""
+    assert run_cli("hardware=cpu", *TIME_LIMITED, cwd=tmp_path / "here").returncode == 0
+    code, stdout, stderr = time_limited_job.finished()
+    assert code == 0, stderr[-3000:]
+    [job_id] = slurm_jobs(time_limited_job.cwd)
+    assert final_state(job_id) == "COMPLETED"
+    assert "REQUEUED" in [record["State"] for record in sacct(job_id, every_run=True)]
+    run_dir = time_limited_job.run_dir
+    log = (run_dir / "run.log").read_text()
+    stopped_at = [int(step) for step in re.findall(r"stopped by SIGUSR2 after step (\d+)", log)]
+    resumed_at = [int(step) for step in re.findall(r"resuming from step (\d+)", log)]
+    assert stopped_at and set(resumed_at) == set(stopped_at) and "requeued SLURM job" in log, log
+    [here] = (tmp_path / "here").glob("outputs/*/*")
+    assert step_losses(run_dir) == step_losses(here) and len(step_losses(here)) == 40

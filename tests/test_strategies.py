@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUICK, resolved_spec
-from distributed import run_in_workers
+from helpers import QUICK, resolved_spec, run_in_workers
 from runner.config.model import build_model, build_tokenizer
 from runner.engine.job import prepare_job
 from runner.strategies.protocol import unwrapped

@@ -5,14 +5,11 @@ import csv
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import yaml
 
-from conftest import QUICK, run_cli
+from helpers import QUICK, run_cli, start_cli, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -41,21 +38,23 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     assert (sweep_dir / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.signals
 def test_ctrl_c_stops_the_whole_sweep_with_a_checkpoint(workdir):
     """A terminal's Ctrl-C (SIGINT to the process group) in the second of three jobs: that job stops with a
     checkpoint, the third does not start, `run` exits 3 and says how to continue, without a traceback."""
-    job = subprocess.Popen(
-        [sys.executable, "-m", "runner", "-m", *SHORT, "train.log_every=1", "train.max_steps=4,2000,6"],
-        cwd=workdir, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = start_cli("-m", *SHORT, "train.log_every=1", "train.max_steps=4,2000,6", cwd=workdir, new_session=True)
     sweeps = workdir / "outputs" / "multirun"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and job.poll() is None:
+
+    def second_job_trains():
         logged = list(sweeps.glob("*/*/1/metrics.jsonl"))
-        if logged and any("loss" in json.loads(line) for line in logged[0].read_text().splitlines()):
-            break
-        time.sleep(0.1)
-    os.killpg(job.pid, signal.SIGINT)
-    stdout, stderr = job.communicate(timeout=120)
+        return logged and any("loss" in json.loads(line) for line in logged[0].read_text().splitlines())
+
+    try:
+        wait_until(second_job_trains, "the second job to train", job)
+        os.killpg(job.pid, signal.SIGINT)
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
     assert job.returncode == 3, stderr[-3000:]
     [sweep_dir] = workdir.glob("outputs/multirun/*/*")
     rows = list(csv.DictReader((sweep_dir / "report.csv").open()))

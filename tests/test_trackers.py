@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUICK, run_cli, run_dirs
+from helpers import QUICK, run_cli, run_dirs
 
 pytestmark = pytest.mark.slow
 

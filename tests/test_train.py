@@ -9,7 +9,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import QUICK, resolved_spec, run_cli, run_dirs
+from helpers import QUICK, resolved_spec, run_cli, run_dirs
 from runner.config.data import IGNORE, build_datasets
 from runner.config.model import build_tokenizer
 from runner.engine.job import prepare_job
@@ -18,9 +18,10 @@ from runner.engine.loop import train
 
 @pytest.fixture(scope="module")
 def cli_run(tmp_path_factory):
-    """One short run of the `run` command, shared by the checks on its outputs."""
+    """One short run of the `run` command, in a new interpreter (what it prints is checked too), shared by the
+    checks on its outputs."""
     workdir = tmp_path_factory.mktemp("cli")
-    result = run_cli(*QUICK, cwd=workdir)
+    result = run_cli(*QUICK, cwd=workdir, fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = run_dirs(workdir)
     return workdir, run_dir, result

@@ -44,6 +44,9 @@ def run_job(config: DictConfig) -> float:
     hydra_config = HydraConfig.get()
     if task is not None:  # started by submitit, not by `run`
         quiet_libraries()
+        # submitit reports the task's end in its own files; in run.log, its "completed" would follow a failure that
+        # Hydra caught.
+        logging.getLogger("submitit").propagate = False
         resume_requeued(config, task, Path(hydra_config.runtime.output_dir))
     sweeping = hydra_config.mode == RunMode.MULTIRUN and task is None
     if sweeping:

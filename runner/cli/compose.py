@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sysconfig
 from dataclasses import replace
@@ -54,18 +55,23 @@ PRIMARY_CONFIG_FLAGS = ("--config-name", "-cn", "--config-dir", "-cd", "--config
 def register(*recipe_dirs: Path) -> None:
     """Puts the schemas, the recipes of these directories (later ones shadowing earlier ones) in Hydra's
     ConfigStore and the `${stdlib:}` and `${gpus_per_node:}` resolvers in OmegaConf."""
+    store_schemas()
+    # <recipe dir>/<name>.yaml is the option `recipe=<name>`: a global overlay on the whole spec.
+    for name, path in recipes.find(list(recipe_dirs)).items():
+        ConfigStore.instance().store(group="recipe", name=name, node=recipes.load(path), package="_global_")
+
+
+@functools.cache
+def store_schemas() -> None:
+    """The schemas and resolvers, once a process: they never change, and storing a schema builds its config."""
     store = ConfigStore.instance()
     store.store(name="run_spec", node=RunSpec)
     for group, schemas in SCHEMAS.items():
         for name, node in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=node)
-    # <recipe dir>/<name>.yaml is the option `recipe=<name>`: a global overlay on the whole spec.
-    for name, path in recipes.find(list(recipe_dirs)).items():
-        store.store(group="recipe", name=name, node=recipes.load(path), package="_global_")
-    if not OmegaConf.has_resolver("stdlib"):
-        OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
-    if not OmegaConf.has_resolver("gpus_per_node"):  # conf/hydra/launcher/: a SLURM job's GPUs, none for CPUs
-        OmegaConf.register_new_resolver("gpus_per_node", lambda accelerator, nproc: nproc if accelerator == "cuda" else None)
+    OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
+    # conf/hydra/launcher/: a SLURM job's GPUs, none for CPUs
+    OmegaConf.register_new_resolver("gpus_per_node", lambda accelerator, nproc: nproc if accelerator == "cuda" else None)
 
 
 def choosable_recipes(recipe_dirs: list[Path], args: list[str]) -> list[Path]:

@@ -9,6 +9,7 @@ then the directories listed in $RUNNER_RECIPES.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -41,6 +42,13 @@ def find(directories: list[Path]) -> dict[str, Path]:
 
 
 def load(path: Path) -> DictConfig:
+    """A recipe's content (not to be changed: it is read once for each version of the file)."""
+    stat = path.stat()
+    return parsed(path, path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def parsed(path: Path, resolved: Path, mtime_ns: int, size: int) -> DictConfig:
     try:
         content = OmegaConf.load(path)
     except yaml.YAMLError as error:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from runner.errors import SpecError, require
+from runner.files import absolute_path
 
 if TYPE_CHECKING:
     import datasets
@@ -75,9 +76,7 @@ def check(data: DataConfig) -> None:
 
 def with_absolute_paths(data: DataConfig, base: Path) -> DataConfig:
     """`data.files` as an absolute path or pattern from `base`: the spec then means the same from any directory."""
-    if not data.files or os.path.isabs(os.path.expanduser(data.files)):
-        return data
-    return replace(data, files=os.path.normpath(base.resolve() / data.files))
+    return replace(data, files=absolute_path(data.files, base))
 
 
 def resolve_files(pattern: str) -> list[str]:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from runner.errors import require
+from runner.files import absolute_path
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +52,7 @@ def with_absolute_paths(model: ModelConfig, base: Path) -> ModelConfig:
     def absolute(name: Optional[str]) -> Optional[str]:
         if not name or name == BYTES or not _looks_like_path(name, base):
             return name
-        return str((base / Path(name).expanduser()).resolve())
+        return absolute_path(name, base)
 
     return replace(model, pretrained=absolute(model.pretrained), tokenizer=absolute(model.tokenizer))
 

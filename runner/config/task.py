@@ -10,10 +10,13 @@ import json
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 from runner.config.model import BYTES, ModelConfig
 from runner.errors import SpecError, require
+from runner.files import absolute_path
+
+Spec = TypeVar("Spec")  # a RunSpec: runner/config/spec.py imports this module, so it cannot be imported here
 
 
 @dataclass
@@ -62,7 +65,8 @@ class InferenceTaskConfig(TaskConfig):
         return not self.estimate_only
 
     def with_absolute_paths(self, base: Path) -> InferenceTaskConfig:
-        return replace(self, trained=absolute(self.trained, base), offload_dir=absolute(self.offload_dir, base))
+        return replace(self, trained=absolute_path(self.trained, base),
+                       offload_dir=absolute_path(self.offload_dir, base))
 
     def trained_model_config(self, model: ModelConfig) -> ModelConfig:
         """The model group as `trained` changes it: a saved model's directory replaces it (with its own tokenizer,
@@ -71,6 +75,10 @@ class InferenceTaskConfig(TaskConfig):
         if trained.model_dir is None:
             return model
         return ModelConfig(pretrained=str(trained.model_dir), tokenizer=BYTES if model.tokenizer == BYTES else None)
+
+    def with_trained_model(self, spec: Spec) -> Spec:
+        """The spec with its model group as `trained` changes it (trained_model_config)."""
+        return replace(spec, model=self.trained_model_config(spec.model))
 
     def check(self, processes: int) -> None:
         """The keys this schema shares, and the job's processes as they place the model."""
@@ -85,10 +93,6 @@ class InferenceTaskConfig(TaskConfig):
             require(processes == 1,
                     "task.device_map=auto places one model over this machine's devices from one process; set "
                     "hardware.nproc_per_node=1 (strategy=single), or leave task.device_map=none")
-
-
-def absolute(path: Optional[str], base: Path) -> Optional[str]:
-    return str((base / Path(path).expanduser()).resolve()) if path else path
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from runner.distributed import Ranks, barrier
 from runner.errors import require
-from runner.files import save_tensors, write_json
+from runner.files import ASIDE, move_into_place, save_tensors, write_json
 from runner.strategies.protocol import CheckpointLayout
 
 if TYPE_CHECKING:
@@ -54,6 +53,8 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     """The complete checkpoints of a run, oldest first; half-written ones are left out with a warning."""
     found = []
     for path in sorted(checkpoints_dir(run_dir).glob("step_*")):
+        if path.name.endswith(ASIDE):  # a step written again, its earlier copy not yet removed
+            continue
         if path.name.endswith(PARTIAL) or not (path / "meta.json").is_file():
             log.warning("skipping %s: it was not completely written", path)
             continue
@@ -85,8 +86,7 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any]) -> Path:
         })
     barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # an incomplete one of the same step, left by a killed run
-        os.replace(partial, final)
+        move_into_place(partial, final)  # replacing an incomplete one of the same step, left by a killed run
         for old in complete_checkpoints(job.run_dir)[: -job.spec.train.keep_checkpoints]:
             shutil.rmtree(old)
     barrier()

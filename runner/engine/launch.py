@@ -9,8 +9,10 @@ group, and the controller reports that rank's error first.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import re
+import select
 import socket
 import sys
 import threading
@@ -63,7 +65,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         rdzv_endpoint=endpoint,
         rdzv_configs={"rank": hardware.node_rank, "timeout": hardware.rdzv_timeout_s},
         max_restarts=0,
-        start_method="spawn",
+        start_method=start_method(hardware),
         # On SIGTERM the workers finish their step and checkpoint before the launcher would kill them.
         shutdown_timeout=600,
         # Where each worker's error file goes, for the report below.
@@ -97,6 +99,16 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         log.info("node %d of %d: this node's ranks (%s) finished; the job's outputs are in node 0's run directory",
                  hardware.node_rank, hardware.nnodes, ", ".join(map(str, sorted(results))))
     return results[min(results)]
+
+
+def start_method(hardware: HardwareConfig) -> str:
+    """How the workers start. On CPUs, forked from a forkserver that imported the libraries once (runner/engine/
+    preload.py), instead of each worker importing them anew; on GPUs, spawned: a library that asks about the GPUs
+    as it is imported would leave the forked workers a CUDA driver they cannot use."""
+    if hardware.accelerator.value == "cuda":
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["runner.engine.preload"])
+    return "forkserver"
 
 
 def stopped(run_dir: Path, cause: str) -> Stopped:
@@ -178,10 +190,14 @@ def end_with_controller(controller: int) -> None:
     import ctypes
 
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, 0)
+    try:
+        ended = os.pidfd_open(controller)
+    except ProcessLookupError:
+        ended = None
 
     def watch() -> None:
-        while os.getppid() == controller:
-            time.sleep(1)
+        if ended is not None:
+            select.select([ended], [], [])  # readable once the process has ended
         logging.getLogger("runner").error("rank %s: this node's run process (%d) ended; leaving the job",
                                           os.environ["RANK"], controller)
         os._exit(ExitStatus.FAILED)
@@ -260,9 +276,6 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
     for handler in list(root.handlers):
         root.removeHandler(handler)
         handler.close()
-    # submitit reports the task's end in its own files; in run.log, its "completed" would follow a failure that
-    # Hydra caught.
-    logging.getLogger("submitit").propagate = False
     if task.local_rank == 0:
         clear_stale_build_locks()
     return rank_main(spec, run_dir, log_format, identity)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -24,7 +23,7 @@ from runner.engine.signals import GracefulStop
 from runner.engine.stall_watch import StallWatch
 from runner.engine.step import evaluate, train_step
 from runner.errors import NonFiniteLoss, Stopped
-from runner.files import write_json_atomically
+from runner.files import move_into_place, write_json_atomically
 from runner.strategies.protocol import parameter_count, unwrapped
 
 if TYPE_CHECKING:
@@ -186,13 +185,7 @@ def save_model(job: PreparedJob) -> Optional[Path]:
         else:
             unwrapped(job.model).save_pretrained(partial, state_dict=state)
         job.tokenizer.save_pretrained(partial)
-        if final.exists():  # a resumed run replaces the model its first part saved
-            previous = job.run_dir / "model.previous"
-            os.replace(final, previous)
-            os.replace(partial, final)
-            shutil.rmtree(previous)
-        else:
-            os.replace(partial, final)
+        move_into_place(partial, final)  # a resumed run replaces the model its first part saved
     return final
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from runner.config.task import InferenceTaskConfig
 from runner.errors import SpecError, require
 from runner.memory.facts import check_causal_lm
-from runner.memory.inference import inference_answer, planned_report
+from runner.memory.inference_report import inference_answer, planned_report
 from runner.memory.terms import processes
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class EvaluateTask(InferenceTaskConfig):
         require(self.max_batches is None or self.max_batches >= 0,
                 f"task.max_batches={self.max_batches} must be >= 0 (0: every row)")
         self.check(spec.hardware.world_size)
-        spec = replace(spec, model=self.trained_model_config(spec.model))
+        spec = self.with_trained_model(spec)
         check_causal_lm(spec.model)
         return inference_answer(spec, self, **self.load(spec))
 
@@ -60,7 +60,7 @@ class EvaluateTask(InferenceTaskConfig):
         from runner.config import data
         from runner.config.model import build_tokenizer
 
-        spec = replace(spec, model=self.trained_model_config(spec.model))
+        spec = self.with_trained_model(spec)
         train_set, eval_set = data.build_datasets(spec.data, build_tokenizer(spec.model), spec.seed)
         if self.split is EvalSplit.all:
             import datasets
@@ -82,7 +82,7 @@ class EvaluateTask(InferenceTaskConfig):
         from runner.files import write_json_atomically
 
         rows = inputs if inputs is not None else self.inputs(spec)
-        spec = replace(spec, model=self.trained_model_config(spec.model))
+        spec = self.with_trained_model(spec)
         if ranks.rank == 0:
             log.info("%s", planned_report(spec, self, **self.load(spec)))
         model = inference_model(spec, self, ranks, run_dir)

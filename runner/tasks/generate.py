@@ -12,10 +12,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from runner.config.task import InferenceTaskConfig, absolute
+from runner.config.task import InferenceTaskConfig
 from runner.errors import SpecError, require
+from runner.files import absolute_path, move_into_place, write_json_atomically
 from runner.memory.facts import check_causal_lm, facts_of
-from runner.memory.inference import inference_answer, planned_report
+from runner.memory.inference_report import inference_answer, planned_report
 from runner.memory.terms import processes
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class GenerateTask(InferenceTaskConfig):
 
 
     def with_absolute_paths(self, base: Path) -> GenerateTask:
-        return replace(super().with_absolute_paths(base), prompts=absolute(self.prompts, base))
+        return replace(super().with_absolute_paths(base), prompts=absolute_path(self.prompts, base))
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         require(self.max_new_tokens >= 1, f"task.max_new_tokens={self.max_new_tokens} must be at least 1")
@@ -72,7 +73,7 @@ class GenerateTask(InferenceTaskConfig):
         else:
             require(not self.split_points, "task.split_points needs task.pipeline_stages of 2 or more")
         prompts = self.inputs(spec)
-        spec = replace(spec, model=self.trained_model_config(spec.model))
+        spec = self.with_trained_model(spec)
         check_causal_lm(spec.model)
         if self.pipeline_stages > 1:
             from runner.engine.pipeline import stage_bounds
@@ -95,10 +96,9 @@ class GenerateTask(InferenceTaskConfig):
 
         from runner.engine.generation import Decoding, completion, prompt_batches
         from runner.engine.inference import gathered, generate, inference_model, my_batches
-        from runner.files import write_json_atomically
 
         prompts = inputs if inputs is not None else self.inputs(spec)
-        spec = replace(spec, model=self.trained_model_config(spec.model))
+        spec = self.with_trained_model(spec)
         if ranks.rank == 0:
             log.info("%s", planned_report(spec, self, **self.load(prompts)))
         started = time.perf_counter()
@@ -144,15 +144,20 @@ class GenerateTask(InferenceTaskConfig):
             "completions": str(run_dir / "completions.jsonl"),
         }
         if ranks.rank == 0:
-            partial = run_dir / "completions.jsonl.partial"
-            partial.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
-            partial.replace(run_dir / "completions.jsonl")
-            write_json_atomically(run_dir / "summary.json", summary)
+            write_outputs(run_dir, records, summary)
             log.info("done: %d completions, %s new tokens in %.1f s | %.2f prompts/s | %s tokens/s",
                      len(records), f"{generated:,}", seconds, summary["prompts_per_s"],
                      f"{summary['tokens_per_s']:,.0f}")
             log.info("outputs: %s", run_dir / "completions.jsonl")
         return {**summary, "objective": None}
+
+
+def write_outputs(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """completions.jsonl, a record per line, moved into place once complete; then summary.json."""
+    partial = run_dir / "completions.jsonl.partial"
+    partial.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+    move_into_place(partial, run_dir / "completions.jsonl")
+    write_json_atomically(run_dir / "summary.json", summary)
 
 
 def read_prompts(path: Optional[str], field_name: str) -> list[str]:
