@@ -48,8 +48,10 @@ QUICK = [
     "train.eval_batches=4",
 ]
 
-# What the forkserver imports once: what `python -m runner` imports before it runs, then what a run imports.
-WARM_IMPORTS = ["runner.cli.main", "runner.engine.preload", "helpers"]
+# What the forkserver imports once: what `python -m runner` imports before it runs, then what a run imports (a run
+# that saves its model imports DeepSpeed too, through transformers' save_pretrained, where it is installed).
+WARM_IMPORTS = ["runner.cli.main", "torch", "transformers.models.llama.modeling_llama", "datasets",
+                "runner.engine.job", "runner.engine.loop", "deepspeed", "helpers"]
 # The longest any one `run` of the tests may take before it is ended and the test fails.
 RUN_TIMEOUT_S = 600
 
@@ -226,12 +228,13 @@ def environment(added: Optional[dict[str, str]]) -> dict[str, str]:
 def warm_processes() -> multiprocessing.context.BaseContext:
     """multiprocessing's forkserver, its imports made once, after the libraries were quieted as `run` quiets them
     before it imports them (their verbosity comes from the environment they were imported in)."""
-    from runner.quiet import quiet_libraries
+    from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(WARM_IMPORTS)
     before = dict(os.environ)
     quiet_libraries()
+    name_deepspeed_accelerator("cpu")
     try:
         multiprocessing.forkserver.ensure_running()
     finally:

@@ -133,7 +133,8 @@ def test_sharded_checkpoint_on_another_process_count_is_refused(tmp_path):
 
 
 @pytest.mark.signals
-@pytest.mark.parametrize("strategy", [[], ["strategy=ddp", *TWO_RANKS]], ids=["single", "ddp"])
+@pytest.mark.parametrize("strategy", [[], pytest.param(["strategy=ddp", *TWO_RANKS], marks=pytest.mark.distributed)],
+                         ids=["single", "ddp"])
 def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninterrupted, uninterrupted_ddp,
                                                                tmp_path):
     job = start_cli(*ARGS, *strategy, "train.checkpoint_every=100", cwd=tmp_path, new_session=True)

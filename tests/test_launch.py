@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 
 import psutil
@@ -183,7 +184,11 @@ def test_a_node_whose_peers_never_come_ends_after_the_rendezvous_timeout(tmp_pat
     waits for, then ends after hardware.rdzv_timeout_s with one line naming the endpoint and what did not come."""
     from runner.distributed import free_port
 
-    endpoints = [f"127.0.0.1:{free_port()}" for _ in (0, 1)]
+    # Node 1's node 0 never comes: its port stays bound here, without a listener, so that no process of another
+    # test (a gloo connection, say) listens there instead.
+    absent = socket.socket()
+    absent.bind(("127.0.0.1", 0))
+    endpoints = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{absent.getsockname()[1]}"]
     started = time.monotonic()
     nodes = [start_node(rank, endpoints[rank], tmp_path / f"node{rank}", "strategy=fsdp", *SHORT,
                         "hardware.rdzv_timeout_s=3") for rank in (0, 1)]
@@ -192,6 +197,7 @@ def test_a_node_whose_peers_never_come_ends_after_the_rendezvous_timeout(tmp_pat
     finally:
         for node in nodes:
             node.kill()
+        absent.close()
     assert time.monotonic() - started < 90  # starting, reading the data, 3 s at the rendezvous
     for rank, (stdout, stderr) in enumerate(outputs):
         assert nodes[rank].returncode != 0

@@ -9,7 +9,6 @@ group, and the controller reports that rank's error first.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import re
 import select
@@ -102,13 +101,10 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
 
 
 def start_method(hardware: HardwareConfig) -> str:
-    """How the workers start. On CPUs, forked from a forkserver that imported the libraries once (runner/engine/
-    preload.py), instead of each worker importing them anew; on GPUs, spawned: a library that asks about the GPUs
-    as it is imported would leave the forked workers a CUDA driver they cannot use."""
-    if hardware.accelerator.value == "cuda":
-        return "spawn"
-    multiprocessing.set_forkserver_preload(["runner.engine.preload"])
-    return "forkserver"
+    """How the workers start. On CPUs, forked from this process, which has imported torch, transformers and the
+    runner while it checked the spec: a worker trains within a second instead of importing them anew. On GPUs,
+    spawned: a forked process cannot use the CUDA driver that its parent's libraries initialised."""
+    return "spawn" if hardware.accelerator.value == "cuda" else "fork"
 
 
 def stopped(run_dir: Path, cause: str) -> Stopped:
@@ -230,7 +226,12 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
 
 
 def configure_worker_logging(run_dir: Path, rank: int, log_format: dict[str, str]) -> None:
-    """rank<N>.log for every rank; rank 0 also writes the console and the run's run.log, as a single run does."""
+    """rank<N>.log for every rank; rank 0 also writes the console and the run's run.log, as a single run does. The
+    handlers Hydra set up for the whole job (in a forked worker, or a task of a submitit job) go first."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
     formatter = logging.Formatter(log_format.get("format"), log_format.get("datefmt"))
     handlers: list[logging.Handler] = [logging.FileHandler(run_dir / f"rank{rank}.log")]
     if rank == 0:
@@ -238,7 +239,6 @@ def configure_worker_logging(run_dir: Path, rank: int, log_format: dict[str, str
         for shared in (logging.StreamHandler(sys.stdout), logging.FileHandler(run_dir / "run.log")):
             shared.addFilter(lambda record: record.name != "runner.rank")
             handlers.append(shared)
-    root = logging.getLogger()
     root.setLevel(logging.INFO)
     for handler in handlers:
         handler.setFormatter(formatter)
@@ -270,12 +270,6 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
         MASTER_ADDR=task.main_host,
         MASTER_PORT=str(20000 + zlib.crc32(task.job_id.encode()) % 20000),
     )
-    # Hydra set up this task's logging as for a single run; the worker's own puts rank 0 on the console and in
-    # run.log and every rank in rank<N>.log.
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-        handler.close()
     if task.local_rank == 0:
         clear_stale_build_locks()
     return rank_main(spec, run_dir, log_format, identity)
