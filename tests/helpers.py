@@ -42,6 +42,7 @@ QUICK = [
     f"data.files={SMALL_CORPUS}",
     "data.eval_fraction=0.1",
     "data.seq_len=128",
+    "train.micro_batch_size=4",
     "train.max_steps=30",
     "train.log_every=10",
     "train.eval_every=15",

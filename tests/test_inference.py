@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 # Long enough for greedy completions that differ from prompt to prompt (a shorter run completes every prompt
 # with spaces, which would hide a mix-up of rows).
-TRAIN = ["recipe=cpu_quick", "train.max_steps=100", "train.eval_batches=3", "optim.lr=2e-3"]
+TRAIN = ["recipe=cpu_quick", "train.max_steps=100", "train.micro_batch_size=4", "train.eval_batches=3", "optim.lr=2e-3"]
 # Five prompts of different lengths: batches of two leave the last one alone, and two ranks take 2 and 1 batches.
 PROMPTS = ["def ", "import os", "class Parser:  def __init__(self", "for i in range(", "return "]
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import pytest
 
-from helpers import QUICK, Started, last_step, run_cli, start_cli, step_losses, wait_until
+from helpers import QUICK, Started, hold_at_step, last_step, run_cli, start_cli, step_losses, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -196,7 +196,7 @@ def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stop
     job = ["strategy=single", "hardware.nproc_per_node=1", *QUICK, "train.max_steps=5000", "train.log_every=1",
            "train.eval_every=0", "train.save_model=false"]
     submitted = start(*ON_SLURM, *job, cwd=tmp_path / "slurm")
-    uninterrupted = start("hardware=cpu", *job, cwd=tmp_path / "here")
+    uninterrupted = None
     try:
         wait_until(lambda: list(tmp_path.glob("slurm/outputs/multirun/*/*/0/metrics.jsonl")), "the job to train")
         run_dir = sweep_dir(tmp_path / "slurm") / "0"
@@ -211,11 +211,12 @@ def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stop
         code, stdout, stderr = finished(submitted, timeout=120)
         text = log.read_text()
         stopped_at = [int(step) for step in re.findall(r"stopped by SIG\w+ after step (\d+)", text)]
-        [here] = (tmp_path / "here").glob("outputs/*/*")
-        wait_until(lambda: len(step_losses(here)) >= stopped_at[-1], "the uninterrupted run to get as far")
+        # Run here once the job has ended, as far as it went: the two do not share the two cores.
+        uninterrupted = start("hardware=cpu", *job, cwd=tmp_path / "here")
+        here, _ = hold_at_step(uninterrupted, tmp_path / "here", stopped_at[-1])
     finally:
         for process in (submitted, uninterrupted):
-            if process.poll() is None:
+            if process is not None:
                 process.kill()
     assert code == 3, stderr[-3000:]
     assert re.findall(r"stopped by (SIG\w+) after", text) == ["SIGUSR2", "SIGTERM", "SIGTERM"], text
