@@ -1,8 +1,9 @@
 """The tests' fixtures, tiers and order; the helpers they share are in helpers.py.
 
 Tiers, as pytest markers (registered in pyproject.toml):
-    slow          trains more than a few steps, starts worker processes or a new interpreter, or waits on a real
-                  timeout: not in the fast tier
+    slow          trains more than a few steps, starts worker processes or a new interpreter that imports torch,
+                  or waits on a real timeout: not in the fast tier (a `run` forked from the tests' warm
+                  forkserver is not a new interpreter; `--help` without torch is one, and stays fast)
     distributed   real multi-process gloo groups or multi-process `run` jobs (always slow too)
     cluster       jobs on a real SLURM cluster (always slow too)
     signals       signals, kills and stalls of running jobs (always slow too)
