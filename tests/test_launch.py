@@ -75,9 +75,33 @@ def test_killing_one_rank_ends_the_job_within_30_seconds_and_leaves_no_process(w
         assert job.returncode != 0
         gone, alive = psutil.wait_procs(workers, timeout=10)
         assert not alive
-        assert "rank 1 failed" in job.stderr()
+        assert "rank 1 failed: Signal 9 (SIGKILL)" in job.stderr()
     finally:
         job.kill()
+
+
+def test_a_rank_that_lost_its_peer_is_not_reported_as_the_cause(tmp_path, monkeypatch):
+    """Rank 1 killed, rank 0 failing on the closed connection within the same second: torch's first failure may be
+    either; the report names rank 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    from runner.config.hardware import HardwareConfig
+    from runner.engine.launch import failures_report
+
+    error_file = tmp_path / "rank0.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41822: "
+                           "Connection reset by peer")
+    except RuntimeError as lost:
+        ErrorHandler().record_exception(lost)
+    rank0 = ProcessFailure(local_rank=0, pid=101, exitcode=1, error_file=str(error_file))
+    rank1 = ProcessFailure(local_rank=1, pid=102, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    rank1.timestamp = rank0.timestamp
+    error = ChildFailedError("worker", {0: rank0, 1: rank1})
+    assert failures_report(error, HardwareConfig(nproc_per_node=2), tmp_path) == (
+        f"rank 1 failed: Signal 9 (SIGKILL) received by PID 102 (see {tmp_path / 'rank1.log'})")
 
 
 def test_sweep_runs_each_job_worker_group_in_turn(workdir):

@@ -88,7 +88,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     except ChildFailedError as error:
         if all(failure.exitcode == ExitStatus.STOPPED for failure in error.failures.values()):
             raise stopped(run_dir, "a signal") from None
-        raise WorkerFailed(failures_report(error, hardware)) from None
+        raise WorkerFailed(failures_report(error, hardware, run_dir)) from None
     except SignalException as error:
         raise stopped(run_dir, error.sigval.name) from None
     except DistError as error:  # outside the workers, only the rendezvous talks to the other nodes
@@ -113,12 +113,16 @@ def stopped(run_dir: Path, cause: str) -> Stopped:
     return Stopped(f"stopped by {cause}, {where}; continue with: run resume={run_dir}")
 
 
-def failures_report(error: Any, hardware: HardwareConfig) -> str:
-    """The first failed rank's error on the first line, its traceback below; when every rank of this node failed
-    only because a connection to a peer closed, the cause is another node, which the first line names."""
-    rank, failure = error.get_first_failure()
-    report = failure_report(rank, failure)
-    if hardware.nnodes == 1 or not all(lost_peer(failed) for failed in error.failures.values()):
+def failures_report(error: Any, hardware: HardwareConfig, run_dir: Path) -> str:
+    """The first failed rank's error on the first line, its traceback below. A rank that failed only because a
+    connection to a peer closed reports a consequence: the rank that ended first (killed, say) is the cause, whichever
+    of them torch saw first. When every rank of this node lost a peer, the cause is another node, which the first line
+    names."""
+    causes = {rank: failure for rank, failure in error.failures.items() if not lost_peer(failure)}
+    rank = min(causes or error.failures, key=lambda rank: error.failures[rank].timestamp)
+    failure = error.failures[rank]
+    report = failure_report(rank, failure, run_dir / f"rank{rank}.log")
+    if hardware.nnodes == 1 or causes:
         return report
     gone = f"node {1 - hardware.node_rank}" if hardware.nnodes == 2 else "another node"
     return f"{gone} left the job: rank {rank} on this node lost its connection to it ({lost_peer(failure)})\n\n{report}"
@@ -156,14 +160,15 @@ def rendezvous_report(hardware: HardwareConfig, endpoint: str, cause: str) -> st
             f"{awaited}: {cause}")
 
 
-def failure_report(rank: int, failure: Any) -> str:
-    """The failed rank's error on the first line, its traceback below."""
+def failure_report(rank: int, failure: Any, rank_log: Path) -> str:
+    """The failed rank's error on the first line, its traceback below (or, for a rank killed by a signal, where its
+    log is)."""
     if isinstance(failure.message, dict):
         detail = " ".join(line.strip() for line in failure.message.get("message", "").splitlines() if line.strip())
         trace = failure.message.get("extraInfo", {}).get("py_callstack", "")
         return f"rank {rank} failed: {detail}\n\nrank {rank}'s traceback:\n{trace}".rstrip()
     cause = failure.message or f"exit code {failure.exitcode}"
-    return f"rank {rank} failed: {cause} (see {failure.error_file or 'its rank log'})"
+    return f"rank {rank} failed: {cause} (see {rank_log})"
 
 
 @record
