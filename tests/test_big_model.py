@@ -58,6 +58,16 @@ def greedy(model, tokenizer, batch, max_new_tokens=16):
     return model.generate(**batch, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
 
 
+def test_random_init_is_transformers_init_of_every_weight(whole_model):
+    """Each weight as transformers initialises it (torch's own init of each layer is skipped, not kept): linear and
+    embedding weights drawn from N(0, initializer_range), the norms one."""
+    for name, weight in whole_model.state_dict().items():
+        if name.endswith("norm.weight"):
+            assert torch.equal(weight, torch.ones_like(weight)), name
+        elif name.endswith("weight"):
+            assert abs(weight.mean().item()) < 0.02 and weight.std().item() == pytest.approx(0.2, rel=0.1), name
+
+
 def test_split_between_ram_and_disk_gives_the_whole_models_tokens(tokenizer, batch, whole_tokens, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     model, device_map = place_for_inference(TINY, tokenizer, memory_limits(None, 0, 1.0, MaxMemory()),
