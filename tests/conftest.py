@@ -27,20 +27,24 @@ from helpers import warm_processes
 # default job at once took 8.7 s with one thread each, 11.9 s with torch's two (one alone: 8.2 s and 7.6 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The modules start in this order of their heaviest tests, then of their number of slow tests: the cluster's first
-# (they mostly wait on SLURM, and overlap the rest), the quick ones last, so that the two workers end together.
+# The modules start in this order of their heaviest tests, then of their number of slow tests, then of their number
+# of tests, among the tests the command selected: the cluster's first (they mostly wait on SLURM, and overlap the
+# rest), the big ones before the small ones, so that the two workers end together.
 KINDS = ("slow", "distributed", "cluster")
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if any(marker in item.keywords for marker in ("distributed", "cluster", "signals")):
-            item.add_marker(pytest.mark.slow)
-    weights: dict[str, tuple[int, int]] = {}
+def pytest_itemcollected(item):
+    if any(marker in item.keywords for marker in ("distributed", "cluster", "signals")):
+        item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the order of what runs
+def pytest_collection_modifyitems(items):
+    weights: dict[str, tuple[int, int, int]] = {}
     for item in items:
         kind = max((rank + 1 for rank, marker in enumerate(KINDS) if marker in item.keywords), default=0)
-        heaviest, slow = weights.get(item.module.__name__, (0, 0))
-        weights[item.module.__name__] = (max(heaviest, kind), slow + (kind > 0))
+        heaviest, slow, count = weights.get(item.module.__name__, (0, 0, 0))
+        weights[item.module.__name__] = (max(heaviest, kind), slow + (kind > 0), count + 1)
     items.sort(key=lambda item: weights[item.module.__name__], reverse=True)  # stable: each module keeps its order
 
 
