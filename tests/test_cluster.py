@@ -3,6 +3,7 @@ task one rank. submitit's local executor runs it here as SLURM would on a cluste
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -79,6 +80,19 @@ def test_a_first_node_without_an_address_is_one_clear_error_not_a_wait():
                                            r"has no address on .*: its ranks cannot meet there"):
         check_reachable("node-that-is-not.invalid")
     check_reachable("localhost")
+
+
+def test_a_cluster_jobs_rendezvous_port_is_never_one_the_host_lends_to_outgoing_connections():
+    """Every task draws the port alike from the job's id; a port in the host's ephemeral range may be held by any
+    client socket (one such draw, 33791, failed with EADDRINUSE while a sweep's jobs ran side by side)."""
+    from runner.engine.launch import task_port
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ids = [str(n) for n in range(1, 5000)] + [f"{n}_{i}" for n in range(1, 500) for i in range(4)]
+    ports = {task_port(job_id) for job_id in ids}
+    assert all(1024 <= port < low or port > high for port in ports), (low, high)
+    assert len(ports) > 0.5 * len(ids)  # drawn across the range, not one port for every job
+    assert task_port("4_1") == task_port("4_1")
 
 
 def test_a_requeued_job_that_starts_over_writes_its_metrics_afresh(tmp_path):

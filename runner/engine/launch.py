@@ -273,8 +273,15 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
         WORLD_SIZE=str(task.world_size),
         LOCAL_WORLD_SIZE=str(task.tasks_per_node),
         MASTER_ADDR=task.main_host,
-        MASTER_PORT=str(20000 + zlib.crc32(task.job_id.encode()) % 20000),
+        MASTER_PORT=str(task_port(task.job_id)),
     )
     if task.local_rank == 0:
         clear_stale_build_locks()
     return rank_main(spec, run_dir, log_format, identity)
+
+
+def task_port(job_id: str) -> int:
+    """The rendezvous port of a cluster job, which every task draws alike from the job's id: from 15000 to 24999,
+    below the ports that Linux lends to outgoing connections (32768 on), which any process on the host may hold at
+    any moment (a port drawn among them once collided with a client socket of another job)."""
+    return 15000 + zlib.crc32(job_id.encode()) % 10000
