@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import QUICK, Started, run_cli, run_dirs, start_cli, step_losses, wait_until
+from runner.engine.launch import LOST_PEER
 
 pytestmark = pytest.mark.distributed
 
@@ -77,8 +78,6 @@ def test_killing_one_rank_ends_the_job_within_30_seconds_and_leaves_no_process(w
         assert not alive
         # torch reports one failure of a group when several workers end within one poll: rank 1's kill, or rank 0's
         # lost connection to it (then the first line says so); test_a_rank_that_lost_its_peer_... covers both.
-        from runner.engine.launch import LOST_PEER
-
         first_line = job.stderr()[job.stderr().index("run: error: "):].splitlines()[0]
         assert first_line.startswith("run: error: rank 1 failed: Signal 9 (SIGKILL)") or (
             first_line.startswith("run: error: rank 0 failed: ") and re.search(LOST_PEER, first_line)), first_line
