@@ -3,6 +3,7 @@ task one rank. submitit's local executor runs it here as SLURM would on a cluste
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,33 @@ def test_a_cluster_jobs_rendezvous_port_is_never_one_the_host_lends_to_outgoing_
     assert all(1024 <= port < low or port > high for port in ports), (low, high)
     assert len(ports) > 0.5 * len(ids)  # drawn across the range, not one port for every job
     assert task_port("4_1") == task_port("4_1")
+
+
+@pytest.mark.parametrize("rank,cause", [(0, r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined\."),
+                                        (1, r"task 0 never listened \(.*Connection refused\)")])
+def test_a_task_whose_peers_never_come_ends_its_wait_with_one_line(rank, cause):
+    """A task of a SLURM job waits hardware.rdzv_timeout_s for the others at the job's first node, then says where it
+    waited and for whom: task 0 for the others, the others for task 0 (which failed before it got there, say)."""
+    import socket
+
+    from runner.engine.cluster import Task
+    from runner.engine.launch import join_task_group, task_port
+    from runner.errors import WorkerFailed
+
+    def free(port: int) -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) != 0
+
+    job_id = next(job for job in map(str, range(100, 200)) if free(task_port(job)))
+    task = Task(rank=rank, local_rank=rank, world_size=2, tasks_per_node=2, main_host="127.0.0.1", job_id=job_id,
+                restarts=0)
+    with pytest.raises(WorkerFailed) as failed:
+        join_task_group(task, "gloo", None, timeout_s=2)
+    message = str(failed.value)
+    assert "\n" not in message
+    assert re.fullmatch(rf"task {rank} of 2 \(SLURM job {job_id}\): the job's tasks did not meet at "
+                        rf"127\.0\.0\.1:{task_port(job_id)}, where each waits up to 2 s \(hardware\.rdzv_timeout_s\) "
+                        rf"for the others: {cause}", message), message
 
 
 def test_a_requeued_job_that_starts_over_writes_its_metrics_afresh(tmp_path):

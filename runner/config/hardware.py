@@ -27,7 +27,7 @@ class HardwareConfig:
     # Several machines: this machine's index and the host:port of node 0, where the processes meet.
     node_rank: int = 0
     rdzv_endpoint: Optional[str] = None
-    # How long a node waits there for the others before it gives up.
+    # How long a node (a task, in a cluster job) waits there for the others before it gives up.
     rdzv_timeout_s: int = 900
     device_name: Optional[str] = None
     device_memory_gib: Optional[float] = None

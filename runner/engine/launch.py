@@ -140,15 +140,21 @@ def wait_for_node0(hardware: HardwareConfig, endpoint: str) -> None:
     until hardware.rdzv_timeout_s: torch's own client would try twice as long, printing C++ stack traces."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    address = parse_rendezvous_endpoint(endpoint, default_port=-1)
-    deadline = time.monotonic() + hardware.rdzv_timeout_s
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=-1)
+    refused = wait_until_listening(host, port, time.monotonic() + hardware.rdzv_timeout_s)
+    if refused:
+        raise WorkerFailed(rendezvous_report(hardware, endpoint, refused))
+
+
+def wait_until_listening(host: str, port: int, deadline: float) -> str:
+    """Waits until a server accepts connections at host:port; past the deadline, the last refusal's words."""
     while True:
         try:
-            socket.create_connection(address, timeout=5).close()
-            return
+            socket.create_connection((host, port), timeout=5).close()
+            return ""
         except OSError as error:
             if time.monotonic() > deadline:
-                raise WorkerFailed(rendezvous_report(hardware, endpoint, str(error))) from None
+                return str(error)
             time.sleep(1)
 
 
@@ -206,8 +212,10 @@ def end_with_controller(controller: int) -> None:
     threading.Thread(target=watch, name="end_with_controller", daemon=True).start()
 
 
-def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
-    """Runs the task as one rank of the job's process group."""
+def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity,
+              task: Task | None = None) -> dict[str, Any]:
+    """Runs the task as one rank of the job's process group: of the elastic launcher's workers, or the submitit job's
+    `task`."""
     import torch
     import torch.distributed as dist
 
@@ -219,11 +227,15 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
         torch.cuda.set_device(ranks.local_rank)
         # NCCL reduces CUDA tensors only. Gloo takes the CPU ones: the loop's host-side sums, and under FSDP's
         # offload_params the gradients on the CPU that clipping reduces and the buffers that loading broadcasts.
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", ranks.local_rank))
+        backend, device = "cpu:gloo,cuda:nccl", torch.device("cuda", ranks.local_rank)
     else:
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does, instead of oversubscribing them
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
-        dist.init_process_group("gloo")
+        backend, device = "gloo", None
+    if task is None:  # the elastic launcher's agent holds the rendezvous
+        dist.init_process_group(backend, device_id=device)
+    else:
+        join_task_group(task, backend, device, spec.hardware.rdzv_timeout_s)
     try:
         return spec.task.run(spec, run_dir, ranks, identity)
     finally:
@@ -277,7 +289,40 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
     )
     if task.local_rank == 0:
         clear_stale_build_locks()
-    return rank_main(spec, run_dir, log_format, identity)
+    return rank_main(spec, run_dir, log_format, identity, task)
+
+
+def join_task_group(task: Task, backend: str, device: Any, timeout_s: int) -> None:
+    """The tasks of a submitit job meet at a store on the job's first node, each waiting there up to
+    hardware.rdzv_timeout_s for the others. A task that never comes (it failed first, its node went down) ends the
+    wait with a report that names the meeting point, where torch would wait half an hour in silence."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    port = task_port(task.job_id)
+    endpoint = f"{task.main_host}:{port}"
+    logging.getLogger("runner").info("task %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's "
+                                     "tasks at %s", task.rank, task.world_size, timeout_s, endpoint)
+
+    def not_met(cause: str) -> WorkerFailed:
+        return WorkerFailed(f"task {task.rank} of {task.world_size} (SLURM job {task.job_id}): the job's tasks did not "
+                            f"meet at {endpoint}, where each waits up to {timeout_s} s (hardware.rdzv_timeout_s) for "
+                            f"the others: {cause}")
+
+    deadline = time.monotonic() + timeout_s
+    # Task 0 serves the store; the others connect once it listens (torch's client, trying, prints C++ stack traces).
+    refused = task.rank and wait_until_listening(task.main_host, port, deadline)
+    if refused:
+        raise not_met(f"task 0 never listened ({refused})")
+    try:
+        store = dist.TCPStore(task.main_host, port, task.world_size, is_master=task.rank == 0, wait_for_workers=True,
+                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        dist.init_process_group(backend, store=store, rank=task.rank, world_size=task.world_size, device_id=device)
+    except dist.DistError as error:
+        raise not_met(str(error).splitlines()[0]) from None
+    store.set_timeout(default_pg_timeout)  # past the meeting, the store serves the process groups as torch's would
 
 
 def task_port(job_id: str) -> int:
