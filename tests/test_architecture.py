@@ -14,6 +14,7 @@ LAYERS = [
     {"errors", "distributed", "quiet"},
     {"files"},
     {"config"},
+    {"data"},
     {"memory"},
     {"strategies"},
     {"engine"},

@@ -1,6 +1,7 @@
 """Bad input ends in one line on stderr, a non-zero exit, and no output directory."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -92,14 +93,37 @@ def test_data_that_rules_the_job_out_leaves_no_run_directory(workdir):
     assert result.stderr.strip().splitlines() == [
         f"run: error: data.files={workdir / 'pairs.jsonl'} holds 1 document(s); training and evaluation need at least 2"
     ]
-    assert not any((workdir / "outputs").rglob("*"))
+    assert not (workdir / "outputs").exists()
+
+
+@pytest.mark.parametrize("name,content,error", [
+    ("pairs.jsonl", b'{"prompt": "1+1=", "response": "2"}\n\n{"prompt": "2+2=", "response": 4}\n',
+     "pairs.jsonl line 3 has field 'response' = 4, not a string"),
+    ("pairs.jsonl", b'{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2=", "response": "4"\n',
+     "pairs.jsonl line 2 is not valid JSON (Expecting ',' delimiter: line 1 column 35 (char 34))"),
+    ("notes.txt", "caf\u00e9 au lait\n".encode("latin-1"),
+     "notes.txt is not UTF-8 text (byte 0xe9 at offset 3); convert it to UTF-8 or leave it out"),
+    ("notes.txt", b"\x7fELF\x02\x01\x01\x00\x00",
+     "notes.txt is not text (a NUL byte at offset 7: a binary file?); leave it out"),
+])
+def test_unreadable_data_is_named_by_its_file_and_line_and_leaves_nothing(name, content, error, workdir):
+    (workdir / "data").mkdir()
+    (workdir / "data" / name).write_bytes(content)
+    (workdir / "data" / f"more{Path(name).suffix}").write_text(
+        '{"prompt": "3+3=", "response": "6"}\n' if name.endswith(".jsonl") else "more text\n")
+    group = "instruction_files" if name.endswith(".jsonl") else "text_files"
+    result = run_cli(f"data={group}", f"data.files=data/*{Path(name).suffix}", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr == f"run: error: data.files: {workdir / 'data' / error}\n"
+    assert not (workdir / "outputs").exists()
 
 
 def test_data_without_the_format_column_is_named(workdir):
     (workdir / "rows.jsonl").write_text("".join(json.dumps({"body": f"row {i}"}) + "\n" for i in range(4)))
     result = run_cli("data=text_files", "data.files=rows.jsonl", cwd=workdir)
     assert result.returncode == 2
-    assert "has no column 'text' (it has: body); set data.text_field" in result.stderr
+    assert result.stderr == (f"run: error: data.files: {workdir / 'rows.jsonl'} line 1 has no field 'text' (it has: "
+                             "body); set data.text_field\n")
 
 
 def test_deepspeed_config_file_that_contradicts_the_spec_names_both(workdir):

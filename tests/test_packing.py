@@ -16,7 +16,10 @@ import torch
 
 from helpers import (QUICK, killed_and_resumed, resolved_spec, run_cli, run_dirs, run_in_workers, step_losses,
                      train_in_workers)
-from runner.config.data import IGNORE, DataConfig, DataFormat, build_datasets, collate
+from runner.config.data import DataConfig, DataFormat
+from runner.data.batches import collate
+from runner.data.rows import IGNORE
+from runner.data.splits import token_splits
 from runner.config.model import ModelConfig, build_model, byte_tokenizer
 from runner.config.train import LossKind
 from runner.engine.job import prepare_job
@@ -61,11 +64,11 @@ def summed_loss(model, rows: dict, pad_token_id: int) -> torch.Tensor:
 
 def test_packed_rows_keep_every_example_whole_with_its_own_positions(pairs):
     tokenizer = byte_tokenizer()
-    padded, _ = build_datasets(instruction_data(pairs, packing=False), tokenizer, seed=0)
-    packed, _ = build_datasets(instruction_data(pairs, packing=True), tokenizer, seed=0)
+    padded, _ = token_splits(instruction_data(pairs, packing=False), tokenizer, seed=0)
+    packed, _ = token_splits(instruction_data(pairs, packing=True), tokenizer, seed=0)
     assert len(packed) < len(padded) / 2
-    assert sum(packed["label_tokens"]) == sum(padded["label_tokens"])
-    assert sum(packed["tokens"]) == sum(padded["tokens"])
+    assert packed.label_tokens.sum() == padded.label_tokens.sum()
+    assert packed.tokens.sum() == padded.tokens.sum()
     examples = iter(padded)
     for row in packed:
         assert len(row["input_ids"]) == len(row["labels"]) == len(row["position_ids"]) == row["tokens"] <= 512
@@ -81,16 +84,16 @@ def test_packed_rows_keep_every_example_whole_with_its_own_positions(pairs):
 
 def test_a_packed_batch_gives_each_example_its_unpacked_loss(pairs):
     tokenizer = byte_tokenizer()
-    padded, _ = build_datasets(instruction_data(pairs, packing=False), tokenizer, seed=0)
-    packed, _ = build_datasets(instruction_data(pairs, packing=True), tokenizer, seed=0)
-    rows = packed[:3]
+    padded, _ = token_splits(instruction_data(pairs, packing=False), tokenizer, seed=0)
+    packed, _ = token_splits(instruction_data(pairs, packing=True), tokenizer, seed=0)
+    rows = packed.batch(range(3))
     examples = sum(positions.count(0) for positions in rows["position_ids"])
     assert examples > 6
     model = tiny_model()
     pad = tokenizer.pad_token_id
     with torch.no_grad():
         packed_sum = summed_loss(model, rows, pad)
-        one_per_row = sum(summed_loss(model, padded[i : min(i + 4, examples)], pad) for i in range(0, examples, 4))
+        one_per_row = sum(summed_loss(model, padded.batch(range(i, min(i + 4, examples))), pad) for i in range(0, examples, 4))
     assert packed_sum.item() == pytest.approx(one_per_row.item(), rel=1e-5)
 
 
@@ -98,7 +101,7 @@ def test_without_the_boundaries_a_token_would_see_its_neighbour(pairs):
     """The second example's loss does not move when the first example's tokens change, while the boundaries are
     kept; with positions running on through the row (no boundaries) it does."""
     tokenizer = byte_tokenizer()
-    packed, _ = build_datasets(instruction_data(pairs, packing=True), tokenizer, seed=0)
+    packed, _ = token_splits(instruction_data(pairs, packing=True), tokenizer, seed=0)
     row = next(row for row in packed if row["position_ids"].count(0) >= 2)
     second = row["position_ids"].index(0, 1)
     labels = torch.tensor([[IGNORE] * second + row["labels"][second:]])
@@ -126,8 +129,8 @@ def test_per_example_attention_is_the_block_diagonal_mask_without_its_cost(pairs
     from runner.engine.attention import attend_within_examples
 
     tokenizer = byte_tokenizer()
-    rows, _ = build_datasets(instruction_data(pairs, packing=True), tokenizer, seed=0)
-    batch = collate(rows[:4], tokenizer.pad_token_id)
+    rows, _ = token_splits(instruction_data(pairs, packing=True), tokenizer, seed=0)
+    batch = collate(rows.batch(range(4)), tokenizer.pad_token_id)
     block_mask, per_example = tiny_model(), tiny_model()
     attend_within_examples(per_example)
     results = []
@@ -145,8 +148,8 @@ def test_per_example_attention_is_the_block_diagonal_mask_without_its_cost(pairs
 def test_text_packing_restarts_positions_at_each_document():
     tokenizer = byte_tokenizer()
     data = DataConfig(files=str(STDLIB / "email" / "*.py"), seq_len=128, packing=True)
-    rows, _ = build_datasets(data, tokenizer, seed=0)
-    plain, _ = build_datasets(replace(data, packing=False), tokenizer, seed=0)
+    rows, _ = token_splits(data, tokenizer, seed=0)
+    plain, _ = token_splits(replace(data, packing=False), tokenizer, seed=0)
     assert len(rows) == len(plain)  # the same blocks of the same stream
     for row, block in zip(rows, plain):
         assert row["input_ids"] == block["input_ids"]
@@ -157,8 +160,8 @@ def test_text_packing_restarts_positions_at_each_document():
 
 def test_the_chunked_loss_is_the_full_loss_with_its_gradients(pairs):
     tokenizer = byte_tokenizer()
-    rows, _ = build_datasets(instruction_data(pairs, packing=True), tokenizer, seed=0)
-    batch = collate(rows[:4], tokenizer.pad_token_id)
+    rows, _ = token_splits(instruction_data(pairs, packing=True), tokenizer, seed=0)
+    batch = collate(rows.batch(range(4)), tokenizer.pad_token_id)
     results = []
     for model in (tiny_model(LossKind.full), tiny_model(LossKind.chunked, chunk_tokens=97)):
         loss = model(**batch.inputs, loss_labels=batch.labels)

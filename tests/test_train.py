@@ -10,7 +10,8 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helpers import QUICK, resolved_spec, run_cli, run_dirs
-from runner.config.data import IGNORE, build_datasets
+from runner.data.rows import IGNORE
+from runner.data.splits import token_splits
 from runner.config.model import build_tokenizer
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
@@ -119,7 +120,7 @@ def arithmetic_pairs(tmp_path):
 def test_instruction_data_trains_on_the_response_only(arithmetic_pairs):
     spec = resolved_spec(["data=instruction_files", f"data.files={arithmetic_pairs}", "data.seq_len=16"])
     tokenizer = build_tokenizer(spec.model)
-    train_set, eval_set = build_datasets(spec.data, tokenizer, spec.seed)
+    train_set, eval_set = token_splits(spec.data, tokenizer, spec.seed)
     assert len(train_set) + len(eval_set) == 400
     row = train_set[0]
     prompt_length = row["labels"].index(next(label for label in row["labels"] if label != IGNORE))
@@ -147,10 +148,10 @@ def test_parquet_text_is_packed_into_blocks(tmp_path):
     datasets.Dataset.from_list(rows).to_parquet(tmp_path / "code.parquet")
     spec = resolved_spec(["data=text_files", f"data.files={tmp_path / 'code.parquet'}", "data.text_field=body",
                           "data.seq_len=32"])
-    train_set, eval_set = build_datasets(spec.data, build_tokenizer(spec.model), spec.seed)
+    train_set, eval_set = token_splits(spec.data, build_tokenizer(spec.model), spec.seed)
     assert len(train_set) > 0 and len(eval_set) > 0
-    assert {len(ids) for ids in train_set["input_ids"]} == {32}
-    assert train_set["labels"] == train_set["input_ids"]
+    assert {len(row["input_ids"]) for row in train_set} == {32}
+    assert all(row["labels"] == row["input_ids"] for row in train_set)
 
 
 @pytest.mark.slow

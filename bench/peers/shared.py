@@ -36,7 +36,7 @@ def token_rows(plan: dict):
     (else None).
 
     Throughput runs read the file the harness wrote. Start-up runs (text) read and tokenize the text here, as a
-    script of one's own would, with the runner's tokenizer and blocks (runner/config/data.py) so that the rows are
+    script of one's own would, with the runner's tokenizer and blocks (runner/data/pack.py) so that the rows are
     the runner's."""
     import torch
 
@@ -48,13 +48,14 @@ def token_rows(plan: dict):
 
 def _runner_global_batches(data, seed: int, global_batch: int):
     """The runner's tokenizer, and its global batches of unpacked rows: one rank taking each whole global batch in
-    one micro batch (runner/config/data.py cuts each global batch into the ranks' contiguous slices, so that rank
+    one micro batch (runner/data/batches.py cuts each global batch into the ranks' contiguous slices, so that rank
     sees every rank's rows); and its eval split."""
-    from runner.config.data import build_datasets, train_batches
+    from runner.data.batches import train_batches
+    from runner.data.splits import token_splits
     from runner.config.model import byte_tokenizer
 
     tokenizer = byte_tokenizer()
-    train_set, eval_set = build_datasets(data, tokenizer, seed)
+    train_set, eval_set = token_splits(data, tokenizer, seed)
     batches = train_batches(train_set, micro_batch_size=global_batch, grad_accum_steps=1, dp_rank=0, dp_size=1,
                             seed=seed, pad_token_id=tokenizer.pad_token_id)
     return tokenizer, (batch.micro_batches[0] for batch in batches), eval_set
@@ -65,7 +66,8 @@ def runner_rows(text_files: str, seq_len: int, seed: int, global_batch: int, ste
     first `eval_rows` rows of its eval split, which its evaluations read (None for none)."""
     import torch
 
-    from runner.config.data import DataConfig, eval_batches
+    from runner.config.data import DataConfig
+    from runner.data.batches import eval_batches
 
     tokenizer, batches, eval_set = _runner_global_batches(DataConfig(files=text_files, seq_len=seq_len), seed,
                                                           global_batch)

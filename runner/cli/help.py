@@ -35,6 +35,7 @@ def help_text(recipe_dirs: list[Path]) -> str:
             "  run --copy-recipe <name> [<new name>]     copy a recipe into ./recipes to edit it",
             "  run --from-accelerate <file> [<name>]     turn an accelerate config file into ./recipes/<name>.yaml",
             "  run --to-accelerate [overrides]           print the accelerate config file of a spec",
+            "  run --prepare-data [overrides]            tokenize the spec's data into the token store, for later runs",
             "  run -m hydra/sweeper=optuna 'optim.lr=interval(1e-4,1e-2)'   search, minimising the eval loss",
             "  run -m hydra/launcher=slurm ...           one SLURM job per sweep point (slurm_local: on this machine)",
             "",

@@ -7,6 +7,7 @@ line on stderr and exit status 2, before Hydra creates an output directory. Exit
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -127,10 +128,29 @@ def print_accelerate_config(recipe_dirs: list[Path], overrides: list[str]) -> No
     print("\n".join(notes), file=sys.stderr)
 
 
+def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
+    """Tokenizes the data of the spec that `run <overrides>` would compose into the token store, where its runs
+    will read it: on a CPU or login node, before a GPU job starts."""
+    from runner.cli.app import validated
+    from runner.config.model import build_tokenizer
+    from runner.data.splits import token_splits
+    from runner.data.store import size_on_disk
+
+    spec = validated(compose_config(overrides), Path.cwd(), on_this_machine=False)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    train, evaluation = token_splits(spec.data, build_tokenizer(spec.model), spec.seed)
+    store = train.store.path.parent
+    documents = train.store.meta["documents"]
+    print(f"token store {store}: {size_on_disk(store) / 2**20:,.1f} MiB, {documents:,} documents; "
+          f"{len(train):,} train and {len(evaluation):,} eval rows of up to {spec.data.seq_len} tokens "
+          f"({int(train.tokens.sum()):,} train tokens)")
+
+
 # The runner's own commands, which answer without composing a job.
 COMMANDS: dict[str, Callable[[list[Path], list[str]], None]] = {
     "--recipes": list_recipes,
     "--copy-recipe": copy_recipe,
     "--from-accelerate": recipe_from_accelerate,
     "--to-accelerate": print_accelerate_config,
+    "--prepare-data": prepare_data,
 }

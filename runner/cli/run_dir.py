@@ -151,8 +151,11 @@ def discard_run_dir(run_dir: Path) -> None:
     shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
     for name in ("spec.yaml", "run.log"):
         (run_dir / name).unlink(missing_ok=True)
-    for directory in (run_dir, run_dir.parent):  # outputs/<date>/<time>: the date too, if nothing else is in it
-        if directory.resolve() == Path.cwd().resolve():
+    # outputs/<date>/<time>, then the date and outputs/ if nothing else is in them; never the working directory
+    # or what is above it.
+    cwd, run_dir = Path.cwd().resolve(), run_dir.resolve()
+    for directory in [run_dir, run_dir.parent, *(d for d in run_dir.parents[1:] if cwd in d.parents)]:
+        if directory == cwd:
             break
         try:
             directory.rmdir()

@@ -20,7 +20,7 @@ NAME = "runner_packed_examples"
 
 def attend_within_examples(model: nn.Module) -> None:
     """Makes the model's attention the per-example one. Its rows must carry position_ids restarting at 0 at each
-    example, and no attention mask: packed rows (runner/config/data.py)."""
+    example, and no attention mask: packed rows (runner/data/pack.py)."""
     import torch
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

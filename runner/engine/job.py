@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
-from runner.config import data
+from runner.data import batches
+from runner.data.splits import token_splits
 from runner.config.model import build_tokenizer
 from runner.config.scheduler import build_scheduler
 from runner.config.spec import RunSpec, to_plain
@@ -18,12 +19,12 @@ from runner.engine.placement import device_of, place
 from runner.errors import SpecError
 
 if TYPE_CHECKING:
-    import datasets
     import torch
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
     from runner.config.precision import PrecisionInEffect
+    from runner.data.rows import RowSet
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
@@ -41,8 +42,8 @@ class PreparedJob:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stepper: Stepper
     # This rank's micro batches of each optimizer step after the given one.
-    train_batches: Callable[[int], Iterator[data.GlobalBatch]]
-    eval_batches: Callable[[], Iterator[data.MicroBatch]]
+    train_batches: Callable[[int], Iterator[batches.GlobalBatch]]
+    eval_batches: Callable[[], Iterator[batches.MicroBatch]]
     autocast: Callable[[], ContextManager]
     trackers: list[Tracker]
     dp_size: int
@@ -50,6 +51,7 @@ class PreparedJob:
     train_sequences: int
     train_tokens: int  # padding aside
     eval_sequences: int
+    token_store: Path  # the rows' directory in the token store (runner/data/store.py)
     # Where a resumed run starts: the checkpoint's step and what the loop had counted by then.
     start_step: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
@@ -59,18 +61,18 @@ class PreparedJob:
         return self.spec.train.micro_batch_size * self.dp_size * self.spec.train.grad_accum_steps
 
 
-LoadedData = tuple["PreTrainedTokenizerBase", "datasets.Dataset", "datasets.Dataset"]
+LoadedData = tuple["PreTrainedTokenizerBase", "RowSet", "RowSet"]
 
 
 def load_data(spec: RunSpec) -> LoadedData:
     """The tokenizer and the tokenized splits, checked to hold at least one global and one eval batch.
 
     The controller calls it before starting workers, so that data problems stop the job early and the workers
-    find the tokenized splits in the datasets cache.
+    read the token store it wrote.
     """
     train, dp_size = spec.train, spec.hardware.world_size
     tokenizer = build_tokenizer(spec.model)
-    train_set, eval_set = data.build_datasets(spec.data, tokenizer, spec.seed)
+    train_set, eval_set = token_splits(spec.data, tokenizer, spec.seed)
     global_batch = train.micro_batch_size * dp_size * train.grad_accum_steps
     if len(train_set) < global_batch:
         raise SpecError(
@@ -106,11 +108,11 @@ def prepare_job(
         optimizer=placed.optimizer,
         scheduler=build_scheduler(placed.optimizer, spec.scheduler, train.max_steps),
         stepper=placed.stepper,
-        train_batches=lambda start_step: data.train_batches(
+        train_batches=lambda start_step: batches.train_batches(
             train_set, micro_batch_size=train.micro_batch_size, grad_accum_steps=train.grad_accum_steps,
             dp_rank=ranks.rank, dp_size=dp_size, seed=spec.seed, pad_token_id=pad, start_step=start_step,
         ),
-        eval_batches=lambda: data.eval_batches(
+        eval_batches=lambda: batches.eval_batches(
             eval_set, micro_batch_size=train.micro_batch_size, max_batches=train.eval_batches,
             dp_rank=ranks.rank, dp_size=dp_size, pad_token_id=pad,
         ),
@@ -119,8 +121,9 @@ def prepare_job(
         dp_size=dp_size,
         precision_in_effect=placed.precision_in_effect,
         train_sequences=len(train_set),
-        train_tokens=sum(train_set["tokens"]),
+        train_tokens=int(train_set.tokens.sum()),
         eval_sequences=len(eval_set),
+        token_store=train_set.store.path,
     )
     if spec.resume:
         progress = checkpoint.load(job, Path(spec.resume))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from runner.config.data import IGNORE
+from runner.data.rows import IGNORE
 from runner.config.train import LossKind, loss_kind_in_effect
 
 if TYPE_CHECKING:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from runner.config.data import resolve_files
 from runner.config.scheduler import Decay, warmup_steps
 from runner.config.train import LossKind, loss_kind_in_effect
+from runner.data.store import size_on_disk
 from runner.strategies.protocol import model_class_name, parameter_count, unwrapped
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ def data_source(job: PreparedJob) -> str:
     else:  # rows of varied lengths: what share of the rows' room they fill, before a batch pads them
         rows += (f"up to {data.seq_len} tokens ({job.train_tokens:,} tokens, "
                  f"{job.train_tokens / (job.train_sequences * data.seq_len):.0%} of the rows' room)")
-    return f"{where}: {rows}, {job.eval_sequences:,} eval sequences"
+    store = job.token_store.parent  # the documents' tokens and this layout's rows
+    return (f"{where}: {rows}, {job.eval_sequences:,} eval sequences; token store {store} "
+            f"({size_on_disk(store) / 2**20:,.1f} MiB)")
 
 
 def loss_line(job: PreparedJob) -> str:

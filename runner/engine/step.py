@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from runner.config.data import GlobalBatch, MicroBatch
+    from runner.data.batches import GlobalBatch, MicroBatch
     from runner.engine.job import PreparedJob
     from runner.strategies.protocol import StepOutcome
 

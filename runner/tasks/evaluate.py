@@ -20,10 +20,9 @@ from runner.memory.inference_report import inference_answer, planned_report
 from runner.memory.terms import processes
 
 if TYPE_CHECKING:
-    import datasets
-
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
+    from runner.data.rows import RowSet
     from runner.distributed import Ranks
 
 log = logging.getLogger("runner")
@@ -55,27 +54,24 @@ class EvaluateTask(InferenceTaskConfig):
         """What a forward holds, for the memory estimate: training's eval batches."""
         return {"batch_size": spec.train.micro_batch_size, "tokens": spec.data.seq_len, "kv_cache": False}
 
-    def inputs(self, spec: RunSpec) -> datasets.Dataset:
+    def inputs(self, spec: RunSpec) -> RowSet:
         """The tokenized rows to evaluate, at least one per rank."""
-        from runner.config import data
         from runner.config.model import build_tokenizer
+        from runner.data.rows import RowSet
+        from runner.data.splits import token_splits
 
         spec = self.with_trained_model(spec)
-        train_set, eval_set = data.build_datasets(spec.data, build_tokenizer(spec.model), spec.seed)
-        if self.split is EvalSplit.all:
-            import datasets
-
-            rows = datasets.concatenate_datasets([eval_set, train_set])
-        else:
-            rows = eval_set
+        train_set, eval_set = token_splits(spec.data, build_tokenizer(spec.model), spec.seed)
+        # The store holds the eval rows, then the train rows.
+        rows = RowSet(eval_set.store, 0, train_set.stop) if self.split is EvalSplit.all else eval_set
         if len(rows) < spec.hardware.world_size:
             raise SpecError(f"the {self.split.value} rows are {len(rows)}, fewer than the {spec.hardware.world_size} "
                             "processes; raise data.eval_fraction or use task.split=all")
         return rows
 
     def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
-            inputs: Optional[datasets.Dataset] = None) -> dict[str, Any]:
-        from runner.config import data
+            inputs: Optional[RowSet] = None) -> dict[str, Any]:
+        from runner.data.batches import eval_batches
         from runner.engine.inference import inference_model
         from runner.engine.metrics import peak_memory_gib
         from runner.engine.step import mean_loss
@@ -89,7 +85,7 @@ class EvaluateTask(InferenceTaskConfig):
         for line in model.placement:
             log.info("placed %s", line)
         max_batches = spec.train.eval_batches if self.max_batches is None else self.max_batches or len(rows)
-        batches = data.eval_batches(rows, micro_batch_size=spec.train.micro_batch_size, max_batches=max_batches,
+        batches = eval_batches(rows, micro_batch_size=spec.train.micro_batch_size, max_batches=max_batches,
                                     dp_rank=ranks.rank, dp_size=ranks.world_size,
                                     pad_token_id=model.tokenizer.pad_token_id)
         started = time.perf_counter()

@@ -1,0 +1,104 @@
+"""Batches: the rows each rank trains on and evaluates, step by step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Iterator
+
+from runner.data.rows import IGNORE, RowSet
+
+if TYPE_CHECKING:
+    import torch
+
+Batch = dict[str, "torch.Tensor"]  # the model's inputs and the labels
+
+
+@dataclass
+class MicroBatch:
+    inputs: Batch  # the forward's: input_ids, with attention_mask (padded rows) or position_ids (packed rows)
+    labels: torch.Tensor
+    tokens: int  # its tokens, padding aside
+    label_tokens: int  # its predicted labels: every label but each row's (and packed segment's) first, not IGNORE
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return replace(self, inputs={k: v.to(device) for k, v in self.inputs.items()}, labels=self.labels.to(device))
+
+
+@dataclass
+class GlobalBatch:
+    """This rank's micro batches of one optimizer step, and the counts of the whole global batch (every rank's),
+    read from the rows: nothing to sum across ranks before the forward."""
+
+    micro_batches: list[MicroBatch]
+    tokens: int
+    label_tokens: int
+
+
+def collate(rows: dict[str, list], pad_token_id: int) -> MicroBatch:
+    """Right-pads a batch to its longest row; padding carries the label IGNORE. Padded rows mask it out with an
+    attention mask; packed rows make it a segment of its own, so that no real token attends to it."""
+    import torch
+
+    length = max(len(ids) for ids in rows["input_ids"])
+
+    def padded(seqs: list[list[int]], value: int) -> torch.Tensor:
+        return torch.tensor([seq + [value] * (length - len(seq)) for seq in seqs])
+
+    inputs = {"input_ids": padded(rows["input_ids"], pad_token_id)}
+    if "position_ids" in rows:
+        inputs["position_ids"] = torch.tensor([positions + list(range(length - len(positions)))
+                                               for positions in rows["position_ids"]])
+    else:
+        inputs["attention_mask"] = padded([[1] * len(ids) for ids in rows["input_ids"]], 0)
+    return MicroBatch(inputs, padded(rows["labels"], IGNORE), sum(rows["tokens"]), sum(rows["label_tokens"]))
+
+
+def train_batches(
+    rows: RowSet,
+    *,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    pad_token_id: int,
+    start_step: int = 0,
+) -> Iterator[GlobalBatch]:
+    """For each optimizer step after start_step, this rank's micro batches.
+
+    Every epoch draws one seeded permutation of the rows and cuts it into global batches of
+    micro_batch_size x dp_size x grad_accum_steps rows; rank r takes the r-th contiguous slice of each.
+    The global batch of a step is therefore the same whatever the strategy and process count.
+    """
+    import torch
+
+    per_rank = micro_batch_size * grad_accum_steps
+    global_batch = per_rank * dp_size
+    steps_per_epoch = len(rows) // global_batch
+    epoch, first = divmod(start_step, steps_per_epoch)
+    while True:
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch)).numpy()
+        for start in range(first * global_batch, steps_per_epoch * global_batch, global_batch):
+            everyone = order[start : start + global_batch]
+            mine = order[start + dp_rank * per_rank : start + (dp_rank + 1) * per_rank]
+            yield GlobalBatch(
+                [collate(rows.batch(mine[i : i + micro_batch_size]), pad_token_id)
+                 for i in range(0, per_rank, micro_batch_size)],
+                tokens=int(rows.tokens[everyone].sum()), label_tokens=int(rows.label_tokens[everyone].sum()),
+            )
+        epoch, first = epoch + 1, 0
+
+
+def eval_batches(
+    rows: RowSet, *, micro_batch_size: int, max_batches: int, dp_rank: int, dp_size: int, pad_token_id: int
+) -> Iterator[MicroBatch]:
+    """This rank's share of the first max_batches x micro_batch_size eval rows, in batches of micro_batch_size.
+
+    The rows are the same whatever the number of ranks (rounded down to a multiple of it, so that every rank runs
+    the same number of forward passes).
+    """
+    count = min(len(rows), max_batches * micro_batch_size) // dp_size * dp_size
+    share = count // dp_size
+    first = dp_rank * share
+    for start in range(first, first + share, micro_batch_size):
+        yield collate(rows.batch(range(start, min(start + micro_batch_size, first + share))), pad_token_id)

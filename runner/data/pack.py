@@ -1,0 +1,98 @@
+"""Packing: the tokenized documents into rows of at most seq_len tokens.
+
+Plain text is cut into fixed-length blocks. Instruction data (prompt/response pairs) keeps one example per row,
+padded to the longest row of its batch, and trains on the response tokens only: prompt positions carry the label
+IGNORE.
+
+With `packing`, each row of seq_len tokens holds several documents or examples, each with its own positions
+(restarting at 0) and attending only to itself: the rows carry position_ids and no attention mask, and the
+model's attention confines each token to its segment (on GPUs transformers' block-diagonal mask under sdpa, or
+variable-length kernels under flash and flex attention; on the CPU runner/engine/attention.py, one example at a
+time). A segment's first token is not predicted, so each example's loss is the one it has alone in a row.
+
+A row is stored as its tokens and its segments, each segment a start and the number of its first tokens that are
+not predicted (its prompt, or a packed segment's first token); labels and positions follow from them. Every row
+stores its token and label counts, so that a step knows its global batch's counts without asking the other ranks.
+
+The documents go in groups of GROUP, in the split's order; a block or a packed row never spans two groups.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from runner.config.data import DataConfig
+
+GROUP = 1000
+
+
+class Rows(NamedTuple):
+    """Rows of a group of documents: tokens one after another, each row's length, each row's segments (their
+    starts in the row and how many of their first tokens are not predicted) and predicted labels."""
+
+    tokens: np.ndarray
+    row_lengths: np.ndarray
+    segments_per_row: np.ndarray
+    segment_starts: np.ndarray
+    segment_ignored: np.ndarray
+    label_tokens: np.ndarray
+
+
+def text_rows(documents: list[np.ndarray], seq_len: int, packing: bool) -> Rows:
+    """Documents one after another, cut every seq_len tokens; the last, partial row is left out. Packed, a
+    document cut at a row's end goes on as the next row's first segment."""
+    import numpy as np
+
+    stream = np.concatenate(documents) if documents else np.zeros(0, np.int64)
+    rows = len(stream) // seq_len
+    usable = rows * seq_len
+    row_starts = np.arange(0, usable, seq_len)
+    if not packing:  # a block is one segment whose every token is predicted but the first
+        return Rows(stream[:usable], np.full(rows, seq_len), np.ones(rows, np.int64), np.zeros(rows, np.int64),
+                    np.zeros(rows, np.int64), np.full(rows, seq_len - 1))
+    document_starts = np.cumsum([0] + [len(document) for document in documents[:-1]])
+    starts = np.union1d(row_starts, document_starts[document_starts < usable])
+    segments_per_row = np.bincount(starts // seq_len, minlength=rows)
+    return Rows(stream[:usable], np.full(rows, seq_len), segments_per_row, starts % seq_len,
+                np.ones(len(starts), np.int64), seq_len - segments_per_row)
+
+
+def instruction_rows(examples: list[np.ndarray], prompt_lengths: list[int], seq_len: int, packing: bool) -> Rows:
+    """Each example cut to seq_len tokens, its prompt not predicted; an example whose prompt fills the sequence is
+    left out (nothing to learn). Packed, whole examples in their order, as many to a row as fit."""
+    import numpy as np
+
+    kept: list[tuple[np.ndarray, int]] = []
+    for example, prompt in zip(examples, prompt_lengths):
+        example = example[:seq_len]
+        if len(example) > max(prompt, 1):
+            kept.append((example, min(prompt, len(example))))
+    rows: list[list[tuple[np.ndarray, int]]] = []
+    used = seq_len
+    for example, prompt in kept:
+        if not packing or used + len(example) > seq_len:
+            rows.append([])
+            used = 0
+        # Packed, a segment's first token is not predicted: nothing before it in its segment.
+        rows[-1].append((example, max(prompt, 1) if packing else prompt))
+        used += len(example)
+    lengths = [[len(example) for example, _ in row] for row in rows]
+    ignored = [ignore for row in rows for _, ignore in row]
+    return Rows(
+        np.concatenate([example for row in rows for example, _ in row]) if rows else np.zeros(0, np.int64),
+        np.array([sum(row) for row in lengths], np.int64),
+        np.array([len(row) for row in rows], np.int64),
+        np.array([start for row in lengths for start in np.cumsum([0, *row[:-1]])], np.int64),
+        np.array(ignored, np.int64),
+        np.array([sum(length - max(ignore, 1) for length, (_, ignore) in zip(row_lengths, row))
+                  for row_lengths, row in zip(lengths, rows)], np.int64),
+    )
+
+
+def group_rows(data: DataConfig, documents: list[np.ndarray], prompt_lengths: list[int] | None) -> Rows:
+    if prompt_lengths is None:
+        return text_rows(documents, data.seq_len, data.packing)
+    return instruction_rows(documents, prompt_lengths, data.seq_len, data.packing)

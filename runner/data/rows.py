@@ -1,0 +1,100 @@
+"""The rows of a token store (runner/data/pack.py's layout), memory-mapped: the eval rows, then the train rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from runner.data.pack import Rows
+
+IGNORE = -100
+ARRAYS = ("row_lengths", "segments_per_row", "segment_starts", "segment_ignored", "label_tokens")
+
+
+class RowWriter:
+    """Appends groups of rows to a store's files."""
+
+    def __init__(self, path: Path, dtype: Any):
+        self.path = path
+        self.tokens = open(path / "tokens.bin", "wb")
+        self.dtype = dtype
+        self.parts: dict[str, list[np.ndarray]] = {name: [] for name in ARRAYS}
+        self.rows = 0
+
+    def add(self, rows: Rows) -> None:
+        self.tokens.write(rows.tokens.astype(self.dtype).tobytes())
+        for name in ARRAYS:
+            self.parts[name].append(getattr(rows, name))
+        self.rows += len(rows.row_lengths)
+
+    def close(self) -> None:
+        import numpy as np
+
+        self.tokens.close()
+        for name, parts in self.parts.items():
+            np.save(self.path / f"{name}.npy", np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
+
+
+class RowStore:
+    """A store's rows: each row's tokens, labels and (packed) positions, computed from its segments when read."""
+
+    def __init__(self, path: Path):
+        import numpy as np
+
+        self.path = path
+        self.meta = json.loads((path / "meta.json").read_text())
+        self.tokens = np.memmap(path / "tokens.bin", dtype=self.meta["dtype"], mode="r")
+        arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
+        self.row_lengths = arrays["row_lengths"]
+        self.label_tokens = arrays["label_tokens"]
+        self.row_offsets = np.concatenate([[0], np.cumsum(self.row_lengths)])
+        self.segment_offsets = np.concatenate([[0], np.cumsum(arrays["segments_per_row"])])
+        self.segment_starts = arrays["segment_starts"]
+        self.segment_ignored = arrays["segment_ignored"]
+        self.packed = bool(self.meta["packing"])
+
+    def row(self, index: int) -> dict[str, Any]:
+        import numpy as np
+
+        ids = np.asarray(self.tokens[self.row_offsets[index]:self.row_offsets[index + 1]], dtype=np.int64)
+        labels = ids.copy()
+        first, last = self.segment_offsets[index], self.segment_offsets[index + 1]
+        starts = [*self.segment_starts[first:last], len(ids)]
+        positions = np.empty_like(ids)
+        for start, end, ignored in zip(starts, starts[1:], self.segment_ignored[first:last]):
+            labels[start:start + ignored] = IGNORE
+            positions[start:end] = np.arange(end - start)
+        row = {"input_ids": ids.tolist(), "labels": labels.tolist(), "tokens": int(self.row_lengths[index]),
+               "label_tokens": int(self.label_tokens[index])}
+        if self.packed:
+            row["position_ids"] = positions.tolist()
+        return row
+
+
+class RowSet:
+    """Rows [start, stop) of a store: a split, or the whole store (the eval rows, then the train rows)."""
+
+    def __init__(self, store: RowStore, start: int, stop: int):
+        self.store, self.start, self.stop = store, start, stop
+        self.tokens = store.row_lengths[start:stop]
+        self.label_tokens = store.label_tokens[start:stop]
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.store.row(self.start + index)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[i] for i in range(len(self)))
+
+    def batch(self, indices: Any) -> dict[str, list]:
+        """The rows at `indices`, column by column."""
+        rows = [self[int(i)] for i in indices]
+        return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}

@@ -1,0 +1,107 @@
+"""The train and eval splits of a spec's data, from the token store: read → tokenize → pack → store, each stage
+a module of this package, each done once for a given corpus, tokenizer and layout."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from runner.config.data import resolve_files
+from runner.data.pack import GROUP, group_rows
+from runner.data.read import HUB_ROWS
+from runner.data.rows import RowSet, RowStore, RowWriter
+from runner.data.store import Documents, cache_dir, documents_key, ensure, rows_key
+from runner.data.tokenize import token_dtype, tokenize_documents
+from runner.errors import SpecError
+
+# Below this much text, starting tokenizing processes (their imports: seconds) costs more than it saves.
+PROCESSES_FROM_BYTES = 32 << 20
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from transformers import PreTrainedTokenizerBase
+
+    from runner.config.data import DataConfig
+
+
+def token_splits(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[RowSet, RowSet]:
+    """The train and eval rows; the eval split holds whole documents the model never trains on."""
+    store = prepared_rows(data, tokenizer, seed)
+    evals = store.meta["eval_rows"]
+    return RowSet(store, evals, len(store.row_lengths)), RowSet(store, 0, evals)
+
+
+def prepared_rows(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> RowStore:
+    """The row store of this data, tokenizer, layout and split, written first where no run has written it."""
+    if data.hub_dataset and data.hub_dataset not in HUB_ROWS:
+        HUB_ROWS[data.hub_dataset] = read_hub(data)
+    root = cache_dir(data) / documents_key(data, tokenizer)
+    documents = root / "documents"
+    if not (documents / "meta.json").exists():
+        check_room(data, tokenizer, root)
+    ensure(documents, lambda partial: {**tokenize_documents(data, tokenizer, num_proc(data), partial,
+                                                            source_bytes(data)),
+                                       "dtype": token_dtype(tokenizer).__name__})
+    rows = root / f"rows-{rows_key(data, seed)}"
+    ensure(rows, lambda partial: write_rows(Documents(documents), data, seed, partial))
+    return RowStore(rows)
+
+
+def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) -> dict[str, Any]:
+    """The eval rows, then the train rows, of the documents split with the seed: the eval documents are the first
+    round(eval_fraction x documents) (at least one) of a seeded permutation, the train documents the rest."""
+    import numpy as np
+
+    source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else f"data.files={data.files}"
+    if len(documents) < 2:
+        raise SpecError(f"{source} holds {len(documents)} document(s); training and evaluation need at least 2")
+    evals = max(1, round(len(documents) * data.eval_fraction))
+    order = np.random.default_rng(seed).permutation(len(documents))
+    writer = RowWriter(into, documents.tokens.dtype)
+    rows_before = []
+    for split in (order[:evals], order[evals:]):
+        rows_before.append(writer.rows)
+        for start in range(0, len(split), GROUP):
+            writer.add(group_rows(data, *documents.group(split[start:start + GROUP])))
+    writer.close()
+    eval_rows = rows_before[1]
+    return {"dtype": documents.tokens.dtype.name, "packing": data.packing, "eval_rows": eval_rows,
+            "rows": writer.rows, "documents": len(documents)}
+
+
+def check_room(data: DataConfig, tokenizer: PreTrainedTokenizerBase, root: Path) -> None:
+    """Refuses a corpus whose store may not fit in the free disk: its documents and one layout of rows, at most a
+    token per byte of text (byte-level tokenizers; others make fewer)."""
+    needed = 2 * source_bytes(data) * token_dtype(tokenizer)().itemsize
+    existing = next(directory for directory in (root, *root.parents) if directory.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise SpecError(f"the token store of {source_bytes(data) / 1e9:,.1f} GB of text needs up to "
+                        f"{needed / 1e9:,.1f} GB in {cache_dir(data)}, which has {free / 1e9:,.1f} GB free; free "
+                        "space there or set data.cache_dir to a larger disk")
+
+
+def num_proc(data: DataConfig) -> int:
+    """data.num_proc; unset, every core for a corpus worth starting processes for, else this one."""
+    if data.num_proc:
+        return data.num_proc
+    return len(os.sched_getaffinity(0)) if source_bytes(data) >= PROCESSES_FROM_BYTES else 1
+
+
+def source_bytes(data: DataConfig) -> int:
+    if data.hub_dataset:
+        return HUB_ROWS[data.hub_dataset].data.nbytes
+    return sum(os.path.getsize(path) for path in resolve_files(data.files))
+
+
+def read_hub(data: DataConfig) -> Any:
+    import datasets
+
+    try:
+        return datasets.load_dataset(data.hub_dataset, split=data.hub_split)
+    except Exception as error:  # datasets raises many kinds for unreachable or unknown datasets
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SpecError(f"data.hub_dataset={data.hub_dataset} could not be read: {first_line}") from None
+

@@ -1,0 +1,163 @@
+"""The token store: a corpus tokenized once, on disk, read by every later run, every job of a sweep, every rank
+and every node that shares the directory.
+
+    <data.cache_dir>/<documents key>/documents/   tokens.bin, lengths.npy[, prompt_lengths.npy], meta.json
+    <data.cache_dir>/<documents key>/rows-<rows key>/   the eval rows, then the train rows (runner/data/pack.py)
+
+The documents key covers what decides the tokens: the files (path, size, modification time), the tokenizer, the
+format and its fields, and STORE_VERSION, raised whenever this package's output changes; the rows key adds what
+decides the rows: seq_len, packing, the eval fraction and the seed of the split. A store is written under a
+temporary name and renamed into place whole, so that a reader finds a complete store or none; writers of the same
+store take turns under a lock, and one that waits says for whom.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from runner.config.data import resolve_files
+from runner.data.read import HUB_ROWS
+
+if TYPE_CHECKING:
+    import numpy as np
+    from transformers import PreTrainedTokenizerBase
+
+    from runner.config.data import DataConfig
+
+log = logging.getLogger("runner")
+
+STORE_VERSION = 1
+DEFAULT_CACHE_DIR = "~/.cache/runner/tokens"
+# How often a writer waiting for another one's lock says so.
+WAIT_REPORT_S = 30
+
+
+def cache_dir(data: DataConfig) -> Path:
+    return Path(os.path.expanduser(data.cache_dir or os.environ.get("RUNNER_TOKEN_CACHE", DEFAULT_CACHE_DIR)))
+
+
+def documents_key(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    if data.hub_dataset:
+        source: Any = {"hub": data.hub_dataset, "split": data.hub_split,
+                       "fingerprint": HUB_ROWS[data.hub_dataset]._fingerprint}
+    else:
+        source = [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in resolve_files(data.files)]
+    fields = ([data.prompt_field, data.response_field] if data.format.value == "instruction" else [data.text_field])
+    return digest({"version": STORE_VERSION, "source": source, "tokenizer": tokenizer_identity(tokenizer),
+                   "format": data.format.value, "fields": fields})
+
+
+def rows_key(data: DataConfig, seed: int) -> str:
+    return digest({"seq_len": data.seq_len, "packing": data.packing, "eval_fraction": data.eval_fraction,
+                   "seed": seed})
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
+    """What decides a tokenizer's ids: its whole definition where it has one (fast tokenizers), else its class,
+    vocabulary and special tokens."""
+    if getattr(tokenizer, "is_fast", False):
+        definition = tokenizer.backend_tokenizer.to_str()
+    else:
+        definition = json.dumps([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())])
+    specials = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    return hashlib.sha256((definition + specials + str(tokenizer.eos_token_id)).encode()).hexdigest()
+
+
+def size_on_disk(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def ensure(final: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """The store at `final`, written by `write(partial directory)` unless it is there already; its meta data."""
+    meta = final / "meta.json"
+    if meta.exists():
+        return json.loads(meta.read_text())
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with turn(final):
+        if meta.exists():  # written by the writer this one waited for
+            return json.loads(meta.read_text())
+        partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        try:
+            written = write(partial)
+            (partial / "meta.json").write_text(json.dumps(written, indent=2) + "\n")
+            os.rename(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    return written
+
+
+@contextmanager
+def turn(final: Path) -> Iterator[None]:
+    """This process's turn to write the store at `final`: another writer of it holds the lock until it is done, or
+    until it ends (the kernel releases a dead process's lock). The wait is logged, with the writer and its place,
+    every WAIT_REPORT_S seconds."""
+    lock_path = final.with_name(final.name + ".lock")
+    with open(lock_path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            waited = 0.0
+            while True:
+                log.warning("waiting for %s, which is writing the token store %s (%.0f s so far)", holder, final,
+                            waited)
+                deadline = time.monotonic() + WAIT_REPORT_S
+                while time.monotonic() < deadline:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        time.sleep(0.2)
+                else:
+                    waited += WAIT_REPORT_S
+                    continue
+                break
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"process {os.getpid()} on {os.uname().nodename}")
+        lock.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+class Documents:
+    """The tokenized documents, memory-mapped."""
+
+    def __init__(self, path: Path):
+        import numpy as np
+
+        self.meta = json.loads((path / "meta.json").read_text())
+        self.tokens = np.memmap(path / "tokens.bin", dtype=self.meta["dtype"], mode="r") \
+            if self.meta["tokens"] else np.zeros(0, self.meta["dtype"])
+        self.lengths = np.load(path / "lengths.npy")
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        prompts = path / "prompt_lengths.npy"
+        self.prompt_lengths = np.load(prompts) if prompts.exists() else None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def group(self, indices: np.ndarray) -> tuple[list[np.ndarray], list[int] | None]:
+        documents = [self.tokens[self.offsets[i]:self.offsets[i + 1]] for i in indices]
+        prompts = None if self.prompt_lengths is None else [int(self.prompt_lengths[i]) for i in indices]
+        return documents, prompts
+

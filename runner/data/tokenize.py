@@ -1,0 +1,199 @@
+"""Tokenizing: every document once, on `data.num_proc` processes, into the token store's document arrays.
+
+Each process reads and tokenizes whole work items (runner/data/read.py) and hands back numpy arrays; this process
+appends them to the store's files in the items' order, so that the tokens are the same whatever the number of
+processes, and memory holds a few items at a time, whatever the corpus's size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
+
+from runner.data.read import HUB_ROWS, WorkItem, read_item, work_items
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import numpy as np
+    from transformers import PreTrainedTokenizerBase
+
+    from runner.config.data import DataConfig
+
+log = logging.getLogger("runner")
+# The longest a tokenizing process may take over one work item (ITEM_BYTES of text: seconds) before the job ends.
+STALL_S = 600
+
+
+class Encoded(NamedTuple):
+    """A work item's documents: their tokens one after another, each one's length and (instruction data) the
+    length of its prompt, which training does not predict."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    prompt_lengths: Optional[np.ndarray]
+    size: int
+
+
+class Encoder:
+    """Reads a work item and tokenizes its documents: text with the tokenizer's end-of-sequence token after each
+    document; instruction data as prompt, response and end-of-sequence token."""
+
+    def __init__(self, data: DataConfig, tokenizer: PreTrainedTokenizerBase, dtype: Any):
+        from runner.config.data import DataFormat
+
+        self.instruction = data.format is DataFormat.instruction
+        self.fields = (data.prompt_field, data.response_field) if self.instruction else (data.text_field,)
+        self.source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else "data.files"
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+
+    def __call__(self, item: WorkItem) -> Encoded:
+        import numpy as np
+
+        documents = read_item(item, self.fields, self.source)
+        eos = self.tokenizer.eos_token_id
+        columns = [self.ids([document[i] for document in documents]) for i in range(len(self.fields))]
+        if self.instruction:
+            prompts, responses = columns
+            sequences = [prompt + response + [eos] for prompt, response in zip(prompts, responses)]
+            prompt_lengths = np.array([len(prompt) for prompt in prompts], dtype=np.int32)
+        else:
+            sequences = [ids + [eos] for ids in columns[0]]
+            prompt_lengths = None
+        lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
+        tokens = np.fromiter((token for ids in sequences for token in ids), dtype=self.dtype, count=int(lengths.sum()))
+        size = item.size or sum(len(text.encode()) for document in documents for text in document)
+        return Encoded(tokens, lengths, prompt_lengths, size)
+
+    def ids(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
+ENCODER: Optional[Encoder] = None  # a tokenizing process's own
+
+
+def start_worker(encoder: Encoder, hub_rows: dict[str, Any]) -> None:
+    global ENCODER
+    ENCODER = encoder
+    HUB_ROWS.update(hub_rows)  # a hub dataset pickles as its memory-mapped cache files
+    # Each process is one core: the tokenizer's own threads would only compete with the other processes.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def encode_in_worker(item: WorkItem) -> Encoded:
+    return ENCODER(item)
+
+
+def encoded_items(data: DataConfig, encoder: Encoder, num_proc: int) -> Iterator[Encoded]:
+    """The work items' tokens in the items' order: tokenized here on one process, else by `num_proc` new ones
+    (spawned: a process forked from this one, whose libraries run threads, could deadlock). At most two items a
+    process are in flight, so that memory holds a few items whatever the corpus. A process that dies ends the job
+    with one line, and so does one that finishes no item in STALL_S seconds."""
+    items = work_items(data)
+    if num_proc == 1:
+        yield from map(encoder, items)
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor, TimeoutError
+    from concurrent.futures.process import BrokenProcessPool
+
+    pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker,
+                               initargs=(encoder, HUB_ROWS))
+    pending: deque = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(encode_in_worker, item))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().result(timeout=STALL_S)
+        while pending:
+            yield pending.popleft().result(timeout=STALL_S)
+    except BrokenProcessPool:
+        raise RuntimeError(f"a tokenizing process died (killed, or out of memory?); try fewer data.num_proc than "
+                           f"{num_proc}") from None
+    except TimeoutError:
+        raise RuntimeError(f"tokenizing stalled: no work item finished in {STALL_S} s") from None
+    finally:
+        # Not shutdown(wait=True): a stalled process would keep this one waiting. Python 3.11 has no public way to
+        # end the pool's processes.
+        processes = list((pool._processes or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.kill()
+            process.join()
+
+
+def tokenize_documents(data: DataConfig, tokenizer: PreTrainedTokenizerBase, num_proc: int, into: Path,
+                       total_bytes: int) -> dict[str, int]:
+    """Writes the documents' tokens to `into` (tokens.bin, lengths.npy, prompt_lengths.npy); returns their counts."""
+    import numpy as np
+
+    dtype = token_dtype(tokenizer)
+    encoder = Encoder(data, tokenizer, dtype)
+    lengths: list[np.ndarray] = []
+    prompt_lengths: list[np.ndarray] = []
+    progress = Progress(total_bytes, num_proc)
+    with open(into / "tokens.bin", "wb") as tokens:
+        for encoded in encoded_items(data, encoder, num_proc):
+            tokens.write(encoded.tokens.tobytes())
+            lengths.append(encoded.lengths)
+            if encoded.prompt_lengths is not None:
+                prompt_lengths.append(encoded.prompt_lengths)
+            progress.advance(encoded.size, int(encoded.lengths.sum()))
+    progress.close()
+    np.save(into / "lengths.npy", np.concatenate(lengths) if lengths else np.zeros(0, np.int64))
+    if encoder.instruction:
+        np.save(into / "prompt_lengths.npy", np.concatenate(prompt_lengths) if prompt_lengths else np.zeros(0, np.int32))
+    return {"documents": sum(len(part) for part in lengths), "tokens": progress.tokens, "bytes": progress.done}
+
+
+def token_dtype(tokenizer: PreTrainedTokenizerBase) -> Any:
+    """uint16 where every token id fits, uint32 otherwise."""
+    import numpy as np
+
+    return np.uint16 if len(tokenizer) <= 1 << 16 else np.uint32
+
+
+class Progress:
+    """Tokenizing's progress, MB/s and time left: a bar on a terminal, a log line every 30 s elsewhere."""
+
+    def __init__(self, total_bytes: int, num_proc: int):
+        self.total, self.done, self.tokens = total_bytes, 0, 0
+        self.started = self.logged = time.monotonic()
+        log.info("tokenizing %s on %d process(es), once: later runs read the token store", amount(total_bytes),
+                 num_proc)
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", leave=False)
+
+    def advance(self, size: int, tokens: int) -> None:
+        self.done += size
+        self.tokens += tokens
+        if self.bar is not None:
+            self.bar.update(size)
+        elif time.monotonic() - self.logged >= 30:
+            self.logged = time.monotonic()
+            log.info("tokenizing: %s", self.rate())
+
+    def rate(self) -> str:
+        seconds = max(time.monotonic() - self.started, 1e-6)
+        speed = self.done / seconds
+        left = (self.total - self.done) / speed if speed and self.total > self.done else 0
+        return (f"{amount(self.done)} of {amount(self.total)}, {speed / 1e6:.1f} MB/s, {self.tokens:,} tokens, "
+                f"{left:.0f} s left")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        log.info("tokenized %s (%s tokens) in %.1f s", amount(self.done), f"{self.tokens:,}",
+                 time.monotonic() - self.started)
+
+
+def amount(size: int) -> str:
+    return f"{size / 1e6:,.1f} MB" if size >= 100_000 else f"{size / 1e3:,.1f} kB"

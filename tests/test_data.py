@@ -1,0 +1,156 @@
+"""The data package (runner/data/): a corpus tokenized once, on every core, into the token store that every later
+run reads; the same tokens whatever the number of processes; writers that meet take turns and say so."""
+
+import fcntl
+import json
+import os
+import shutil
+import sysconfig
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import run_cli, start_cli, wait_until
+from runner.config.data import DataConfig, DataFormat
+from runner.config.model import byte_tokenizer
+from runner.data import read
+from runner.data.splits import token_splits
+from runner.data.store import documents_key
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    """Prompt/response pairs from the standard library's lines, in two JSON Lines files."""
+    lines = [line for path in sorted((STDLIB / "json").glob("*.py")) for line in path.read_text().splitlines()
+             if line.strip()]
+    folder = tmp_path_factory.mktemp("pairs")
+    for part in range(2):
+        with (folder / f"part{part}.jsonl").open("w") as out:
+            for at in range(part, len(lines) - 3, 2):
+                out.write(json.dumps({"prompt": lines[at], "response": "\n".join(lines[at + 1:at + 3])}) + "\n")
+    return folder
+
+
+def all_rows(data: DataConfig) -> list:
+    train, evaluation = token_splits(data, byte_tokenizer(), seed=0)
+    return [list(evaluation), list(train)]
+
+
+@pytest.mark.parametrize("format_,packing", [("text", False), ("text", True), ("instruction", False),
+                                             ("instruction", True)])
+def test_the_tokens_are_the_same_whatever_the_number_of_processes(format_, packing, pairs, tmp_path, monkeypatch):
+    monkeypatch.setattr(read, "ITEM_BYTES", 8192)  # many work items, for the processes to share
+    files = str(pairs / "*.jsonl") if format_ == "instruction" else str(STDLIB / "json" / "*.py")
+    data = DataConfig(files=files, format=DataFormat(format_), packing=packing, seq_len=128)
+    one = all_rows(replace(data, num_proc=1, cache_dir=str(tmp_path / "one")))
+    two = all_rows(replace(data, num_proc=2, cache_dir=str(tmp_path / "two")))
+    assert one == two and len(one[1]) > 10
+    assert len(list(read.work_items(data))) >= 4
+
+
+def test_the_store_is_written_once_and_read_by_every_later_run(tmp_path, caplog):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for path in sorted((STDLIB / "json").glob("*.py")):
+        (corpus / path.name).write_text(path.read_text())
+    data = DataConfig(files=str(corpus), seq_len=64, cache_dir=str(tmp_path / "cache"))
+    caplog.set_level("INFO", logger="runner")
+
+    first = all_rows(data)
+    assert "tokenizing" in caplog.text
+    [documents] = (tmp_path / "cache").glob("*/documents")
+    written = (documents / "tokens.bin").stat().st_mtime_ns
+    caplog.clear()
+    assert all_rows(data) == first
+    assert all_rows(replace(data, seq_len=32))[1][0]["tokens"] == 32  # new rows, from the same documents
+    assert "tokenizing" not in caplog.text and (documents / "tokens.bin").stat().st_mtime_ns == written
+    assert len([p for p in documents.parent.glob("rows-*") if p.is_dir()]) == 2
+
+    (corpus / "decoder.py").write_text((corpus / "decoder.py").read_text() + "\n# changed\n")
+    all_rows(data)  # a changed file is a new corpus
+    assert "tokenizing" in caplog.text and len(list((tmp_path / "cache").glob("*/documents"))) == 2
+
+
+def test_a_writer_that_finds_another_at_work_says_whom_it_waits_for_then_reads_its_store(workdir):
+    """The lock is held here, as another run tokenizing the same data would hold it: `run --prepare-data` waits,
+    says so, and goes on once the lock is free; neither leaves a partial store."""
+    cache = workdir / "cache"
+    overrides = [f"data.cache_dir={cache}", "data=text_files", f"data.files={STDLIB / 'json' / '*.py'}"]
+    data = DataConfig(files=str(STDLIB / "json" / "*.py"), cache_dir=str(cache))
+    root = cache / documents_key(data, byte_tokenizer())
+    root.mkdir(parents=True)
+    with open(root / "documents.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("process 1 on the other node")
+        lock.flush()
+        waiting = start_cli("--prepare-data", *overrides, cwd=workdir)
+        wait_until(lambda: "waiting for process 1 on the other node, which is writing the token store" in
+                   waiting.stderr(), "the waiting writer's report", job=waiting)
+        assert not (root / "documents").exists()
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    stdout, stderr = waiting.communicate(timeout=300)
+    assert waiting.returncode == 0, stderr
+    assert stdout.startswith(f"token store {root}: ") and " 0 eval rows" not in stdout
+    [rows] = [p.name for p in root.glob("rows-*") if p.is_dir()]
+    assert sorted(p.name for p in root.iterdir()) == ["documents", "documents.lock", rows, f"{rows}.lock"]
+    again = run_cli("--prepare-data", *overrides, cwd=workdir)
+    assert again.returncode == 0 and again.stdout == stdout and "tokenizing" not in again.stderr
+
+
+def test_a_corpus_whose_store_would_not_fit_on_the_disk_is_refused_before_tokenizing(workdir):
+    corpus = workdir / "corpus"
+    corpus.mkdir()
+    free = shutil.disk_usage(workdir).free
+    with open(corpus / "huge.txt", "wb") as huge:  # a sparse file: half the free space as its size says, no block
+        huge.truncate(free // 2 + 1)
+    result = run_cli("data=text_files", f"data.files={corpus}", "data.cache_dir=cache", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"run: error: the token store of {(free // 2 + 1) / 1e9:,.1f} GB of text needs "
+                                    f"up to ")
+    assert f" GB in {workdir / 'cache'}, which has " in result.stderr
+    assert result.stderr.endswith(" GB free; free space there or set data.cache_dir to a larger disk\n")
+    assert result.stderr.count("\n") == 1
+    assert not (workdir / "outputs").exists() and not list((workdir / "cache").rglob("documents*"))
+
+
+def test_the_stores_tokens_are_the_tokenizers_own(tmp_path):
+    """The store holds what the tokenizer makes of each document, and its end-of-sequence token after it."""
+    tokenizer = byte_tokenizer()
+    files = sorted((STDLIB / "json").glob("*.py"))
+    data = DataConfig(files=str(STDLIB / "json" / "*.py"), cache_dir=str(tmp_path), num_proc=2)
+    token_splits(data, tokenizer, seed=0)
+    [documents] = tmp_path.glob("*/documents")
+    meta = json.loads((documents / "meta.json").read_text())
+    stored = np.fromfile(documents / "tokens.bin", dtype=meta["dtype"])
+    expected = [token for path in files for token in tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
+                + [tokenizer.eos_token_id]]
+    assert meta["dtype"] == "uint16" and stored.tolist() == expected
+    assert np.load(documents / "lengths.npy").tolist() == [len(path.read_bytes()) + 1 for path in files]
+    assert os.path.getsize(documents / "tokens.bin") == 2 * len(expected)
+
+
+def test_the_rows_are_those_of_datasets_own_split_and_map(tmp_path):
+    """datasets as the oracle: its text reader (a document per file), its seeded train_test_split, and its batched
+    map (1,000 documents a batch) cutting each batch's token stream into blocks, as the runner did before the store."""
+    import datasets
+
+    tokenizer = byte_tokenizer()
+    data = DataConfig(files=str(STDLIB / "email" / "*.py"), seq_len=128, cache_dir=str(tmp_path / "store"))
+    documents = datasets.load_dataset("text", data_files=sorted(map(str, (STDLIB / "email").glob("*.py"))),
+                                      split="train", sample_by="document", cache_dir=str(tmp_path / "datasets"))
+    splits = documents.train_test_split(test_size=max(1, round(len(documents) * data.eval_fraction)), shuffle=True,
+                                        seed=0)
+
+    def blocks(batch):
+        stream = [token for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+                  for token in ids + [tokenizer.eos_token_id]]
+        return {"input_ids": [stream[i:i + 128] for i in range(0, len(stream) // 128 * 128, 128)]}
+
+    expected = [split.map(blocks, batched=True, remove_columns=["text"])["input_ids"]
+                for split in (splits["train"], splits["test"])]
+    train, evaluation = token_splits(data, tokenizer, seed=0)
+    assert [[row["input_ids"] for row in rows] for rows in (train, evaluation)] == expected
