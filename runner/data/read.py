@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
     from runner.config.data import DataConfig
 
-# A work item holds about this much text: enough to keep a process busy, little enough to bound its memory.
-ITEM_BYTES = 4 << 20
+# A work item holds about this much text: enough to keep a process busy for a while, little enough to bound its
+# memory and to share the work evenly among the processes.
+ITEM_BYTES = 1 << 20
 # The hub datasets that work items' rows come from, by name: read once, handed to each tokenizing process.
 HUB_ROWS: dict[str, datasets.Dataset] = {}
 

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
-from runner.data import batches
-from runner.data.splits import token_splits
 from runner.config.model import build_tokenizer
 from runner.config.scheduler import build_scheduler
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import RunIdentity, Tracker, build_trackers
+from runner.data import batches
+from runner.data.splits import token_splits
 from runner.distributed import Ranks
 from runner.engine import checkpoint
 from runner.engine.placement import device_of, place
