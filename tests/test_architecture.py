@@ -90,3 +90,12 @@ def test_only_the_strategy_backends_name_a_strategy_class():
              for name in [getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)]
              if name in classes]
     assert named == []
+
+
+def test_every_package_of_the_code_ships():
+    """An installed runner (pip install ., not -e) holds every package: pyproject.toml lists them one by one."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {module_name(path) for path in PACKAGE.rglob("__init__.py")}
+    assert packages - listed == set()
