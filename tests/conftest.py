@@ -17,7 +17,6 @@ import glob
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,10 +26,6 @@ from helpers import warm_processes
 # One thread per process: two workers share the two cores, and each test's processes take one each. Two runs of the
 # default job at once took 8.7 s with one thread each, 11.9 s with torch's two (one alone: 8.2 s and 7.6 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# The token store (runner/data/store.py) of this session, which its two workers share: what the tests tokenize
-# neither piles up in the user's cache nor comes from an earlier session's code.
-os.environ["RUNNER_TOKEN_CACHE"] = os.path.join(
-    tempfile.gettempdir(), "runner-test-tokens", os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid())))
 
 # The modules start in this order of their heaviest tests, then of their number of slow tests, then of their number
 # of tests, among the tests the command selected: the cluster's first (they mostly wait on SLURM, and overlap the
@@ -54,9 +49,18 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def warm_server():
+def token_store(tmp_path_factory):
+    """The token store (runner/data/store.py) of this session, which its workers share, among pytest's temporary
+    directories (it keeps the last three sessions'): what the tests tokenize neither piles up in the user's cache
+    nor comes from an earlier session's code."""
+    base = tmp_path_factory.getbasetemp()
+    os.environ["RUNNER_TOKEN_CACHE"] = str((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "tokens")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_server(token_store):
     """The forkserver every `run` and worker of the tests comes from, started before the first test, so that no
-    test finds it among its new processes."""
+    test finds it among its new processes; its children inherit its environment, the token store's place with it."""
     warm_processes()
 
 
