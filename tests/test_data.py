@@ -77,7 +77,7 @@ def test_the_store_is_written_once_and_read_by_every_later_run(tmp_path, caplog)
 
 def test_a_writer_that_finds_another_at_work_says_whom_it_waits_for_then_reads_its_store(workdir):
     """The lock is held here, as another run tokenizing the same data would hold it: `run --prepare-data` waits,
-    says so, and goes on once the lock is free; neither leaves a partial store."""
+    says so, and goes on once the lock is free, removing what a writer killed mid-way left behind."""
     cache = workdir / "cache"
     overrides = [f"data.cache_dir={cache}", "data=text_files", f"data.files={STDLIB / 'json' / '*.py'}"]
     data = DataConfig(files=str(STDLIB / "json" / "*.py"), cache_dir=str(cache))
@@ -87,6 +87,8 @@ def test_a_writer_that_finds_another_at_work_says_whom_it_waits_for_then_reads_i
         fcntl.flock(lock, fcntl.LOCK_EX)
         lock.write("process 1 on the other node")
         lock.flush()
+        (root / "documents.partial-1").mkdir()  # what that writer leaves if it is killed
+        (root / "documents.partial-1" / "tokens.bin").write_bytes(b"half")
         waiting = start_cli("--prepare-data", *overrides, cwd=workdir)
         wait_until(lambda: "waiting for process 1 on the other node, which is writing the token store" in
                    waiting.stderr(), "the waiting writer's report", job=waiting)

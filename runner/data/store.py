@@ -89,8 +89,9 @@ def ensure(final: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, An
     with turn(final):
         if meta.exists():  # written by the writer this one waited for
             return json.loads(meta.read_text())
+        for stale in final.parent.glob(f"{final.name}.partial-*"):  # a writer that was killed: no one holds its lock
+            shutil.rmtree(stale, ignore_errors=True)
         partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-        shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         try:
             written = write(partial)
@@ -104,31 +105,19 @@ def ensure(final: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, An
 
 @contextmanager
 def turn(final: Path) -> Iterator[None]:
-    """This process's turn to write the store at `final`: another writer of it holds the lock until it is done, or
-    until it ends (the kernel releases a dead process's lock). The wait is logged, with the writer and its place,
-    every WAIT_REPORT_S seconds."""
-    lock_path = final.with_name(final.name + ".lock")
-    with open(lock_path, "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    """This process's turn to write the store at `final`. Another writer of it holds the lock until it is done, or
+    until it ends (the kernel releases a dead process's lock); the wait is logged, with that writer, every
+    WAIT_REPORT_S seconds."""
+    with open(final.with_name(final.name + ".lock"), "a+") as lock:
+        if not locked_within(lock, 0):
             lock.seek(0)
             holder = lock.read().strip() or "another process"
-            waited = 0.0
+            started = time.monotonic()
             while True:
                 log.warning("waiting for %s, which is writing the token store %s (%.0f s so far)", holder, final,
-                            waited)
-                deadline = time.monotonic() + WAIT_REPORT_S
-                while time.monotonic() < deadline:
-                    try:
-                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        time.sleep(0.2)
-                else:
-                    waited += WAIT_REPORT_S
-                    continue
-                break
+                            time.monotonic() - started)
+                if locked_within(lock, WAIT_REPORT_S):
+                    break
         lock.seek(0)
         lock.truncate()
         lock.write(f"process {os.getpid()} on {os.uname().nodename}")
@@ -137,6 +126,19 @@ def turn(final: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def locked_within(lock: Any, seconds: float) -> bool:
+    """Whether this process got the lock on the open file `lock` within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 class Documents:
