@@ -156,3 +156,22 @@ def test_the_rows_are_those_of_datasets_own_split_and_map(tmp_path):
                 for split in (splits["train"], splits["test"])]
     train, evaluation = token_splits(data, tokenizer, seed=0)
     assert [[row["input_ids"] for row in rows] for rows in (train, evaluation)] == expected
+
+
+def test_a_writer_that_holds_the_lock_and_writes_nothing_ends_the_wait(tmp_path, monkeypatch, caplog):
+    """Waiting for a stuck writer is reported, and ends: here after 1 s of no progress (600 s in a run)."""
+    from runner.data import store
+    from runner.errors import WorkerFailed
+
+    monkeypatch.setattr(store, "WAIT_REPORT_S", 0.2)
+    monkeypatch.setattr(store, "STALL_S", 1)
+    final = tmp_path / "documents"
+    with open(tmp_path / "documents.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.write("process 1 on the other node")
+        lock.flush()
+        with pytest.raises(WorkerFailed, match=rf"^process 1 on the other node has held the token store {final} for "
+                                               r"\d+ s, writing nothing for the last 1 s; if it is stuck, end it"):
+            with store.turn(final):
+                pass
+    assert "waiting for process 1 on the other node, which is writing the token store" in caplog.text

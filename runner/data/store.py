@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from runner.config.data import resolve_files
 from runner.data.read import HUB_ROWS
+from runner.errors import WorkerFailed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,8 +38,9 @@ log = logging.getLogger("runner")
 
 STORE_VERSION = 1
 DEFAULT_CACHE_DIR = "~/.cache/runner/tokens"
-# How often a writer waiting for another one's lock says so.
+# How often a writer waiting for another one's lock says so, and how long it waits for one that writes nothing.
 WAIT_REPORT_S = 30
+STALL_S = 600
 
 
 def cache_dir(data: DataConfig) -> Path:
@@ -112,12 +114,19 @@ def turn(final: Path) -> Iterator[None]:
         if not locked_within(lock, 0):
             lock.seek(0)
             holder = lock.read().strip() or "another process"
-            started = time.monotonic()
+            started = progressed = time.monotonic()
+            written = partial_size(final)
             while True:
                 log.warning("waiting for %s, which is writing the token store %s (%.0f s so far)", holder, final,
                             time.monotonic() - started)
                 if locked_within(lock, WAIT_REPORT_S):
                     break
+                if partial_size(final) != written:
+                    written, progressed = partial_size(final), time.monotonic()
+                elif time.monotonic() - progressed > STALL_S:
+                    held = time.monotonic() - started
+                    raise WorkerFailed(f"{holder} has held the token store {final} for {held:.0f} s, writing nothing "
+                                       f"for the last {STALL_S} s; if it is stuck, end it (its lock goes with it)")
         lock.seek(0)
         lock.truncate()
         lock.write(f"process {os.getpid()} on {os.uname().nodename}")
@@ -126,6 +135,11 @@ def turn(final: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def partial_size(final: Path) -> int:
+    """What the writers of the store at `final` have written so far."""
+    return sum(size_on_disk(partial) for partial in final.parent.glob(f"{final.name}.partial-*"))
 
 
 def locked_within(lock: Any, seconds: float) -> bool:

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
 from runner.data.read import HUB_ROWS, WorkItem, read_item, work_items
+from runner.errors import WorkerFailed
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -113,10 +114,10 @@ def encoded_items(data: DataConfig, encoder: Encoder, num_proc: int) -> Iterator
         while pending:
             yield pending.popleft().result(timeout=STALL_S)
     except BrokenProcessPool:
-        raise RuntimeError(f"a tokenizing process died (killed, or out of memory?); try fewer data.num_proc than "
+        raise WorkerFailed(f"a tokenizing process died (killed, or out of memory?); try fewer data.num_proc than "
                            f"{num_proc}") from None
     except TimeoutError:
-        raise RuntimeError(f"tokenizing stalled: no work item finished in {STALL_S} s") from None
+        raise WorkerFailed(f"tokenizing stalled: no work item finished in {STALL_S} s") from None
     finally:
         # Not shutdown(wait=True): a stalled process would keep this one waiting. Python 3.11 has no public way to
         # end the pool's processes.
