@@ -190,6 +190,7 @@ def run_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, fresh: 
     """`run <args>` as a user types it in `cwd` (with `env` added to the environment), to its end: its exit status,
     standard output and error. `fresh`: in a new interpreter, for what its start and imports show."""
     if fresh:
+        a_second_of_its_own(cwd)
         return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True,
                               env=environment(env), timeout=timeout)
     job = start_cli(*args, cwd=cwd, env=env, new_session=True)
@@ -204,6 +205,7 @@ def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_s
     """`run <args>` started in `cwd` and left running; `new_session`: in a session and process group of its own, as
     `setsid run ...` starts it (signal the group with os.killpg)."""
     cwd.mkdir(parents=True, exist_ok=True)
+    a_second_of_its_own(cwd)
     output_dir = Path(tempfile.mkdtemp(prefix="output-", dir=_outputs()))
     output, errors = output_dir / "stdout", output_dir / "stderr"
     process = warm_processes().Process(target=_run_command, name="run",
@@ -211,6 +213,14 @@ def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_s
                                              new_session))
     process.start()
     return Started(process, output, errors, new_session)
+
+
+def a_second_of_its_own(cwd: Path) -> None:
+    """Hydra names a run's directory after the second the run starts in, and `run` refuses a directory that holds a
+    run: a run that would start in the second of the last one in `cwd` (a short task after another) waits for the
+    next second."""
+    while any((cwd / "outputs" / sweep / time.strftime("%Y-%m-%d/%H-%M-%S")).exists() for sweep in ("", "multirun")):
+        time.sleep(0.05)
 
 
 @functools.cache
