@@ -74,11 +74,12 @@ def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) ->
 def check_room(data: DataConfig, tokenizer: PreTrainedTokenizerBase, root: Path) -> None:
     """Refuses a corpus whose store may not fit in the free disk: its documents and one layout of rows, at most a
     token per byte of text (byte-level tokenizers; others make fewer)."""
-    needed = 2 * source_bytes(data) * token_dtype(tokenizer)().itemsize
+    text = source_bytes(data)
+    needed = 2 * text * token_dtype(tokenizer)().itemsize
     existing = next(directory for directory in (root, *root.parents) if directory.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
-        raise SpecError(f"the token store of {source_bytes(data) / 1e9:,.1f} GB of text needs up to "
+        raise SpecError(f"the token store of {text / 1e9:,.1f} GB of text needs up to "
                         f"{needed / 1e9:,.1f} GB in {cache_dir(data)}, which has {free / 1e9:,.1f} GB free; free "
                         "space there or set data.cache_dir to a larger disk")
 

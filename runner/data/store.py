@@ -52,7 +52,8 @@ def documents_key(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
         source: Any = {"hub": data.hub_dataset, "split": data.hub_split,
                        "fingerprint": HUB_ROWS[data.hub_dataset]._fingerprint}
     else:
-        source = [(path, os.stat(path).st_size, os.stat(path).st_mtime_ns) for path in resolve_files(data.files)]
+        source = [(path, found.st_size, found.st_mtime_ns) for path in resolve_files(data.files)
+                  for found in [os.stat(path)]]
     fields = ([data.prompt_field, data.response_field] if data.format.value == "instruction" else [data.text_field])
     return digest({"version": STORE_VERSION, "source": source, "tokenizer": tokenizer_identity(tokenizer),
                    "format": data.format.value, "fields": fields})
