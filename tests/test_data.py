@@ -17,7 +17,7 @@ from runner.config.data import DataConfig, DataFormat
 from runner.config.model import byte_tokenizer
 from runner.data import read
 from runner.data.splits import token_splits
-from runner.data.store import documents_key
+from runner.data.store import documents_key, size_on_disk
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -175,3 +175,14 @@ def test_a_writer_that_holds_the_lock_and_writes_nothing_ends_the_wait(tmp_path,
             with store.turn(final):
                 pass
     assert "waiting for process 1 on the other node, which is writing the token store" in caplog.text
+
+
+def test_the_size_of_a_store_leaves_out_what_other_writers_have_not_finished(tmp_path):
+    """A run reports its store's size while another run may be writing another layout of the same documents
+    beside it, and renames it into place mid-count: partial stores are not counted, so never half-walked."""
+    (tmp_path / "documents").mkdir()
+    (tmp_path / "documents" / "tokens.bin").write_bytes(b"\0" * 1000)
+    (tmp_path / "rows-b.partial-123").mkdir()
+    (tmp_path / "rows-b.partial-123" / "tokens.bin").write_bytes(b"\0" * 500)
+    assert size_on_disk(tmp_path) == 1000
+    assert size_on_disk(tmp_path / "rows-b.partial-123") == 500  # a writer's own progress

@@ -80,7 +80,16 @@ def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def size_on_disk(path: Path) -> int:
-    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+    """The bytes under `path`, other writers' partial stores left out: they may be renamed or removed meanwhile."""
+    total = 0
+    for folder, subfolders, files in os.walk(path):  # a folder gone meanwhile is skipped
+        subfolders[:] = [name for name in subfolders if ".partial-" not in name]
+        for name in files:
+            try:
+                total += os.stat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def ensure(final: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
