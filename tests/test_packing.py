@@ -323,7 +323,7 @@ def _collectives_in_steps(ranks, spec, run_dir):
 
     dist.all_reduce = counted
     try:
-        batches = job.train_batches(0)
+        batches = job.train_batches(0, None)
         in_steps = 0
         for _ in range(3):
             before = len(calls)

@@ -137,6 +137,9 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
     from runner.data.store import size_on_disk
 
     spec = validated(compose_config(overrides), Path.cwd(), on_this_machine=False)
+    if spec.data.streaming:
+        raise SpecError("data.streaming=true tokenizes as training goes and stores nothing: --prepare-data has "
+                        "nothing to do; drop data.streaming to tokenize the corpus once, into the token store")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     train, evaluation = token_splits(spec.data, build_tokenizer(spec.model), spec.seed)
     store = train.store.path.parent

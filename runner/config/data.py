@@ -38,6 +38,9 @@ class DataConfig:
     packing: bool = False
     # Processes that tokenize the corpus (once: later runs read the token store); unset: this machine's cores.
     num_proc: Optional[int] = None
+    # Read through datasets' IterableDataset and tokenized as training goes, each rank its own shard
+    # (runner/data/stream.py): for a corpus past the disk, or a hub dataset not downloaded whole.
+    streaming: bool = False
     # Where the token store lives (shared storage serves every node); unset: $RUNNER_TOKEN_CACHE, else
     # ~/.cache/runner/tokens.
     cache_dir: Optional[str] = None

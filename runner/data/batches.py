@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from runner.data.rows import IGNORE, RowSet
+from runner.data.rows import IGNORE, RowSet, columns
+from runner.distributed import all_ranks_sums
 
 if TYPE_CHECKING:
     import torch
+
+    from runner.data.stream import StreamedRows
 
 Batch = dict[str, "torch.Tensor"]  # the model's inputs and the labels
 
@@ -32,6 +35,8 @@ class GlobalBatch:
     micro_batches: list[MicroBatch]
     tokens: int
     label_tokens: int
+    # A streamed rank's position after this batch (runner/data/stream.py), which its checkpoint keeps.
+    stream_position: Optional[dict[str, int]] = None
 
 
 def collate(rows: dict[str, list], pad_token_id: int) -> MicroBatch:
@@ -87,6 +92,31 @@ def train_batches(
                 tokens=int(rows.tokens[everyone].sum()), label_tokens=int(rows.label_tokens[everyone].sum()),
             )
         epoch, first = epoch + 1, 0
+
+
+def streamed_batches(
+    stream: StreamedRows,
+    *,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    pad_token_id: int,
+    position: Optional[dict[str, Any]] = None,
+) -> Iterator[GlobalBatch]:
+    """For each optimizer step, this rank's micro batches from its own stream, from a checkpoint's `position` on.
+    The ranks' rows differ, so the global batch's counts are summed across them, in one collective per step."""
+    from runner.data.stream import position_of
+
+    rows = stream.rows(position_of(position))
+    while True:
+        taken = [next(rows) for _ in range(micro_batch_size * grad_accum_steps)]
+        mine = [row for row, _ in taken]
+        tokens, label_tokens = all_ranks_sums([sum(row["tokens"] for row in mine),
+                                               sum(row["label_tokens"] for row in mine)])
+        yield GlobalBatch(
+            [collate(columns(mine[i:i + micro_batch_size]), pad_token_id)
+             for i in range(0, len(mine), micro_batch_size)],
+            tokens=int(tokens), label_tokens=int(label_tokens), stream_position=taken[-1][1].as_dict(),
+        )
 
 
 def eval_batches(

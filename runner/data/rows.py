@@ -58,21 +58,53 @@ class RowStore:
         self.packed = bool(self.meta["packing"])
 
     def row(self, index: int) -> dict[str, Any]:
+        first, last = self.segment_offsets[index], self.segment_offsets[index + 1]
+        return row_inputs(self.tokens[self.row_offsets[index]:self.row_offsets[index + 1]],
+                          self.segment_starts[first:last], self.segment_ignored[first:last],
+                          int(self.label_tokens[index]), self.packed)
+
+
+def row_inputs(tokens: np.ndarray, segment_starts: Any, segment_ignored: Any, label_tokens: int,
+               packed: bool) -> dict[str, Any]:
+    """A row's input_ids, labels and (packed) position_ids, from its tokens and segments, with its counts."""
+    import numpy as np
+
+    ids = np.asarray(tokens, dtype=np.int64)
+    labels = ids.copy()
+    starts = [*segment_starts, len(ids)]
+    positions = np.empty_like(ids)
+    for start, end, ignored in zip(starts, starts[1:], segment_ignored):
+        labels[start:start + ignored] = IGNORE
+        positions[start:end] = np.arange(end - start)
+    row = {"input_ids": ids.tolist(), "labels": labels.tolist(), "tokens": len(ids), "label_tokens": label_tokens}
+    if packed:
+        row["position_ids"] = positions.tolist()
+    return row
+
+
+class HeldRows:
+    """Rows held in memory (a chunk of a stream, runner/data/stream.py), each read as a store's row is."""
+
+    def __init__(self, rows: Rows, packed: bool):
         import numpy as np
 
-        ids = np.asarray(self.tokens[self.row_offsets[index]:self.row_offsets[index + 1]], dtype=np.int64)
-        labels = ids.copy()
+        self.rows, self.packed = rows, packed
+        self.row_offsets = np.concatenate([[0], np.cumsum(rows.row_lengths)])
+        self.segment_offsets = np.concatenate([[0], np.cumsum(rows.segments_per_row)])
+
+    def __len__(self) -> int:
+        return len(self.rows.row_lengths)
+
+    def row(self, index: int) -> dict[str, Any]:
         first, last = self.segment_offsets[index], self.segment_offsets[index + 1]
-        starts = [*self.segment_starts[first:last], len(ids)]
-        positions = np.empty_like(ids)
-        for start, end, ignored in zip(starts, starts[1:], self.segment_ignored[first:last]):
-            labels[start:start + ignored] = IGNORE
-            positions[start:end] = np.arange(end - start)
-        row = {"input_ids": ids.tolist(), "labels": labels.tolist(), "tokens": int(self.row_lengths[index]),
-               "label_tokens": int(self.label_tokens[index])}
-        if self.packed:
-            row["position_ids"] = positions.tolist()
-        return row
+        return row_inputs(self.rows.tokens[self.row_offsets[index]:self.row_offsets[index + 1]],
+                          self.rows.segment_starts[first:last], self.rows.segment_ignored[first:last],
+                          int(self.rows.label_tokens[index]), self.packed)
+
+
+def columns(rows: list[dict[str, Any]]) -> dict[str, list]:
+    """Rows, column by column."""
+    return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
 
 
 class RowSet:
@@ -96,5 +128,11 @@ class RowSet:
 
     def batch(self, indices: Any) -> dict[str, list]:
         """The rows at `indices`, column by column."""
-        rows = [self[int(i)] for i in indices]
-        return {key: [row[key] for row in rows] for key in rows[0]} if rows else {}
+        return columns([self[int(i)] for i in indices])
+
+
+class RowList(list):
+    """Rows held in memory (a streamed run's eval rows), read by batch as a RowSet's are."""
+
+    def batch(self, indices: Any) -> dict[str, list]:
+        return columns([self[int(i)] for i in indices])

@@ -53,9 +53,12 @@ class Encoder:
         self.dtype = dtype
 
     def __call__(self, item: WorkItem) -> Encoded:
+        return self.encode(read_item(item, self.fields, self.source), item.size)
+
+    def encode(self, documents: list[tuple[str, ...]], size: int = 0) -> Encoded:
+        """Documents, each the tuple of its fields' strings; `size`: their bytes, where known."""
         import numpy as np
 
-        documents = read_item(item, self.fields, self.source)
         eos = self.tokenizer.eos_token_id
         columns = [self.ids([document[i] for document in documents]) for i in range(len(self.fields))]
         if self.instruction:
@@ -67,7 +70,7 @@ class Encoder:
             prompt_lengths = None
         lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
         tokens = np.fromiter((token for ids in sequences for token in ids), dtype=self.dtype, count=int(lengths.sum()))
-        size = item.size or sum(len(text.encode()) for document in documents for text in document)
+        size = size or sum(len(text.encode()) for document in documents for text in document)
         return Encoded(tokens, lengths, prompt_lengths, size)
 
     def ids(self, texts: list[str]) -> list[list[int]]:

@@ -3,6 +3,7 @@
     <run dir>/checkpoints/step_00000050/
         meta.json                   step, tokens seen, first eval loss, world size, layout, strategy, scheduler
         rng-rank<N>.safetensors     each rank's random number generator states
+        stream-rank<N>.json         a streamed run's: each rank's position in its stream (runner/data/stream.py)
         ...                         the model and optimizer, as the strategy's stepper writes them: whole
                                     (FULL), each rank's shards (SHARDED) or DeepSpeed's own (ENGINE)
 
@@ -18,7 +19,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from runner.distributed import Ranks, barrier
 from runner.errors import require
@@ -62,7 +63,7 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return found
 
 
-def save(job: Checkpointed, step: int, progress: dict[str, Any]) -> Path:
+def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position: Optional[dict[str, int]]) -> Path:
     """Writes the checkpoint of `step` (a collective: every rank calls it) and keeps the last K."""
     rank = job.ranks.rank
     final = checkpoints_dir(job.run_dir) / f"step_{step:08d}"
@@ -74,6 +75,8 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any]) -> Path:
     partial.mkdir(parents=True, exist_ok=True)
     job.stepper.save(partial, rank)
     save_tensors(partial / f"rng-rank{rank}.safetensors", _rng_state())
+    if stream_position is not None:
+        write_json(partial / f"stream-rank{rank}.json", stream_position)
     if rank == 0:
         write_json(partial / "meta.json", {
             "step": step,
@@ -106,6 +109,11 @@ def load(job: Checkpointed, path: Path) -> dict[str, Any]:
     return meta
 
 
+def stream_position(path: Path, rank: int) -> Optional[dict[str, int]]:
+    saved = path / f"stream-rank{rank}.json"
+    return json.loads(saved.read_text()) if saved.exists() else None
+
+
 def check_resumable(spec: RunSpec) -> None:
     """Refuses, before launch, a checkpoint this run cannot continue from."""
     meta_file = Path(spec.resume) / "meta.json"
@@ -120,6 +128,15 @@ def check_resumable(spec: RunSpec) -> None:
     require(written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
             f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "
             f"strategy={strategy.name}; only FULL checkpoints move between strategies, to those that read them")
+    streamed = (Path(spec.resume) / "stream-rank0.json").exists()
+    require(streamed == spec.data.streaming,
+            f"the checkpoint {spec.resume} was written by a run {'with' if streamed else 'without'} data.streaming, "
+            f"this run has data.streaming={str(spec.data.streaming).lower()}; resume as it was written")
+    if streamed:
+        require(written["world_size"] == spec.hardware.world_size,
+                f"the checkpoint {spec.resume} holds the stream positions of {written['world_size']} ranks, each "
+                f"reading its own shard, and this run has {spec.hardware.world_size} processes; resume on "
+                f"{written['world_size']}")
     adapter = written.get("adapter", "none")
     require(adapter == spec.adapter.kind.value,
             f"the checkpoint {spec.resume} was written with adapter={adapter}, this run has "

@@ -13,6 +13,7 @@ from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import RunIdentity, Tracker, build_trackers
 from runner.data import batches
 from runner.data.splits import token_splits
+from runner.data.stream import StreamedRows, check_stream
 from runner.distributed import Ranks
 from runner.engine import checkpoint
 from runner.engine.placement import device_of, place
@@ -41,37 +42,46 @@ class PreparedJob:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     stepper: Stepper
-    # This rank's micro batches of each optimizer step after the given one.
-    train_batches: Callable[[int], Iterator[batches.GlobalBatch]]
+    # This rank's micro batches of each optimizer step after the given one (a streamed rank: from the position its
+    # checkpoint saved).
+    train_batches: Callable[[int, Optional[dict[str, int]]], Iterator[batches.GlobalBatch]]
     eval_batches: Callable[[], Iterator[batches.MicroBatch]]
     autocast: Callable[[], ContextManager]
     trackers: list[Tracker]
     dp_size: int
     precision_in_effect: Callable[[], PrecisionInEffect]
-    train_sequences: int
-    train_tokens: int  # padding aside
-    eval_sequences: int
-    token_store: Path  # the rows' directory in the token store (runner/data/store.py)
-    # Where a resumed run starts: the checkpoint's step and what the loop had counted by then.
+    # From the token store: its train rows and their tokens (padding aside), and the rows' directory in the store
+    # (runner/data/store.py); None for a streamed run.
+    train_sequences: Optional[int]
+    train_tokens: Optional[int]
+    token_store: Optional[Path]
+    eval_sequences: int  # this rank's and the others' together
+    # Where a resumed run starts: the checkpoint's step, what the loop had counted by then, and a streamed rank's
+    # position in its stream.
     start_step: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
+    stream_position: Optional[dict[str, int]] = None
 
     @property
     def global_batch_size(self) -> int:
         return self.spec.train.micro_batch_size * self.dp_size * self.spec.train.grad_accum_steps
 
 
-LoadedData = tuple["PreTrainedTokenizerBase", "RowSet", "RowSet"]
+# The tokenizer and the train and eval rows of the token store; a streamed run's rows are read by each rank.
+LoadedData = tuple["PreTrainedTokenizerBase", Optional["RowSet"], Optional["RowSet"]]
 
 
 def load_data(spec: RunSpec) -> LoadedData:
     """The tokenizer and the tokenized splits, checked to hold at least one global and one eval batch.
 
     The controller calls it before starting workers, so that data problems stop the job early and the workers
-    read the token store it wrote.
+    read the token store it wrote. A streamed run's source is checked to stream, with the format's fields.
     """
     train, dp_size = spec.train, spec.hardware.world_size
     tokenizer = build_tokenizer(spec.model)
+    if spec.data.streaming:
+        check_stream(spec.data)
+        return tokenizer, None, None
     train_set, eval_set = token_splits(spec.data, tokenizer, spec.seed)
     global_batch = train.micro_batch_size * dp_size * train.grad_accum_steps
     if len(train_set) < global_batch:
@@ -98,6 +108,22 @@ def prepare_job(
     tokenizer, train_set, eval_set = loaded or load_data(spec)
     placed = place(spec, ranks, device, tokenizer)
     pad = tokenizer.pad_token_id
+    if spec.data.streaming:
+        stream = StreamedRows(spec.data, tokenizer, spec.seed, ranks.rank, dp_size)
+        # Each rank evaluates its share of the eval rows from its own held-out documents.
+        eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
+
+        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
+            return batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
+                                            grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
+                                            position=position)
+        eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
+    else:
+        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
+            return batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
+                                         grad_accum_steps=train.grad_accum_steps, dp_rank=ranks.rank, dp_size=dp_size,
+                                         seed=spec.seed, pad_token_id=pad, start_step=start_step)
+        eval_rank, eval_size, eval_sequences = ranks.rank, dp_size, len(eval_set)
     job = PreparedJob(
         spec=spec,
         run_dir=run_dir,
@@ -108,26 +134,24 @@ def prepare_job(
         optimizer=placed.optimizer,
         scheduler=build_scheduler(placed.optimizer, spec.scheduler, train.max_steps),
         stepper=placed.stepper,
-        train_batches=lambda start_step: batches.train_batches(
-            train_set, micro_batch_size=train.micro_batch_size, grad_accum_steps=train.grad_accum_steps,
-            dp_rank=ranks.rank, dp_size=dp_size, seed=spec.seed, pad_token_id=pad, start_step=start_step,
-        ),
+        train_batches=train_batches,
         eval_batches=lambda: batches.eval_batches(
             eval_set, micro_batch_size=train.micro_batch_size, max_batches=train.eval_batches,
-            dp_rank=ranks.rank, dp_size=dp_size, pad_token_id=pad,
+            dp_rank=eval_rank, dp_size=eval_size, pad_token_id=pad,
         ),
         autocast=placed.autocast,
         trackers=[],
         dp_size=dp_size,
         precision_in_effect=placed.precision_in_effect,
-        train_sequences=len(train_set),
-        train_tokens=int(train_set.tokens.sum()),
-        eval_sequences=len(eval_set),
-        token_store=train_set.store.path,
+        train_sequences=None if train_set is None else len(train_set),
+        train_tokens=None if train_set is None else int(train_set.tokens.sum()),
+        token_store=None if train_set is None else train_set.store.path,
+        eval_sequences=eval_sequences,
     )
     if spec.resume:
         progress = checkpoint.load(job, Path(spec.resume))
         job.start_step, job.progress = progress.pop("step"), progress
+        job.stream_position = checkpoint.stream_position(Path(spec.resume), ranks.rank)
     if ranks.rank == 0:
         identity = identity or RunIdentity(name=run_dir.name)
         config = {**to_plain(spec), "precision_in_effect": job.precision_in_effect().as_dict()}

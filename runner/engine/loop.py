@@ -64,13 +64,14 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
     job.model.train()  # from_pretrained leaves a model in eval mode
     eval_loss, train_loss = progress.first_eval_loss, math.nan
     started = time.perf_counter()
-    batches = job.train_batches(job.start_step)
+    batches = job.train_batches(job.start_step, job.stream_position)
     bar = ProgressBar(job.ranks.rank == 0 and sys.stdout.isatty(), job.start_step, cfg.max_steps)
 
     for step in range(job.start_step + 1, cfg.max_steps + 1):
         watch.entering(f"in step {step}")
         tic, compiled_before = time.perf_counter(), compile_seconds() if cfg.compile else 0.0
-        result = train_step(job, next(batches))
+        batch = next(batches)
+        result = train_step(job, batch)
         if result.outcome.applied:
             job.scheduler.step()
         else:  # fp16's loss scale overflowed: no update, so the schedule does not advance either
@@ -102,7 +103,7 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
         stopping = stop_votes > 0
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
             watch.entering(f"saving the checkpoint of step {step}")
-            saved = checkpoint.save(job, step, asdict(progress))
+            saved = checkpoint.save(job, step, asdict(progress), batch.stream_position)
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
             raise Stopped(f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "

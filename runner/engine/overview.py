@@ -24,7 +24,7 @@ def overview(job: PreparedJob) -> list[str]:
                      f"{spec.optim.weight_decay:g}; {schedule(job)}",
         "batch": f"global batch {job.global_batch_size} = micro batch {train.micro_batch_size} x {job.dp_size} "
                  f"data-parallel ranks x {train.grad_accum_steps} accumulation steps; {train.max_steps} steps of "
-                 f"{'up to ' if job.train_tokens < job.train_sequences * spec.data.seq_len else ''}"
+                 f"{'' if rows_are_full(job) else 'up to '}"
                  f"{job.global_batch_size * spec.data.seq_len:,} tokens",
         "loss": loss_line(job),
         "strategy": spec.strategy.describe(spec.hardware),
@@ -49,8 +49,12 @@ def data_source(job: PreparedJob) -> str:
     data = job.spec.data
     where = f"{data.hub_dataset} (hub)" if data.hub_dataset else \
         f"{data.files} ({len(resolve_files(data.files))} files)"
+    if job.token_store is None:
+        return (f"{where}, streamed: each of the {job.dp_size} data-parallel ranks reads its own shard and tokenizes "
+                f"it as training goes, into {'packed ' if data.packing else ''}rows of up to {data.seq_len} tokens; "
+                f"{job.eval_sequences:,} eval sequences from held-out documents")
     rows = f"{job.train_sequences:,} train {'packed rows' if data.packing else 'sequences'} of "
-    if job.train_tokens == job.train_sequences * data.seq_len:
+    if rows_are_full(job):
         rows += f"{data.seq_len} tokens ({job.train_tokens:,} tokens)"
     else:  # rows of varied lengths: what share of the rows' room they fill, before a batch pads them
         rows += (f"up to {data.seq_len} tokens ({job.train_tokens:,} tokens, "
@@ -58,6 +62,13 @@ def data_source(job: PreparedJob) -> str:
     store = job.token_store.parent  # the documents' tokens and this layout's rows
     return (f"{where}: {rows}, {job.eval_sequences:,} eval sequences; token store {store} "
             f"({size_on_disk(store) / 2**20:,.1f} MiB)")
+
+
+def rows_are_full(job: PreparedJob) -> bool:
+    """Every train row holds data.seq_len tokens (cut from a stream of text), as far as the store tells."""
+    if job.train_sequences is None:
+        return False
+    return job.train_tokens == job.train_sequences * job.spec.data.seq_len
 
 
 def loss_line(job: PreparedJob) -> str:

@@ -46,6 +46,8 @@ class EvaluateTask(InferenceTaskConfig):
         require(self.max_batches is None or self.max_batches >= 0,
                 f"task.max_batches={self.max_batches} must be >= 0 (0: every row)")
         self.check(spec.hardware.world_size)
+        require(not spec.data.streaming, "task=evaluate reads the token store's rows, and data.streaming=true has "
+                "none; evaluate with data.streaming=false (the eval split is tokenized once, as training's is)")
         spec = self.with_trained_model(spec)
         check_causal_lm(spec.model)
         return inference_answer(spec, self, **self.load(spec))

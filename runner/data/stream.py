@@ -1,0 +1,212 @@
+"""Streaming (data.streaming): documents read through datasets' IterableDataset and tokenized as training goes,
+for a corpus that need not fit on the disk, or a hub dataset read without downloading it whole.
+
+Each data-parallel rank reads its own shard: datasets' split_dataset_by_node gives it whole files where their
+number divides by the ranks, else every n-th document. Of its shard, every HELD_OUT_EVERY-th document
+(1 / data.eval_fraction) is held out for evaluation and the others train. The training documents go in chunks of
+GROUP, each tokenized (one chunk ahead, in a thread) and packed as the token store packs a group
+(runner/data/pack.py); a chunk's rows are taken in a seeded order, and the shard starts again, epoch after epoch.
+
+A rank's position in its stream (epoch, chunk, rows taken from the chunk) is saved with each checkpoint, so that
+a resumed run reads on from exactly there: it skips the documents before the chunk without tokenizing them. The
+global batch is micro_batch_size x ranks x grad_accum_steps rows, as from the store, but its rows depend on how
+many ranks read the stream; a strategy swapped at the same number of ranks trains on the same rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from runner.config.data import file_kind, resolve_files
+from runner.data.pack import GROUP, group_rows
+from runner.data.read import read_item, values, work_items
+from runner.data.rows import HeldRows, RowList
+from runner.data.tokenize import Encoder, token_dtype
+from runner.errors import SpecError, WorkerFailed
+
+if TYPE_CHECKING:
+    import datasets
+    import numpy as np
+    from transformers import PreTrainedTokenizerBase
+
+    from runner.config.data import DataConfig
+
+BUILDERS = {"text": "text", "json": "json", "parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a rank's stream goes on: the `rows`-th row (in the chunk's order) of chunk `chunk` of epoch `epoch`."""
+
+    epoch: int = 0
+    chunk: int = 0
+    rows: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def held_out_every(data: DataConfig) -> int:
+    return max(2, round(1 / data.eval_fraction))
+
+
+def source_name(data: DataConfig) -> str:
+    return f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else f"data.files={data.files}"
+
+
+def open_stream(data: DataConfig) -> datasets.IterableDataset:
+    """The data's documents as datasets' IterableDataset; an unreachable source is refused in one line."""
+    import datasets
+
+    try:
+        if data.hub_dataset:
+            return datasets.load_dataset(data.hub_dataset, split=data.hub_split, streaming=True)
+        files = resolve_files(data.files)
+        kind = file_kind(files[0])
+        options = {"sample_by": "document", "keep_linebreaks": True} if kind == "text" else {}
+        return datasets.load_dataset(BUILDERS[kind], data_files=files, split="train", streaming=True, **options)
+    except Exception as error:  # datasets raises many kinds for unreachable or unknown datasets
+        raise SpecError(f"{source_name(data)} could not be streamed: {first_line(error)}") from None
+
+
+def first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def fields(data: DataConfig) -> tuple[str, ...]:
+    from runner.config.data import DataFormat
+
+    if data.format is DataFormat.instruction:
+        return data.prompt_field, data.response_field
+    return (data.text_field,)
+
+
+def check_stream(data: DataConfig) -> None:
+    """Before launch: the source streams, and its first document has the format's fields."""
+    if next(shard(data, rank=0, size=1), None) is None:
+        raise SpecError(f"{source_name(data)} holds no document")
+
+
+def shard(data: DataConfig, rank: int, size: int) -> Iterator[tuple[str, ...]]:
+    """This rank's documents, in their order, each the tuple of the format's fields; bad ones named in one line."""
+    from datasets.distributed import split_dataset_by_node
+
+    stream = split_dataset_by_node(open_stream(data), rank=rank, world_size=size)
+    source, wanted = source_name(data), fields(data)
+    records = iter(stream)
+    for index in itertools.count():
+        try:
+            record = next(records)
+        except StopIteration:
+            return
+        except Exception as error:  # a file datasets cannot parse, met as the stream gets to it
+            raise unreadable(data, rank, index, error) from None
+        yield values(record, wanted, source, f"document {index} of rank {rank}'s shard")
+
+
+def unreadable(data: DataConfig, rank: int, index: int, error: Exception) -> SpecError:
+    """The one-line error of a source that datasets could not read: in local files, the file and line that the
+    token store's reader (runner/data/read.py) finds at fault, which datasets' error does not name."""
+    source = source_name(data)
+    if data.files:
+        try:
+            for item in work_items(data):
+                read_item(item, fields(data), source)
+        except SpecError as named:
+            return named
+    return SpecError(f"{source}: rank {rank}'s shard could not be read after {index} documents: {first_line(error)}")
+
+
+class StreamedRows:
+    """A rank's rows, read and tokenized from its shard as they are needed."""
+
+    def __init__(self, data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, rank: int, size: int):
+        self.data, self.seed, self.rank, self.size = data, seed, rank, size
+        self.encoder = Encoder(data, tokenizer, token_dtype(tokenizer))
+        self.every = held_out_every(data)
+
+    def documents(self, held_out: bool) -> Iterator[tuple[str, ...]]:
+        return (document for index, document in enumerate(shard(self.data, self.rank, self.size))
+                if (index % self.every == 0) == held_out)
+
+    def rows_of(self, documents: list[tuple[str, ...]]) -> HeldRows:
+        encoded = self.encoder.encode(documents)
+        lengths = encoded.lengths.cumsum()
+        split = [encoded.tokens[end - length:end] for end, length in zip(lengths, encoded.lengths)]
+        prompts = None if encoded.prompt_lengths is None else encoded.prompt_lengths.tolist()
+        return HeldRows(group_rows(self.data, split, prompts), self.data.packing)
+
+    def eval_rows(self, count: int) -> RowList:
+        """The first `count` rows of this rank's held-out documents."""
+        rows = RowList()
+        documents = self.documents(held_out=True)
+        while len(rows) < count:
+            chunk = list(itertools.islice(documents, GROUP))
+            if not chunk:
+                raise SpecError(f"rank {self.rank}'s shard of {source_name(self.data)} holds {len(rows)} eval rows, "
+                                f"fewer than its share of {count}; lower train.eval_batches or raise "
+                                "data.eval_fraction")
+            held = self.rows_of(chunk)
+            rows.extend(held.row(i) for i in range(min(len(held), count - len(rows))))
+        return rows
+
+    def chunks(self, start: StreamPosition) -> Iterator[tuple[int, int, HeldRows, np.ndarray]]:
+        """(epoch, chunk, its rows, their seeded order) from `start` on, for ever."""
+        import numpy as np
+
+        for epoch in itertools.count(start.epoch):
+            first = start.chunk if epoch == start.epoch else 0
+            documents = itertools.islice(self.documents(held_out=False), first * GROUP, None)
+            rows_in_epoch = 0
+            for chunk in itertools.count(first):
+                group = list(itertools.islice(documents, GROUP))
+                if not group:
+                    break
+                rows = self.rows_of(group)
+                rows_in_epoch += len(rows)
+                order = np.random.default_rng([self.seed, epoch, chunk]).permutation(len(rows))
+                yield epoch, chunk, rows, order
+            if not rows_in_epoch and not first:
+                raise WorkerFailed(f"rank {self.rank}'s shard of {source_name(self.data)} holds no training row of "
+                                   f"data.seq_len={self.data.seq_len} tokens")
+
+    def rows(self, start: StreamPosition) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
+        """Each row from `start` on, with the position after it; the next chunk is tokenized while this one trains."""
+        for epoch, chunk, rows, order in ahead(self.chunks(start)):
+            skip = start.rows if (epoch, chunk) == (start.epoch, start.chunk) else 0
+            for taken in range(skip, len(rows)):
+                yield rows.row(order[taken]), StreamPosition(epoch, chunk, taken + 1)
+
+
+def ahead(iterator: Iterator[Any]) -> Iterator[Any]:
+    """The iterator's items, the next ones made in a thread while the caller uses the current one (tokenizers and
+    numpy release the GIL). The thread is a daemon: a process that is done does not wait for it (a hub that
+    stopped answering would keep it)."""
+    import queue
+    import threading
+
+    made: queue.Queue = queue.Queue(maxsize=1)
+
+    def make() -> None:
+        try:
+            for item in iterator:
+                made.put((item, None))
+            made.put((None, StopIteration()))
+        except BaseException as error:  # the caller's to raise: a bad document, a source gone
+            made.put((None, error))
+
+    threading.Thread(target=make, name="stream", daemon=True).start()
+    while True:
+        item, error = made.get()
+        if isinstance(error, StopIteration):
+            return
+        if error is not None:
+            raise error
+        yield item
+
+
+def position_of(saved: Optional[dict[str, int]]) -> StreamPosition:
+    return StreamPosition(**saved) if saved else StreamPosition()
