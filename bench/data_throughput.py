@@ -2,14 +2,15 @@
 
 It writes a corpus of `--mb` megabytes (the Python standard library's sources, repeated, in files of about 1 MB),
 then measures, each in a fresh cache and in one run of this script:
-  - `run --prepare-data` with data.num_proc=1 and with every core: MB/s and the peak memory of its whole process
-    tree (sampled every 0.1 s);
+  - `run --prepare-data` with data.num_proc=1 on one core (the process pinned to it), and with every core: MB/s
+    and the peak memory of its whole process tree (sampled every 0.1 s); `--one-core-mb` measures the one-core rate
+    on the corpus's first files only, to spare an hour at 2 GB;
   - datasets' `load_dataset("text", sample_by="document")` and `map(num_proc=<cores>)` with the same tokenizer,
     the same way: MB/s and peak memory;
   - a 1-step training run on the prepared corpus: the seconds from launch to its first step's log line.
 
     python bench/data_throughput.py --mb 20
-    python bench/data_throughput.py --mb 2000 --work /var/tmp/corpus    # needs about 12 GB of free disk
+    python bench/data_throughput.py --mb 2000 --one-core-mb 200 --work /var/tmp/corpus   # about 12 GB of free disk
 
 Timings vary with the machine's load: compare the figures of one run with each other, not across runs.
 """
@@ -78,10 +79,12 @@ class PeakMemory:
         return self.peak / 2**30
 
 
-def measured(command: list[str], env: dict[str, str], cwd: Path) -> tuple[float, float, str]:
-    """Seconds, peak GiB of the process tree, and the output."""
+def measured(command: list[str], env: dict[str, str], cwd: Path, one_core: bool = False) -> tuple[float, float, str]:
+    """Seconds, peak GiB of the process tree, and the output; `one_core`: the process tree pinned to one core."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
+    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=pin)
     peak = PeakMemory(process.pid)
     output, _ = process.communicate()
     seconds = time.perf_counter() - started
@@ -104,10 +107,26 @@ documents.map(encode, batched=True, remove_columns=["text"], num_proc=int(sys.ar
 """
 
 
+def first_files(corpus: Path, work: Path, megabytes: int) -> Path:
+    """A folder of links to the corpus's first files, about `megabytes` of them."""
+    first = work / "first"
+    shutil.rmtree(first, ignore_errors=True)
+    first.mkdir()
+    total = 0
+    for path in sorted(corpus.iterdir()):
+        if total >= megabytes * 10**6:
+            break
+        (first / path.name).symlink_to(path)
+        total += path.stat().st_size
+    return first
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=20, help="corpus size in megabytes")
     parser.add_argument("--work", type=Path, default=None, help="where the corpus and the caches go")
+    parser.add_argument("--one-core-mb", type=int, default=None,
+                        help="measure the one-core rate on about this many megabytes of the corpus (default: all)")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="data_throughput_"))
     corpus = work / "corpus"
@@ -121,11 +140,17 @@ def main() -> None:
         cache = work / f"cache_{procs}"
         shutil.rmtree(cache, ignore_errors=True)
         env = {**os.environ, "RUNNER_TOKEN_CACHE": str(cache)}
-        seconds, gib, _ = measured([*run, "--prepare-data", *data, f"data.num_proc={procs}"], env, work)
-        rates[procs] = size / 1e6 / seconds
-        print(f"runner --prepare-data, num_proc={procs}: {seconds:.1f} s, {rates[procs]:.1f} MB/s, "
-              f"peak {gib:.2f} GiB (process tree)")
-    print(f"runner: {cores} processes / 1 process: {rates[cores] / rates[1]:.2f}x")
+        files, measured_size = data, size
+        if procs == 1 and args.one_core_mb:
+            files, measured_size = ["data=text_files", f"data.files={first_files(corpus, work, args.one_core_mb)}"], \
+                sum(path.stat().st_size for path in (work / "first").iterdir())
+        seconds, gib, _ = measured([*run, "--prepare-data", *files, f"data.num_proc={procs}"], env, work,
+                                   one_core=procs == 1)
+        rates[procs] = measured_size / 1e6 / seconds
+        print(f"runner --prepare-data, num_proc={procs}{' on one core' if procs == 1 else ''}, "
+              f"{measured_size / 1e6:,.0f} MB: {seconds:.1f} s, {rates[procs]:.1f} MB/s, peak {gib:.2f} GiB "
+              "(process tree)")
+    print(f"runner: {cores} processes on {cores} cores / 1 process on one core: {rates[cores] / rates[1]:.2f}x")
     shutil.rmtree(work / "hf_cache", ignore_errors=True)
     seconds, gib, _ = measured([sys.executable, "-c", DATASETS_MAP, str(corpus), str(work / "hf_cache"), str(cores)],
                                dict(os.environ), work)
