@@ -16,6 +16,7 @@ from helpers import run_cli, start_cli, wait_until
 from runner.config.data import DataConfig, DataFormat
 from runner.config.model import byte_tokenizer
 from runner.data import read
+from runner.data.pack import GROUP, GROUP_TOKENS, groups
 from runner.data.splits import token_splits
 from runner.data.store import documents_key, size_on_disk
 
@@ -186,3 +187,13 @@ def test_the_size_of_a_store_leaves_out_what_other_writers_have_not_finished(tmp
     (tmp_path / "rows-b.partial-123" / "tokens.bin").write_bytes(b"\0" * 500)
     assert size_on_disk(tmp_path) == 1000
     assert size_on_disk(tmp_path / "rows-b.partial-123") == 500  # a writer's own progress
+
+
+def test_rows_are_packed_in_groups_that_bound_memory_whatever_the_corpus():
+    """At most GROUP documents and GROUP_TOKENS tokens a group, in the split's order; a longer document alone."""
+    lengths = np.array([GROUP_TOKENS // 3] * 7 + [GROUP_TOKENS * 2] + [1] * 2500)
+    order = np.arange(len(lengths))[::-1].copy()
+    found = list(groups(order, lengths))
+    assert np.concatenate(found).tolist() == order.tolist()
+    assert all(len(group) <= GROUP and lengths[group].sum() <= GROUP_TOKENS or len(group) == 1 for group in found)
+    assert [len(group) for group in found] == [1000, 1000, 500, 1, 3, 3, 1]

@@ -75,9 +75,9 @@ def test_a_stream_goes_on_from_any_saved_position_exactly(lines_corpus):
     stream = StreamedRows(data, byte_tokenizer(), seed=5, rank=0, size=1)
     rows = list(itertools.islice(stream.rows(StreamPosition()), 12_000))
     positions = [position for _, position in rows]
-    epochs_and_chunks = sorted({(p.epoch, p.chunk) for p in positions})
-    assert epochs_and_chunks[:4] == [(0, 0), (0, 1), (0, 2), (1, 0)]  # 2 full groups and a part, then again
-    chunk_ends = [i for i in range(1, len(rows)) if positions[i].chunk != positions[i - 1].chunk]
+    epochs_and_chunks = sorted({(p.epoch, p.document) for p in positions})
+    assert epochs_and_chunks[:4] == [(0, 0), (0, GROUP), (0, 2 * GROUP), (1, 0)]  # 2 full groups and a part, again
+    chunk_ends = [i for i in range(1, len(rows)) if positions[i].document != positions[i - 1].document]
     for taken in [1, 777, chunk_ends[0], chunk_ends[2] + 3]:
         again = list(itertools.islice(stream.rows(positions[taken - 1]), 50))
         assert again == rows[taken:taken + 50]

@@ -2,7 +2,7 @@
 
 Plain text is cut into fixed-length blocks. Instruction data (prompt/response pairs) keeps one example per row,
 padded to the longest row of its batch, and trains on the response tokens only: prompt positions carry the label
-IGNORE.
+IGNORE. Packed, the examples fill rows best-fit-decreasing.
 
 With `packing`, each row of seq_len tokens holds several documents or examples, each with its own positions
 (restarting at 0) and attending only to itself: the rows carry position_ids and no attention mask, and the
@@ -14,12 +14,13 @@ A row is stored as its tokens and its segments, each segment a start and the num
 not predicted (its prompt, or a packed segment's first token); labels and positions follow from them. Every row
 stores its token and label counts, so that a step knows its global batch's counts without asking the other ranks.
 
-The documents go in groups of GROUP, in the split's order; a block or a packed row never spans two groups.
+The documents go in groups of GROUP, or fewer where they hold GROUP_TOKENS tokens, in the split's order; a block
+or a packed row never spans two groups. Memory holds a group at a time, whatever the corpus.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
@@ -27,6 +28,20 @@ if TYPE_CHECKING:
     from runner.config.data import DataConfig
 
 GROUP = 1000
+GROUP_TOKENS = 1 << 24
+
+
+def groups(order: np.ndarray, lengths: np.ndarray) -> Iterator[np.ndarray]:
+    """`order` (document indices) cut into runs of at most GROUP documents and GROUP_TOKENS tokens (a longer
+    document alone)."""
+    start, tokens = 0, 0
+    for end, index in enumerate(order):
+        if end > start and (end - start == GROUP or tokens + lengths[index] > GROUP_TOKENS):
+            yield order[start:end]
+            start, tokens = end, 0
+        tokens += int(lengths[index])
+    if len(order) > start:
+        yield order[start:]
 
 
 class Rows(NamedTuple):
@@ -62,7 +77,8 @@ def text_rows(documents: list[np.ndarray], seq_len: int, packing: bool) -> Rows:
 
 def instruction_rows(examples: list[np.ndarray], prompt_lengths: list[int], seq_len: int, packing: bool) -> Rows:
     """Each example cut to seq_len tokens, its prompt not predicted; an example whose prompt fills the sequence is
-    left out (nothing to learn). Packed, whole examples in their order, as many to a row as fit."""
+    left out (nothing to learn). Packed, the examples go into rows best-fit-decreasing (best_fit_rows), each whole,
+    with its first token not predicted: nothing before it in its segment."""
     import numpy as np
 
     kept: list[tuple[np.ndarray, int]] = []
@@ -70,15 +86,11 @@ def instruction_rows(examples: list[np.ndarray], prompt_lengths: list[int], seq_
         example = example[:seq_len]
         if len(example) > max(prompt, 1):
             kept.append((example, min(prompt, len(example))))
-    rows: list[list[tuple[np.ndarray, int]]] = []
-    used = seq_len
-    for example, prompt in kept:
-        if not packing or used + len(example) > seq_len:
-            rows.append([])
-            used = 0
-        # Packed, a segment's first token is not predicted: nothing before it in its segment.
-        rows[-1].append((example, max(prompt, 1) if packing else prompt))
-        used += len(example)
+    if packing:
+        rows = [[(kept[i][0], max(kept[i][1], 1)) for i in row]
+                for row in best_fit_rows([len(example) for example, _ in kept], seq_len)]
+    else:
+        rows = [[example] for example in kept]
     lengths = [[len(example) for example, _ in row] for row in rows]
     ignored = [ignore for row in rows for _, ignore in row]
     return Rows(
@@ -90,6 +102,28 @@ def instruction_rows(examples: list[np.ndarray], prompt_lengths: list[int], seq_
         np.array([sum(length - max(ignore, 1) for length, (_, ignore) in zip(row_lengths, row))
                   for row_lengths, row in zip(lengths, rows)], np.int64),
     )
+
+
+def best_fit_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
+    """Rows of at most seq_len tokens, as the indices of the examples each holds: the longest example first, each
+    into the fullest row it fits in (best-fit-decreasing, as TRL's "bfd" packing; about 1 to 5% of the room is left,
+    where packing in order leaves about a fifth). The rows come in the order of their first examples, which keep
+    their order within a row: nothing depends on chance."""
+    import bisect
+
+    rows: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # (room left, row), the least room first
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: equal lengths in their order
+        at = bisect.bisect_left(rooms, (lengths[i], -1))
+        if at == len(rooms):
+            rows.append([i])
+            room, row = seq_len - lengths[i], len(rows) - 1
+        else:
+            room, row = rooms.pop(at)
+            rows[row].append(i)
+            room -= lengths[i]
+        bisect.insort(rooms, (room, row))
+    return sorted(sorted(row) for row in rows)
 
 
 def group_rows(data: DataConfig, documents: list[np.ndarray], prompt_lengths: list[int] | None) -> Rows:

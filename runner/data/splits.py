@@ -8,7 +8,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from runner.config.data import resolve_files
-from runner.data.pack import GROUP, group_rows
+from runner.data.pack import group_rows, groups
 from runner.data.read import HUB_ROWS
 from runner.data.rows import RowSet, RowStore, RowWriter
 from runner.data.store import Documents, cache_dir, documents_key, ensure, rows_key
@@ -59,15 +59,15 @@ def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) ->
         raise SpecError(f"{source} holds {len(documents)} document(s); training and evaluation need at least 2")
     evals = max(1, round(len(documents) * data.eval_fraction))
     order = np.random.default_rng(seed).permutation(len(documents))
-    writer = RowWriter(into, documents.tokens.dtype)
+    writer = RowWriter(into, documents.dtype)
     rows_before = []
     for split in (order[:evals], order[evals:]):
         rows_before.append(writer.rows)
-        for start in range(0, len(split), GROUP):
-            writer.add(group_rows(data, *documents.group(split[start:start + GROUP])))
+        for group in groups(split, documents.lengths):
+            writer.add(group_rows(data, *documents.group(group)))
     writer.close()
     eval_rows = rows_before[1]
-    return {"dtype": documents.tokens.dtype.name, "packing": data.packing, "eval_rows": eval_rows,
+    return {"dtype": documents.dtype.name, "packing": data.packing, "eval_rows": eval_rows,
             "rows": writer.rows, "documents": len(documents)}
 
 

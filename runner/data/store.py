@@ -5,8 +5,9 @@ and every node that shares the directory.
     <data.cache_dir>/<documents key>/rows-<rows key>/   the eval rows, then the train rows (runner/data/pack.py)
 
 The documents key covers what decides the tokens: the files (path, size, modification time), the tokenizer, the
-format and its fields, and STORE_VERSION, raised whenever this package's output changes; the rows key adds what
-decides the rows: seq_len, packing, the eval fraction and the seed of the split. A store is written under a
+format and its fields, and STORE_VERSION, raised whenever the documents' tokens change; the rows key adds what
+decides the rows: seq_len, packing, the eval fraction, the seed of the split and ROWS_VERSION, raised whenever
+the packing changes. A store is written under a
 temporary name and renamed into place whole, so that a reader finds a complete store or none; writers of the same
 store take turns under a lock, and one that waits says for whom.
 """
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("runner")
 
 STORE_VERSION = 1
+ROWS_VERSION = 2  # 2: packed instruction rows best-fit-decreasing; groups bounded by their tokens
 DEFAULT_CACHE_DIR = "~/.cache/runner/tokens"
 # How often a writer waiting for another one's lock says so, and how long it waits for one that writes nothing.
 WAIT_REPORT_S = 30
@@ -60,8 +62,8 @@ def documents_key(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
 
 
 def rows_key(data: DataConfig, seed: int) -> str:
-    return digest({"seq_len": data.seq_len, "packing": data.packing, "eval_fraction": data.eval_fraction,
-                   "seed": seed})
+    return digest({"version": ROWS_VERSION, "seq_len": data.seq_len, "packing": data.packing,
+                   "eval_fraction": data.eval_fraction, "seed": seed})
 
 
 def digest(value: Any) -> str:
@@ -166,14 +168,15 @@ def locked_within(lock: Any, seconds: float) -> bool:
 
 
 class Documents:
-    """The tokenized documents, memory-mapped."""
+    """The tokenized documents, each read from the file when asked for: memory holds the groups being packed, not
+    the pages of a mapping that grows with what has been read."""
 
     def __init__(self, path: Path):
         import numpy as np
 
         self.meta = json.loads((path / "meta.json").read_text())
-        self.tokens = np.memmap(path / "tokens.bin", dtype=self.meta["dtype"], mode="r") \
-            if self.meta["tokens"] else np.zeros(0, self.meta["dtype"])
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.path = path / "tokens.bin"
         self.lengths = np.load(path / "lengths.npy")
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         prompts = path / "prompt_lengths.npy"
@@ -183,7 +186,11 @@ class Documents:
         return len(self.lengths)
 
     def group(self, indices: np.ndarray) -> tuple[list[np.ndarray], list[int] | None]:
-        documents = [self.tokens[self.offsets[i]:self.offsets[i + 1]] for i in indices]
+        import numpy as np
+
+        size = self.dtype.itemsize
+        with open(self.path, "rb") as tokens:
+            documents = [np.frombuffer(os.pread(tokens.fileno(), int(self.lengths[i]) * size,
+                                                int(self.offsets[i]) * size), dtype=self.dtype) for i in indices]
         prompts = None if self.prompt_lengths is None else [int(self.prompt_lengths[i]) for i in indices]
         return documents, prompts
-

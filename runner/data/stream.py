@@ -2,13 +2,15 @@
 for a corpus that need not fit on the disk, or a hub dataset read without downloading it whole.
 
 Each data-parallel rank reads its own shard: datasets' split_dataset_by_node gives it whole files where their
-number divides by the ranks, else every n-th document. Of its shard, every HELD_OUT_EVERY-th document
-(1 / data.eval_fraction) is held out for evaluation and the others train. The training documents go in chunks of
-GROUP, each tokenized (one chunk ahead, in a thread) and packed as the token store packs a group
-(runner/data/pack.py); a chunk's rows are taken in a seeded order, and the shard starts again, epoch after epoch.
+number divides by the ranks, else every n-th document. Of its shard, every k-th document (k = 1 / eval_fraction,
+held_out_every) is held out for evaluation and the others train. The training documents go in chunks of GROUP, or
+fewer that hold GROUP_TOKENS bytes of text, each tokenized (one chunk ahead, in a thread) and packed as the token
+store packs a group (runner/data/pack.py); a chunk's rows are taken in a seeded order, and the shard starts again,
+epoch after epoch.
 
-A rank's position in its stream (epoch, chunk, rows taken from the chunk) is saved with each checkpoint, so that
-a resumed run reads on from exactly there: it skips the documents before the chunk without tokenizing them. The
+A rank's position in its stream (epoch, the chunk's first training document, rows taken from the chunk) is saved
+with each checkpoint, so that a resumed run reads on from exactly there: it skips the documents before the chunk
+without tokenizing them. The
 global batch is micro_batch_size x ranks x grad_accum_steps rows, as from the store, but its rows depend on how
 many ranks read the stream; a strategy swapped at the same number of ranks trains on the same rows.
 """
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from runner.config.data import file_kind, resolve_files
-from runner.data.pack import GROUP, group_rows
+from runner.data.pack import GROUP, GROUP_TOKENS, group_rows
 from runner.data.read import read_item, values, work_items
 from runner.data.rows import HeldRows, RowList
 from runner.data.tokenize import Encoder, token_dtype
@@ -38,10 +40,11 @@ BUILDERS = {"text": "text", "json": "json", "parquet": "parquet"}
 
 @dataclass(frozen=True)
 class StreamPosition:
-    """Where a rank's stream goes on: the `rows`-th row (in the chunk's order) of chunk `chunk` of epoch `epoch`."""
+    """Where a rank's stream goes on: the `rows`-th row (in the chunk's order) of the chunk that starts at training
+    document `document` of its shard, in epoch `epoch`."""
 
     epoch: int = 0
-    chunk: int = 0
+    document: int = 0
     rows: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -142,10 +145,10 @@ class StreamedRows:
     def eval_rows(self, count: int) -> RowList:
         """The first `count` rows of this rank's held-out documents."""
         rows = RowList()
-        documents = self.documents(held_out=True)
+        chunks = self.chunked(self.documents(held_out=True))
         while len(rows) < count:
-            chunk = list(itertools.islice(documents, GROUP))
-            if not chunk:
+            chunk = next(chunks, None)
+            if chunk is None:
                 raise SpecError(f"rank {self.rank}'s shard of {source_name(self.data)} holds {len(rows)} eval rows, "
                                 f"fewer than its share of {count}; lower train.eval_batches or raise "
                                 "data.eval_fraction")
@@ -153,32 +156,46 @@ class StreamedRows:
             rows.extend(held.row(i) for i in range(min(len(held), count - len(rows))))
         return rows
 
+    @staticmethod
+    def chunked(documents: Iterator[tuple[str, ...]]) -> Iterator[list[tuple[str, ...]]]:
+        """The documents in runs of GROUP, or fewer that hold GROUP_TOKENS bytes of text (a longer one alone)."""
+        chunk: list[tuple[str, ...]] = []
+        size = 0
+        for document in documents:
+            length = sum(len(text.encode()) for text in document)
+            if chunk and (len(chunk) == GROUP or size + length > GROUP_TOKENS):
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(document)
+            size += length
+        if chunk:
+            yield chunk
+
     def chunks(self, start: StreamPosition) -> Iterator[tuple[int, int, HeldRows, np.ndarray]]:
-        """(epoch, chunk, its rows, their seeded order) from `start` on, for ever."""
+        """(epoch, the chunk's first document, its rows, their seeded order) from `start` on, for ever."""
         import numpy as np
 
         for epoch in itertools.count(start.epoch):
-            first = start.chunk if epoch == start.epoch else 0
-            documents = itertools.islice(self.documents(held_out=False), first * GROUP, None)
+            first = start.document if epoch == start.epoch else 0
+            resumed_mid_epoch = first > 0
+            documents = itertools.islice(self.documents(held_out=False), first, None)
             rows_in_epoch = 0
-            for chunk in itertools.count(first):
-                group = list(itertools.islice(documents, GROUP))
-                if not group:
-                    break
+            for group in self.chunked(documents):
                 rows = self.rows_of(group)
                 rows_in_epoch += len(rows)
-                order = np.random.default_rng([self.seed, epoch, chunk]).permutation(len(rows))
-                yield epoch, chunk, rows, order
-            if not rows_in_epoch and not first:
+                order = np.random.default_rng([self.seed, epoch, first]).permutation(len(rows))
+                yield epoch, first, rows, order
+                first += len(group)
+            if not rows_in_epoch and not resumed_mid_epoch:
                 raise WorkerFailed(f"rank {self.rank}'s shard of {source_name(self.data)} holds no training row of "
                                    f"data.seq_len={self.data.seq_len} tokens")
 
     def rows(self, start: StreamPosition) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
         """Each row from `start` on, with the position after it; the next chunk is tokenized while this one trains."""
-        for epoch, chunk, rows, order in ahead(self.chunks(start)):
-            skip = start.rows if (epoch, chunk) == (start.epoch, start.chunk) else 0
+        for epoch, first, rows, order in ahead(self.chunks(start)):
+            skip = start.rows if (epoch, first) == (start.epoch, start.document) else 0
             for taken in range(skip, len(rows)):
-                yield rows.row(order[taken]), StreamPosition(epoch, chunk, taken + 1)
+                yield rows.row(order[taken]), StreamPosition(epoch, first, taken + 1)
 
 
 def ahead(iterator: Iterator[Any]) -> Iterator[Any]:
