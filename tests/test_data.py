@@ -197,3 +197,22 @@ def test_rows_are_packed_in_groups_that_bound_memory_whatever_the_corpus():
     assert np.concatenate(found).tolist() == order.tolist()
     assert all(len(group) <= GROUP and lengths[group].sum() <= GROUP_TOKENS or len(group) == 1 for group in found)
     assert [len(group) for group in found] == [1000, 1000, 500, 1, 3, 3, 1]
+
+
+def test_the_tokenizing_processes_end_with_the_run_that_started_them(workdir):
+    """`run --prepare-data` killed mid-way (kill -9, out of memory) leaves no process tokenizing for no one."""
+    import psutil
+
+    corpus = workdir / "corpus"
+    corpus.mkdir()
+    text = "".join(path.read_text() for path in sorted((STDLIB / "email").glob("*.py")))
+    for part in range(12):  # a few seconds of work a process: they are at work when the run is killed
+        (corpus / f"part{part}.txt").write_text(text * 2)
+    job = start_cli("--prepare-data", "data=text_files", f"data.files={corpus}", "data.num_proc=2",
+                    f"data.cache_dir={workdir / 'cache'}", cwd=workdir)
+    run = psutil.Process(job.pid)
+    workers = wait_until(lambda: [p for p in run.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+                         if "tokenizing" in job.stderr() else None, "the tokenizing processes", job=job)
+    os.kill(job.pid, 9)
+    gone, alive = psutil.wait_procs(workers, timeout=60)  # at once, in fact: the kernel signals them
+    assert alive == [] and len(gone) == 2

@@ -78,11 +78,22 @@ class Encoder:
 
 
 ENCODER: Optional[Encoder] = None  # a tokenizing process's own
+PR_SET_PDEATHSIG = 1  # prctl(2)'s option for the signal a process gets when its parent ends
 
 
-def start_worker(encoder: Encoder, hub_rows: dict[str, Any]) -> None:
+def start_worker(parent: int, state: bytes) -> None:
+    """`state`: the encoder and the hub datasets, pickled, so that reading them (importing transformers: seconds)
+    comes after this process has tied its end to its parent's."""
+    import ctypes
+    import pickle
+    import signal
+
+    # A process whose `run` has ended (killed, Ctrl-C) ends with it, rather than tokenizing on for no one.
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended while this process was starting
+        os._exit(1)
     global ENCODER
-    ENCODER = encoder
+    ENCODER, hub_rows = pickle.loads(state)
     HUB_ROWS.update(hub_rows)  # a hub dataset pickles as its memory-mapped cache files
     # Each process is one core: the tokenizer's own threads would only compete with the other processes.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -102,12 +113,13 @@ def encoded_items(data: DataConfig, encoder: Encoder, num_proc: int) -> Iterator
         yield from map(encoder, items)
         return
     import multiprocessing
+    import pickle
     from collections import deque
     from concurrent.futures import ProcessPoolExecutor, TimeoutError
     from concurrent.futures.process import BrokenProcessPool
 
     pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker,
-                               initargs=(encoder, HUB_ROWS))
+                               initargs=(os.getpid(), pickle.dumps((encoder, HUB_ROWS))))
     pending: deque = deque()
     try:
         for item in items:
