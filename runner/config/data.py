@@ -17,6 +17,20 @@ from runner.files import absolute_path
 class DataFormat(str, Enum):
     text = "text"
     instruction = "instruction"
+    chat = "chat"
+
+
+class ChatFormat(str, Enum):
+    auto = "auto"  # from each record's keys
+    messages = "messages"
+    sharegpt = "sharegpt"
+    alpaca = "alpaca"
+
+
+class TrainOn(str, Enum):
+    assistant = "assistant"
+    last_assistant = "last_assistant"
+    all = "all"
 
 
 @dataclass
@@ -30,6 +44,12 @@ class DataConfig:
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
+    # Chat (runner/data/chat.py): how records hold their conversations, the Jinja chat template (unset: the
+    # tokenizer's own), and the turns that train: every assistant turn (with its end-of-turn token), the last one,
+    # or every token.
+    chat_format: ChatFormat = ChatFormat.auto
+    chat_template: Optional[str] = None
+    train_on: TrainOn = TrainOn.assistant
     seq_len: int = 256
     # Share of the documents held out for evaluation.
     eval_fraction: float = 0.05
@@ -55,6 +75,9 @@ def check(data: DataConfig) -> None:
     require(data.seq_len >= 2, f"data.seq_len={data.seq_len} must be at least 2")
     require(0 < data.eval_fraction < 1, f"data.eval_fraction={data.eval_fraction} must be between 0 and 1")
     require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be at least 1")
+    if data.chat_template:
+        require(data.format is DataFormat.chat, f"data.chat_template is for data.format=chat, not {data.format.value}")
+        require(os.path.isfile(data.chat_template), f"data.chat_template={data.chat_template} is not a file")
     if data.files:
         files = resolve_files(data.files)
         require(bool(files), f"data.files={data.files} matches no file; give an existing file, directory or glob")
@@ -63,9 +86,10 @@ def check(data: DataConfig) -> None:
 
 
 def with_absolute_paths(data: DataConfig, base: Path) -> DataConfig:
-    """`data.files` and `data.cache_dir` as absolute paths from `base`: the spec then means the same from any
+    """`data.files`, `data.cache_dir` and `data.chat_template` as absolute paths from `base`: the spec then means the same from any
     directory."""
-    return replace(data, files=absolute_path(data.files, base), cache_dir=absolute_path(data.cache_dir, base))
+    return replace(data, files=absolute_path(data.files, base), cache_dir=absolute_path(data.cache_dir, base),
+                   chat_template=absolute_path(data.chat_template, base))
 
 
 def resolve_files(pattern: str) -> list[str]:

@@ -1,8 +1,8 @@
 """Packing: the tokenized documents into rows of at most seq_len tokens.
 
-Plain text is cut into fixed-length blocks. Instruction data (prompt/response pairs) keeps one example per row,
-padded to the longest row of its batch, and trains on the response tokens only: prompt positions carry the label
-IGNORE. Packed, the examples fill rows best-fit-decreasing.
+Plain text is cut into fixed-length blocks. Examples (instruction pairs, chat conversations) keep one example per
+row, padded to the longest row of its batch, and train on the tokens their mask marks (a response, the
+assistant's turns): the others carry the label IGNORE. Packed, the examples fill rows best-fit-decreasing.
 
 With `packing`, each row of seq_len tokens holds several documents or examples, each with its own positions
 (restarting at 0) and attending only to itself: the rows carry position_ids and no attention mask, and the
@@ -10,9 +10,10 @@ model's attention confines each token to its segment (on GPUs transformers' bloc
 variable-length kernels under flash and flex attention; on the CPU runner/engine/attention.py, one example at a
 time). A segment's first token is not predicted, so each example's loss is the one it has alone in a row.
 
-A row is stored as its tokens and its segments, each segment a start and the number of its first tokens that are
-not predicted (its prompt, or a packed segment's first token); labels and positions follow from them. Every row
-stores its token and label counts, so that a step knows its global batch's counts without asking the other ranks.
+A row is stored as its tokens, their mask (examples), and its segments, each segment a start and the number of its
+first tokens that are not predicted (a packed segment's first token); labels and positions follow from them. Every
+row stores its token and label counts, so that a step knows its global batch's counts without asking the other
+ranks.
 
 The documents go in groups of GROUP, or fewer where they hold GROUP_TOKENS tokens, in the split's order; a block
 or a packed row never spans two groups. Memory holds a group at a time, whatever the corpus.
@@ -20,7 +21,7 @@ or a packed row never spans two groups. Memory holds a group at a time, whatever
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional
 
 if TYPE_CHECKING:
     import numpy as np
@@ -46,7 +47,8 @@ def groups(order: np.ndarray, lengths: np.ndarray) -> Iterator[np.ndarray]:
 
 class Rows(NamedTuple):
     """Rows of a group of documents: tokens one after another, each row's length, each row's segments (their
-    starts in the row and how many of their first tokens are not predicted) and predicted labels."""
+    starts in the row and how many of their first tokens are not predicted), predicted labels, and (examples) each
+    token's mask: 1 where it trains."""
 
     tokens: np.ndarray
     row_lengths: np.ndarray
@@ -54,6 +56,7 @@ class Rows(NamedTuple):
     segment_starts: np.ndarray
     segment_ignored: np.ndarray
     label_tokens: np.ndarray
+    trained: Optional[np.ndarray] = None
 
 
 def text_rows(documents: list[np.ndarray], seq_len: int, packing: bool) -> Rows:
@@ -75,32 +78,27 @@ def text_rows(documents: list[np.ndarray], seq_len: int, packing: bool) -> Rows:
                 np.ones(len(starts), np.int64), seq_len - segments_per_row)
 
 
-def instruction_rows(examples: list[np.ndarray], prompt_lengths: list[int], seq_len: int, packing: bool) -> Rows:
-    """Each example cut to seq_len tokens, its prompt not predicted; an example whose prompt fills the sequence is
-    left out (nothing to learn). Packed, the examples go into rows best-fit-decreasing (best_fit_rows), each whole,
-    with its first token not predicted: nothing before it in its segment."""
+def example_rows(examples: list[np.ndarray], masks: list[np.ndarray], seq_len: int, packing: bool) -> Rows:
+    """Each example cut to seq_len tokens; one that then has nothing to train on after its first token is left
+    out. Packed, the examples go into rows best-fit-decreasing (best_fit_rows), each whole, with its first token
+    not predicted: nothing before it in its segment."""
     import numpy as np
 
-    kept: list[tuple[np.ndarray, int]] = []
-    for example, prompt in zip(examples, prompt_lengths):
-        example = example[:seq_len]
-        if len(example) > max(prompt, 1):
-            kept.append((example, min(prompt, len(example))))
+    kept = [(example[:seq_len], mask[:seq_len]) for example, mask in zip(examples, masks) if mask[1:seq_len].any()]
     if packing:
-        rows = [[(kept[i][0], max(kept[i][1], 1)) for i in row]
-                for row in best_fit_rows([len(example) for example, _ in kept], seq_len)]
+        rows = [[kept[i] for i in row] for row in best_fit_rows([len(example) for example, _ in kept], seq_len)]
     else:
         rows = [[example] for example in kept]
     lengths = [[len(example) for example, _ in row] for row in rows]
-    ignored = [ignore for row in rows for _, ignore in row]
+    segments = [example for row in rows for example in row]
     return Rows(
-        np.concatenate([example for row in rows for example, _ in row]) if rows else np.zeros(0, np.int64),
+        np.concatenate([example for example, _ in segments]) if rows else np.zeros(0, np.int64),
         np.array([sum(row) for row in lengths], np.int64),
         np.array([len(row) for row in rows], np.int64),
         np.array([start for row in lengths for start in np.cumsum([0, *row[:-1]])], np.int64),
-        np.array(ignored, np.int64),
-        np.array([sum(length - max(ignore, 1) for length, (_, ignore) in zip(row_lengths, row))
-                  for row_lengths, row in zip(lengths, rows)], np.int64),
+        np.full(len(segments), int(packing), np.int64),
+        np.array([sum(int(mask[1:].sum()) for _, mask in row) for row in rows], np.int64),
+        np.concatenate([mask for _, mask in segments]) if rows else np.zeros(0, np.uint8),
     )
 
 
@@ -126,7 +124,7 @@ def best_fit_rows(lengths: list[int], seq_len: int) -> list[list[int]]:
     return sorted(sorted(row) for row in rows)
 
 
-def group_rows(data: DataConfig, documents: list[np.ndarray], prompt_lengths: list[int] | None) -> Rows:
-    if prompt_lengths is None:
+def group_rows(data: DataConfig, documents: list[np.ndarray], masks: Optional[list[np.ndarray]]) -> Rows:
+    if masks is None:
         return text_rows(documents, data.seq_len, data.packing)
-    return instruction_rows(documents, prompt_lengths, data.seq_len, data.packing)
+    return example_rows(documents, masks, data.seq_len, data.packing)

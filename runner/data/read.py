@@ -102,34 +102,34 @@ def read_item(item: WorkItem, fields: tuple[str, ...], source: str) -> list[tupl
     """The item's documents, each the tuple of its `fields`' strings."""
     if item.kind == "text":
         return [(read_text(path, source),) for path in item.paths]
+    return [values(record, fields, source, where) for record, where in read_records(item, source)]
+
+
+def read_records(item: WorkItem, source: str) -> list[tuple[Any, str]]:
+    """The item's records (not of text files), each with where it was read: a file and its line, record or row."""
     if item.kind == "hub":
         rows = HUB_ROWS[item.paths[0]][item.start:item.end]
-        return [values(dict(zip(rows, row)), fields, source, f"row {item.start + i}")
-                for i, row in enumerate(zip(*rows.values()))]
+        return [(dict(zip(rows, row)), f"row {item.start + i}") for i, row in enumerate(zip(*rows.values()))]
     [path] = item.paths
     if item.kind == "parquet":
         import pyarrow.parquet as pq
 
-        table = pq.ParquetFile(path).read_row_group(item.start)
-        check_columns(table.column_names, fields, source, path)
-        columns = [table.column(field).to_pylist() for field in fields]
-        return [values(dict(zip(fields, row)), fields, source, f"{path} row {i}") for i, row in enumerate(zip(*columns))]
+        return [(record, f"{path} row {i}")
+                for i, record in enumerate(pq.ParquetFile(path).read_row_group(item.start).to_pylist())]
     if item.kind == "json":
-        records = load_json(path, source)
-        return [values(record, fields, source, f"{path} record {i}") for i, record in enumerate(records)]
+        return [(record, f"{path} record {i}") for i, record in enumerate(load_json(path, source))]
     with open(path, "rb") as file:
         file.seek(item.start)
         block = file.read(item.end - item.start)
-    documents = []
+    records = []
     for number, line in enumerate(block.splitlines(), item.first_line):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            records.append((json.loads(line), f"{path} line {number}"))
         except ValueError as error:
             raise SpecError(f"{source}: {path} line {number} is not valid JSON ({error})") from None
-        documents.append(values(record, fields, source, f"{path} line {number}"))
-    return documents
+    return records
 
 
 def read_text(path: str, source: str) -> str:

@@ -1,10 +1,11 @@
-"""The rows of a token store (runner/data/pack.py's layout), memory-mapped: the eval rows, then the train rows."""
+"""The rows of a token store (runner/data/pack.py's layout), memory-mapped: the eval rows, then the train rows;
+tokens.bin, trained.bin (examples: each token's mask), and each row's and segment's arrays."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 if TYPE_CHECKING:
     import numpy as np
@@ -21,12 +22,15 @@ class RowWriter:
     def __init__(self, path: Path, dtype: Any):
         self.path = path
         self.tokens = open(path / "tokens.bin", "wb")
+        self.trained = open(path / "trained.bin", "wb")
         self.dtype = dtype
         self.parts: dict[str, list[np.ndarray]] = {name: [] for name in ARRAYS}
         self.rows = 0
 
     def add(self, rows: Rows) -> None:
         self.tokens.write(rows.tokens.astype(self.dtype).tobytes())
+        if rows.trained is not None:
+            self.trained.write(rows.trained.astype("uint8").tobytes())
         for name in ARRAYS:
             self.parts[name].append(getattr(rows, name))
         self.rows += len(rows.row_lengths)
@@ -35,6 +39,9 @@ class RowWriter:
         import numpy as np
 
         self.tokens.close()
+        self.trained.close()
+        if not (self.path / "trained.bin").stat().st_size:  # text: every token trains
+            (self.path / "trained.bin").unlink()
         for name, parts in self.parts.items():
             np.save(self.path / f"{name}.npy", np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
 
@@ -48,6 +55,8 @@ class RowStore:
         self.path = path
         self.meta = json.loads((path / "meta.json").read_text())
         self.tokens = np.memmap(path / "tokens.bin", dtype=self.meta["dtype"], mode="r")
+        trained = path / "trained.bin"
+        self.trained = np.memmap(trained, dtype=np.uint8, mode="r") if trained.exists() else None
         arrays = {name: np.load(path / f"{name}.npy", mmap_mode="r") for name in ARRAYS}
         self.row_lengths = arrays["row_lengths"]
         self.label_tokens = arrays["label_tokens"]
@@ -59,18 +68,22 @@ class RowStore:
 
     def row(self, index: int) -> dict[str, Any]:
         first, last = self.segment_offsets[index], self.segment_offsets[index + 1]
-        return row_inputs(self.tokens[self.row_offsets[index]:self.row_offsets[index + 1]],
+        tokens = slice(self.row_offsets[index], self.row_offsets[index + 1])
+        return row_inputs(self.tokens[tokens], None if self.trained is None else self.trained[tokens],
                           self.segment_starts[first:last], self.segment_ignored[first:last],
                           int(self.label_tokens[index]), self.packed)
 
 
-def row_inputs(tokens: np.ndarray, segment_starts: Any, segment_ignored: Any, label_tokens: int,
-               packed: bool) -> dict[str, Any]:
-    """A row's input_ids, labels and (packed) position_ids, from its tokens and segments, with its counts."""
+def row_inputs(tokens: np.ndarray, trained: Optional[np.ndarray], segment_starts: Any, segment_ignored: Any,
+               label_tokens: int, packed: bool) -> dict[str, Any]:
+    """A row's input_ids, labels and (packed) position_ids, from its tokens, their mask and its segments, with its
+    counts."""
     import numpy as np
 
     ids = np.asarray(tokens, dtype=np.int64)
     labels = ids.copy()
+    if trained is not None:
+        labels[np.asarray(trained) == 0] = IGNORE
     starts = [*segment_starts, len(ids)]
     positions = np.empty_like(ids)
     for start, end, ignored in zip(starts, starts[1:], segment_ignored):
@@ -97,7 +110,8 @@ class HeldRows:
 
     def row(self, index: int) -> dict[str, Any]:
         first, last = self.segment_offsets[index], self.segment_offsets[index + 1]
-        return row_inputs(self.rows.tokens[self.row_offsets[index]:self.row_offsets[index + 1]],
+        tokens = slice(self.row_offsets[index], self.row_offsets[index + 1])
+        return row_inputs(self.rows.tokens[tokens], None if self.rows.trained is None else self.rows.trained[tokens],
                           self.rows.segment_starts[first:last], self.rows.segment_ignored[first:last],
                           int(self.rows.label_tokens[index]), self.packed)
 

@@ -1,7 +1,7 @@
 """The token store: a corpus tokenized once, on disk, read by every later run, every job of a sweep, every rank
 and every node that shares the directory.
 
-    <data.cache_dir>/<documents key>/documents/   tokens.bin, lengths.npy[, prompt_lengths.npy], meta.json
+    <data.cache_dir>/<documents key>/documents/   tokens.bin, lengths.npy[, trained.bin], meta.json
     <data.cache_dir>/<documents key>/rows-<rows key>/   the eval rows, then the train rows (runner/data/pack.py)
 
 The documents key covers what decides the tokens: the files (path, size, modification time), the tokenizer, the
@@ -23,9 +23,10 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from runner.config.data import resolve_files
+from runner.data.chat import chat_template
 from runner.data.read import HUB_ROWS
 from runner.errors import WorkerFailed
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: examples' masks (trained.bin) for their prompt lengths
 ROWS_VERSION = 2  # 2: packed instruction rows best-fit-decreasing; groups bounded by their tokens
 DEFAULT_CACHE_DIR = "~/.cache/runner/tokens"
 # How often a writer waiting for another one's lock says so, and how long it waits for one that writes nothing.
@@ -56,7 +57,10 @@ def documents_key(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     else:
         source = [(path, found.st_size, found.st_mtime_ns) for path in resolve_files(data.files)
                   for found in [os.stat(path)]]
-    fields = ([data.prompt_field, data.response_field] if data.format.value == "instruction" else [data.text_field])
+    if data.format.value == "chat":  # what renders the conversations and masks them
+        fields: Any = [data.chat_format.value, chat_template(data, tokenizer), data.train_on.value]
+    else:
+        fields = [data.prompt_field, data.response_field] if data.format.value == "instruction" else [data.text_field]
     return digest({"version": STORE_VERSION, "source": source, "tokenizer": tokenizer_identity(tokenizer),
                    "format": data.format.value, "fields": fields})
 
@@ -179,18 +183,21 @@ class Documents:
         self.path = path / "tokens.bin"
         self.lengths = np.load(path / "lengths.npy")
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        prompts = path / "prompt_lengths.npy"
-        self.prompt_lengths = np.load(prompts) if prompts.exists() else None
+        self.trained = path / "trained.bin" if (path / "trained.bin").exists() else None
 
     def __len__(self) -> int:
         return len(self.lengths)
 
-    def group(self, indices: np.ndarray) -> tuple[list[np.ndarray], list[int] | None]:
+    def group(self, indices: np.ndarray) -> tuple[list[np.ndarray], Optional[list[np.ndarray]]]:
+        """The documents at `indices`, and (examples) their masks."""
         import numpy as np
 
-        size = self.dtype.itemsize
-        with open(self.path, "rb") as tokens:
-            documents = [np.frombuffer(os.pread(tokens.fileno(), int(self.lengths[i]) * size,
-                                                int(self.offsets[i]) * size), dtype=self.dtype) for i in indices]
-        prompts = None if self.prompt_lengths is None else [int(self.prompt_lengths[i]) for i in indices]
-        return documents, prompts
+        documents = self.read(self.path, indices, self.dtype)
+        return documents, None if self.trained is None else self.read(self.trained, indices, np.dtype(np.uint8))
+
+    def read(self, path: Path, indices: np.ndarray, dtype: np.dtype) -> list[np.ndarray]:
+        import numpy as np
+
+        with open(path, "rb") as file:
+            return [np.frombuffer(os.pread(file.fileno(), int(self.lengths[i]) * dtype.itemsize,
+                                           int(self.offsets[i]) * dtype.itemsize), dtype=dtype) for i in indices]

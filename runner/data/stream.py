@@ -18,12 +18,14 @@ many ranks read the stream; a strategy swapped at the same number of ranks train
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from runner.config.data import file_kind, resolve_files
+from runner.config.data import DataFormat, file_kind, resolve_files
+from runner.data.chat import conversation
 from runner.data.pack import GROUP, GROUP_TOKENS, group_rows
-from runner.data.read import read_item, values, work_items
+from runner.data.read import read_item, read_records, values, work_items
 from runner.data.rows import HeldRows, RowList
 from runner.data.tokenize import Encoder, token_dtype
 from runner.errors import SpecError, WorkerFailed
@@ -80,25 +82,28 @@ def first_line(error: Exception) -> str:
 
 
 def fields(data: DataConfig) -> tuple[str, ...]:
-    from runner.config.data import DataFormat
-
     if data.format is DataFormat.instruction:
         return data.prompt_field, data.response_field
     return (data.text_field,)
 
 
 def check_stream(data: DataConfig) -> None:
-    """Before launch: the source streams, and its first document has the format's fields."""
-    if next(shard(data, rank=0, size=1), None) is None:
+    """Before launch: the source streams, and its first document is one of the format's."""
+    first = next(shard(data, rank=0, size=1), None)
+    if first is None:
         raise SpecError(f"{source_name(data)} holds no document")
+    record, where = first
+    if data.format is DataFormat.chat:
+        conversation(record, data.chat_format.value, source_name(data), where)
+    else:
+        values(record, fields(data), source_name(data), where)
 
 
-def shard(data: DataConfig, rank: int, size: int) -> Iterator[tuple[str, ...]]:
-    """This rank's documents, in their order, each the tuple of the format's fields; bad ones named in one line."""
+def shard(data: DataConfig, rank: int, size: int) -> Iterator[tuple[Any, str]]:
+    """This rank's records, in their order, each with where it was read."""
     from datasets.distributed import split_dataset_by_node
 
     stream = split_dataset_by_node(open_stream(data), rank=rank, world_size=size)
-    source, wanted = source_name(data), fields(data)
     records = iter(stream)
     for index in itertools.count():
         try:
@@ -107,7 +112,7 @@ def shard(data: DataConfig, rank: int, size: int) -> Iterator[tuple[str, ...]]:
             return
         except Exception as error:  # a file datasets cannot parse, met as the stream gets to it
             raise unreadable(data, rank, index, error) from None
-        yield values(record, wanted, source, f"document {index} of rank {rank}'s shard")
+        yield record, f"document {index} of rank {rank}'s shard"
 
 
 def unreadable(data: DataConfig, rank: int, index: int, error: Exception) -> SpecError:
@@ -117,7 +122,7 @@ def unreadable(data: DataConfig, rank: int, index: int, error: Exception) -> Spe
     if data.files:
         try:
             for item in work_items(data):
-                read_item(item, fields(data), source)
+                read_item(item, (), source) if item.kind == "text" else read_records(item, source)
         except SpecError as named:
             return named
     return SpecError(f"{source}: rank {rank}'s shard could not be read after {index} documents: {first_line(error)}")
@@ -131,16 +136,17 @@ class StreamedRows:
         self.encoder = Encoder(data, tokenizer, token_dtype(tokenizer))
         self.every = held_out_every(data)
 
-    def documents(self, held_out: bool) -> Iterator[tuple[str, ...]]:
+    def documents(self, held_out: bool) -> Iterator[tuple[Any, str]]:
         return (document for index, document in enumerate(shard(self.data, self.rank, self.size))
                 if (index % self.every == 0) == held_out)
 
-    def rows_of(self, documents: list[tuple[str, ...]]) -> HeldRows:
-        encoded = self.encoder.encode(documents)
-        lengths = encoded.lengths.cumsum()
-        split = [encoded.tokens[end - length:end] for end, length in zip(lengths, encoded.lengths)]
-        prompts = None if encoded.prompt_lengths is None else encoded.prompt_lengths.tolist()
-        return HeldRows(group_rows(self.data, split, prompts), self.data.packing)
+    def rows_of(self, documents: list[tuple[Any, str]]) -> HeldRows:
+        encoded = self.encoder.encode_records(documents)
+        ends = encoded.lengths.cumsum()
+        split = [encoded.tokens[end - length:end] for end, length in zip(ends, encoded.lengths)]
+        masks = None if encoded.trained is None else \
+            [encoded.trained[end - length:end] for end, length in zip(ends, encoded.lengths)]
+        return HeldRows(group_rows(self.data, split, masks), self.data.packing)
 
     def eval_rows(self, count: int) -> RowList:
         """The first `count` rows of this rank's held-out documents."""
@@ -157,12 +163,12 @@ class StreamedRows:
         return rows
 
     @staticmethod
-    def chunked(documents: Iterator[tuple[str, ...]]) -> Iterator[list[tuple[str, ...]]]:
-        """The documents in runs of GROUP, or fewer that hold GROUP_TOKENS bytes of text (a longer one alone)."""
-        chunk: list[tuple[str, ...]] = []
+    def chunked(documents: Iterator[tuple[Any, str]]) -> Iterator[list[tuple[Any, str]]]:
+        """The documents in runs of GROUP, or fewer that hold about GROUP_TOKENS bytes (a longer one alone)."""
+        chunk: list[tuple[Any, str]] = []
         size = 0
         for document in documents:
-            length = sum(len(text.encode()) for text in document)
+            length = len(json.dumps(document[0], default=str))
             if chunk and (len(chunk) == GROUP or size + length > GROUP_TOKENS):
                 yield chunk
                 chunk, size = [], 0

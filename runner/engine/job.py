@@ -50,10 +50,11 @@ class PreparedJob:
     trackers: list[Tracker]
     dp_size: int
     precision_in_effect: Callable[[], PrecisionInEffect]
-    # From the token store: its train rows and their tokens (padding aside), and the rows' directory in the store
-    # (runner/data/store.py); None for a streamed run.
+    # From the token store: its train rows, their tokens (padding aside) and predicted labels, and the rows'
+    # directory in the store (runner/data/store.py); None for a streamed run.
     train_sequences: Optional[int]
     train_tokens: Optional[int]
+    train_label_tokens: Optional[int]
     token_store: Optional[Path]
     eval_sequences: int  # this rank's and the others' together
     # Where a resumed run starts: the checkpoint's step, what the loop had counted by then, and a streamed rank's
@@ -145,6 +146,7 @@ def prepare_job(
         precision_in_effect=placed.precision_in_effect,
         train_sequences=None if train_set is None else len(train_set),
         train_tokens=None if train_set is None else int(train_set.tokens.sum()),
+        train_label_tokens=None if train_set is None else int(train_set.label_tokens.sum()),
         token_store=None if train_set is None else train_set.store.path,
         eval_sequences=eval_sequences,
     )

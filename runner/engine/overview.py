@@ -58,7 +58,8 @@ def data_source(job: PreparedJob) -> str:
         rows += f"{data.seq_len} tokens ({job.train_tokens:,} tokens)"
     else:  # rows of varied lengths: what share of the rows' room they fill, before a batch pads them
         rows += (f"up to {data.seq_len} tokens ({job.train_tokens:,} tokens, "
-                 f"{job.train_tokens / (job.train_sequences * data.seq_len):.0%} of the rows' room)")
+                 f"{job.train_tokens / (job.train_sequences * data.seq_len):.0%} of the rows' room; "
+                 f"{job.train_label_tokens / job.train_tokens:.0%} of them trained)")
     store = job.token_store.parent  # the documents' tokens and this layout's rows
     return (f"{where}: {rows}, {job.eval_sequences:,} eval sequences; token store {store} "
             f"({size_on_disk(store) / 2**20:,.1f} MiB)")

@@ -1,0 +1,220 @@
+"""Chat data (runner/data/chat.py): conversations in the layouts users have, rendered with the model's chat
+template, trained on the tokens TRL's assistant_only_loss trains (TRL as the oracle), named in one line when bad."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+from runner.config.data import DataConfig, DataFormat
+from runner.config.model import byte_tokenizer
+from runner.data.chat import ChatRenderer, Conversation, conversation
+from runner.data.rows import IGNORE
+from runner.data.splits import token_splits
+from runner.errors import SpecError
+
+TEMPLATES = Path(__file__).parent / "data" / "trl_chat_templates"
+LLAMA_FACTORY = Path(__file__).parent / "data" / "llama_factory"
+
+SYSTEM_AND_TURNS = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "Name a prime number."},
+    {"role": "assistant", "content": "Seven."},
+    {"role": "user", "content": "And an even one?"},
+    {"role": "assistant", "content": "Two, the only even prime."},
+]
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WITH_TOOLS = [
+    {"role": "system", "content": "You use tools when they help."},
+    {"role": "user", "content": "Is it raining in Oslo?"},
+    {"role": "assistant", "content": "",
+     "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "content": '{"rain": true}'},
+    {"role": "assistant", "content": "Yes, it is raining in Oslo."},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "You are welcome."},
+]
+
+
+def chat_tokenizer(*templates: str):
+    """The byte tokenizer with the templates' special tokens (<|eot_id|>, <|im_start|>, ...) as tokens of their own,
+    as the models' tokenizers have them."""
+    tokenizer = byte_tokenizer()
+    markers = set()
+    for template in templates:
+        markers |= set(re.findall(r"<\|[^<>|\s]{1,40}\|>|<(?:start|end)_of_turn>|\[/?gMASK\]|<sop>", template))
+    tokenizer.add_special_tokens({"additional_special_tokens": sorted(markers)})
+    return tokenizer
+
+
+def trl_training_template(name: str) -> str:
+    import trl
+
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}_training.jinja").read_text()
+
+
+def trl_mask(tokenizer, template: str, messages, tools) -> tuple[list[int], list[int]]:
+    """What TRL's SFTTrainer trains with assistant_only_loss: the template's {% generation %} spans, as
+    transformers' apply_chat_template(return_assistant_tokens_mask=True) gives them."""
+    found = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True,
+                                          return_dict=True, return_assistant_tokens_mask=True)
+    return list(found["input_ids"]), list(found["assistant_masks"])
+
+
+# TRL's training variant of these templates also trains the tokens listed, which the template's generation
+# prompt holds: the model never writes them (it is given them), so the runner does not train them.
+TRL_ALSO_TRAINS = {"qwen2_5": {"\n"}}
+WITH_TOOL_TURNS = {"llama3", "qwen2_5", "qwen3", "glm4moe"}
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2_5", "qwen3", "gemma3", "phi3", "glm4moe", "cohere2", "lfm2",
+                                  "qwen3_instruct_2507"])
+def test_the_trained_tokens_are_those_trl_trains_with_assistant_only_loss(name):
+    training = trl_training_template(name)
+    tokenizer = chat_tokenizer((TEMPLATES / f"{name}.jinja").read_text(), training)
+    cases = [(SYSTEM_AND_TURNS, None)] + ([(WITH_TOOLS, [WEATHER_TOOL])] if name in WITH_TOOL_TURNS else [])
+    for messages, tools in cases:
+        ids, expected = trl_mask(tokenizer, training, messages, tools)
+        found, mask = ChatRenderer(tokenizer, training, "assistant")(Conversation(messages, tools), "test", "it")
+        assert found == ids
+        assert sum(mask) > 10
+        differ = {tokenizer.decode([ids[i]]) for i in range(len(ids)) if mask[i] != expected[i]}
+        assert differ == TRL_ALSO_TRAINS.get(name, set()), name
+        assert all(expected[i] for i in range(len(ids)) if mask[i])  # never more than TRL
+
+
+@pytest.mark.parametrize("name", ["llama3", "llama3_2", "qwen2_5", "gemma3", "phi3", "cohere2", "lfm2",
+                                  "qwen3_instruct_2507"])
+def test_a_models_own_template_trains_what_its_training_variant_does(name):
+    """The templates as the models ship them, without generation markers: the mask comes from the rendering."""
+    plain = (TEMPLATES / f"{name}.jinja").read_text()
+    training_name = {"llama3_2": "llama3"}.get(name, name)
+    training = trl_training_template(training_name)
+    tokenizer = chat_tokenizer(plain, training)
+    plain_renderer, training_renderer = (ChatRenderer(tokenizer, template, "assistant") for template in (plain, training))
+    conversation_ = Conversation(SYSTEM_AND_TURNS)
+    if name == "llama3_2":  # its own header (knowledge cutoff, today's date) renders other text than Llama 3's
+        ids, mask = plain_renderer(conversation_, "test", "it")
+        assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Seven.<|eot_id|>Two, the only even prime.<|eot_id|>"
+        return
+    assert plain_renderer(conversation_, "test", "it") == training_renderer(conversation_, "test", "it")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_in_one_line():
+    """Qwen3's own template renders an assistant turn with an empty reasoning block when it is the last, without
+    one when a user turn follows: a turn's tokens cannot be told from the rendering. TRL's training variant keeps
+    earlier turns as they were, and is accepted."""
+    plain = (TEMPLATES / "qwen3.jinja").read_text()
+    renderer = ChatRenderer(chat_tokenizer(plain), plain, "assistant")
+    with pytest.raises(SpecError, match=r"^data.files: pairs.jsonl line 3: the chat template renders an earlier turn "
+                                        r"differently once later turns follow"):
+        renderer(Conversation(SYSTEM_AND_TURNS), "data.files", "pairs.jsonl line 3")
+
+
+def test_a_template_whose_turns_end_on_no_token_of_their_own_is_refused():
+    """GLM-4-MoE's own template leaves an assistant turn's end to the next message's header: trained on the turn
+    alone, the model would never stop. TRL's training variant trains that header, and is accepted."""
+    plain = (TEMPLATES / "glm4moe.jinja").read_text()
+    with pytest.raises(SpecError, match=r"^the chat template ends an assistant turn on no token of its own"):
+        ChatRenderer(chat_tokenizer(plain), plain, "assistant")
+    ChatRenderer(chat_tokenizer(plain), trl_training_template("glm4moe"), "assistant")
+
+
+def test_train_on_the_last_assistant_turn_or_all():
+    template = (TEMPLATES / "llama3.jinja").read_text()
+    tokenizer = chat_tokenizer(template)
+    trained = {}
+    for train_on in ("assistant", "last_assistant", "all"):
+        ids, mask = ChatRenderer(tokenizer, template, train_on)(Conversation(SYSTEM_AND_TURNS), "test", "it")
+        trained[train_on] = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert trained["assistant"] == "Seven.<|eot_id|>Two, the only even prime.<|eot_id|>"
+    assert trained["last_assistant"] == "Two, the only even prime.<|eot_id|>"
+    assert trained["all"] == tokenizer.decode(ids)
+
+
+def test_sharegpt_and_alpaca_records_become_the_same_conversation_as_messages():
+    messages = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}
+    alpaca = {"instruction": "Hi", "input": "", "output": "Hello"}
+    found = [conversation(record, "auto", "data.files", "x") for record in (messages, sharegpt, alpaca)]
+    assert found[0] == found[1] == found[2] == Conversation(messages["messages"])
+    with_input = conversation({"instruction": "Add", "input": "2 and 3", "output": "5", "system": "Be exact.",
+                               "history": [["Hi", "Hello"]]}, "alpaca", "data.files", "x")
+    assert [(m["role"], m["content"]) for m in with_input.messages] == [
+        ("system", "Be exact."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Add\n2 and 3"), ("assistant", "5")]
+
+
+def test_llama_factorys_tool_calls_become_the_templates_tool_turns():
+    """LLaMA-Factory's glaive demo (tests/data/llama_factory/SOURCE.md): function_call and observation turns, and
+    tools as a JSON string."""
+    records = json.loads((LLAMA_FACTORY / "glaive_toolcall_en_demo.json").read_text())
+    with_call = next(record for record in records if any(turn["from"] == "function_call"
+                                                         for turn in record["conversations"]))
+    found = conversation(with_call, "auto", "data.files", "x")
+    call = next(message for message in found.messages if message.get("tool_calls"))
+    assert call["role"] == "assistant" and call["tool_calls"][0]["function"]["name"]
+    assert any(message["role"] == "tool" for message in found.messages)
+    assert isinstance(found.tools, list) and found.tools[0]["name"]
+    template = (TEMPLATES / "qwen2_5.jinja").read_text()
+    tokenizer = chat_tokenizer(template)
+    ids, mask = ChatRenderer(tokenizer, template, "assistant")(found, "data.files", "x")
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert "<tool_call>" in trained and "<tool_response>" not in trained
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"messages": [{"role": "wizard", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+     "message 0 has role 'wizard'; the roles are system, user, assistant, tool"),
+    ({"messages": [{"role": "user", "content": "Hi"}]}, "has no assistant turn: nothing to train on"),
+    ({"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "Hello"}]},
+     "message 0 (user) is empty"),
+    ({"conversations": [{"from": "narrator", "value": "Once"}]}, "turn 0 is from 'narrator'"),
+    ({"question": "Hi"}, "has none of the chat layouts' keys"),
+])
+def test_bad_conversations_are_named_in_one_line(record, message, tmp_path):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        conversation(record, "auto", "data.files", "chats.jsonl line 1")
+
+
+def test_a_chat_run_trains_the_assistant_turns_and_refuses_bad_input_in_one_line(tmp_path):
+    """data=chat_files as a user runs it: LLaMA-Factory's Alpaca demo as chat, with a tokenizer that carries Llama
+    3's template and special tokens (saved and read back as a model's tokenizer is); then a conversation Gemma 3's
+    template refuses (user and assistant must alternate), and a tokenizer without a template."""
+    from transformers import AutoTokenizer
+
+    llama3, gemma3 = ((TEMPLATES / f"{name}.jinja").read_text() for name in ("llama3", "gemma3"))
+    tokenizer = chat_tokenizer(llama3, gemma3)
+    tokenizer.chat_template = llama3
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    chats = tmp_path / "chats.jsonl"
+    records = json.loads((LLAMA_FACTORY / "alpaca_en_demo.json").read_text())[:200]
+    chats.write_text("".join(json.dumps(record) + "\n" for record in records))
+    result = run_cli("data=chat_files", f"data.files={chats}", f"model.tokenizer={tmp_path / 'tokenizer'}",
+                     "data.seq_len=512", "data.packing=true", "train.max_steps=2", "train.eval_batches=1",
+                     "train.micro_batch_size=2", "train.save_model=false", cwd=tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows, _ = token_splits(DataConfig(files=str(chats), format=DataFormat.chat, seq_len=512, packing=True),
+                           AutoTokenizer.from_pretrained(tmp_path / "tokenizer"), seed=0)
+    assert 0.4 < rows.label_tokens.sum() / rows.tokens.sum() < 0.9  # the answers and their <|eot_id|>, not the rest
+    row = rows[0]
+    trained = [token for token, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
+    assert tokenizer.decode(trained).count("<|eot_id|>") == row["position_ids"].count(0)  # one turn an example
+
+    alternating = tmp_path / "alternating.jsonl"
+    alternating.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                    {"role": "user", "content": "Again"},
+                                                    {"role": "assistant", "content": "Hello"}]}) + "\n")
+    refused = run_cli("data=chat_files", f"data.files={alternating}", f"model.tokenizer={tmp_path / 'tokenizer'}",
+                      f"data.chat_template={TEMPLATES / 'gemma3.jinja'}", cwd=tmp_path / "refused")
+    assert refused.returncode == 2
+    assert refused.stderr == (f"run: error: data.files: {alternating} line 1: the chat template refuses it: "
+                              "Conversation roles must alternate user/assistant/user/assistant/...\n")
+    no_template = run_cli("data=chat_files", f"data.files={chats}", cwd=tmp_path / "refused")
+    assert no_template.returncode == 2
+    assert no_template.stderr == ("run: error: data.format=chat needs a chat template, and the tokenizer has none; "
+                                  "give one with data.chat_template=<a Jinja file>\n")
+    assert list((tmp_path / "refused").iterdir()) == []  # nothing written, not even outputs/
