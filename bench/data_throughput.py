@@ -1,16 +1,17 @@
 """Tokenizing a big corpus: the runner's token store against datasets' own map, and a second run's start.
 
 It writes a corpus of `--mb` megabytes (the Python standard library's sources, repeated, in files of about 1 MB),
-then measures, each in a fresh cache and in one run of this script:
-  - `run --prepare-data` with data.num_proc=1 on one core (the process pinned to it), and with every core: MB/s
-    and the peak memory of its whole process tree (sampled every 0.1 s); `--one-core-mb` measures the one-core rate
-    on the corpus's first files only, to spare an hour at 2 GB;
-  - datasets' `load_dataset("text", sample_by="document")` and `map(num_proc=<cores>)` with the same tokenizer,
-    the same way: MB/s and peak memory;
-  - a 1-step training run on the prepared corpus: the seconds from launch to its first step's log line.
+then measures, each in a fresh cache and in one run of this script (`--parts` picks some):
+  - one-core, every-core: `run --prepare-data` with data.num_proc=1 pinned to one core, and with every core: MB/s
+    and the peak memory of its whole process tree (sampled every 0.1 s);
+  - datasets: datasets' `load_dataset("text", sample_by="document")` and `map(num_proc=<cores>)` with the same
+    tokenizer, the same way (`--datasets-batch-size`: its map's batch, by default datasets' own 1000);
+  - whole: `run --prepare-data` on every core of the whole corpus, where `--subset-mb` made the three above compare
+    on its first files only (at 2 GB, one core alone takes half an hour);
+  - second-run: a 1-step training run on the prepared corpus: the seconds from launch to its first step's log line.
 
     python bench/data_throughput.py --mb 20
-    python bench/data_throughput.py --mb 2000 --one-core-mb 200 --work /var/tmp/corpus   # about 12 GB of free disk
+    python bench/data_throughput.py --mb 2000 --subset-mb 200 --work /var/tmp/corpus    # about 12 GB of free disk
 
 Timings vary with the machine's load: compare the figures of one run with each other, not across runs.
 """
@@ -90,7 +91,7 @@ def measured(command: list[str], env: dict[str, str], cwd: Path, one_core: bool 
     seconds = time.perf_counter() - started
     gib = peak.stop()
     if process.returncode:
-        sys.exit(f"{' '.join(command)} failed:\n{output}")
+        raise RuntimeError(f"{' '.join(command)} failed:\n{output}")
     return seconds, gib, output
 
 
@@ -103,7 +104,7 @@ documents = datasets.load_dataset("text", data_files=files, split="train", sampl
 def encode(batch):
     return {"input_ids": [ids + [tokenizer.eos_token_id]
                           for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]}
-documents.map(encode, batched=True, remove_columns=["text"], num_proc=int(sys.argv[3]))
+documents.map(encode, batched=True, remove_columns=["text"], num_proc=int(sys.argv[3]), batch_size=int(sys.argv[4]))
 """
 
 
@@ -121,55 +122,87 @@ def first_files(corpus: Path, work: Path, megabytes: int) -> Path:
     return first
 
 
+PARTS = ("one-core", "every-core", "datasets", "whole", "second-run")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=20, help="corpus size in megabytes")
     parser.add_argument("--work", type=Path, default=None, help="where the corpus and the caches go")
-    parser.add_argument("--one-core-mb", type=int, default=None,
-                        help="measure the one-core rate on about this many megabytes of the corpus (default: all)")
+    parser.add_argument("--subset-mb", type=int, default=None,
+                        help="compare one core, every core and datasets on about this many megabytes of the corpus "
+                             "(its first files; default: all of it)")
+    parser.add_argument("--datasets-batch-size", type=int, default=1000, help="datasets' map batch size (its default)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which measurements, of {', '.join(PARTS)}")
     args = parser.parse_args()
+    parts = args.parts.split(",")
     work = args.work or Path(tempfile.mkdtemp(prefix="data_throughput_"))
     corpus = work / "corpus"
     size = write_corpus(corpus, args.mb) if not corpus.exists() else sum(p.stat().st_size for p in corpus.iterdir())
+    subset, subset_size = corpus, size
+    if args.subset_mb:
+        subset = first_files(corpus, work, args.subset_mb)
+        subset_size = sum(path.stat().st_size for path in subset.iterdir())
     cores = len(os.sched_getaffinity(0))
-    run = [sys.executable, "-m", "runner"]
-    data = ["data=text_files", f"data.files={corpus}"]
-    print(f"corpus: {size / 1e6:,.0f} MB in {len(list(corpus.iterdir()))} files; {cores} cores")
+    print(f"corpus: {size / 1e6:,.0f} MB in {len(list(corpus.iterdir()))} files; {cores} cores; the comparisons on "
+          f"{subset_size / 1e6:,.0f} MB")
     rates = {}
-    for procs in (1, cores):
-        cache = work / f"cache_{procs}"
-        shutil.rmtree(cache, ignore_errors=True)
-        env = {**os.environ, "RUNNER_TOKEN_CACHE": str(cache)}
-        files, measured_size = data, size
-        if procs == 1 and args.one_core_mb:
-            files, measured_size = ["data=text_files", f"data.files={first_files(corpus, work, args.one_core_mb)}"], \
-                sum(path.stat().st_size for path in (work / "first").iterdir())
-        seconds, gib, _ = measured([*run, "--prepare-data", *files, f"data.num_proc={procs}"], env, work,
-                                   one_core=procs == 1)
-        rates[procs] = measured_size / 1e6 / seconds
-        print(f"runner --prepare-data, num_proc={procs}{' on one core' if procs == 1 else ''}, "
-              f"{measured_size / 1e6:,.0f} MB: {seconds:.1f} s, {rates[procs]:.1f} MB/s, peak {gib:.2f} GiB "
-              "(process tree)")
-    print(f"runner: {cores} processes on {cores} cores / 1 process on one core: {rates[cores] / rates[1]:.2f}x")
-    shutil.rmtree(work / "hf_cache", ignore_errors=True)
-    seconds, gib, _ = measured([sys.executable, "-c", DATASETS_MAP, str(corpus), str(work / "hf_cache"), str(cores)],
-                               dict(os.environ), work)
-    print(f"datasets load_dataset + map(num_proc={cores}): {seconds:.1f} s, {size / 1e6 / seconds:.1f} MB/s, "
-          f"peak {gib:.2f} GiB; runner / datasets: {rates[cores] / (size / 1e6 / seconds):.2f}x")
-    env = {**os.environ, "RUNNER_TOKEN_CACHE": str(work / f"cache_{cores}")}
+    for part, folder, procs in (("one-core", subset, 1), ("every-core", subset, cores), ("whole", corpus, cores)):
+        if part not in parts or (part == "whole" and folder == subset and "every-core" in parts):
+            continue
+        rates[part] = prepare(work, folder, procs, part)
+    if {"one-core", "every-core"} <= rates.keys():
+        print(f"runner: {cores} processes on {cores} cores / 1 process on one core: "
+              f"{rates['every-core'] / rates['one-core']:.2f}x")
+    if "datasets" in parts:
+        shutil.rmtree(work / "hf_cache", ignore_errors=True)
+        try:
+            seconds, gib, _ = measured([sys.executable, "-c", DATASETS_MAP, str(subset), str(work / "hf_cache"),
+                                        str(cores), str(args.datasets_batch_size)], dict(os.environ), work)
+        except RuntimeError as failed:
+            print(f"datasets load_dataset + map(num_proc={cores}, batch_size={args.datasets_batch_size}), "
+                  f"{subset_size / 1e6:,.0f} MB: failed: {str(failed).strip().splitlines()[-1]}")
+        else:
+            rate = subset_size / 1e6 / seconds
+            compared = f"; runner / datasets: {rates['every-core'] / rate:.2f}x" if "every-core" in rates else ""
+            print(f"datasets load_dataset + map(num_proc={cores}, batch_size={args.datasets_batch_size}), "
+                  f"{subset_size / 1e6:,.0f} MB: {seconds:.1f} s, {rate:.1f} MB/s, peak {gib:.2f} GiB{compared}")
+    if "second-run" in parts:
+        print(second_run(work, corpus))
+    if args.work is None:
+        shutil.rmtree(work)
+
+
+def prepare(work: Path, folder: Path, procs: int, part: str) -> float:
+    """`run --prepare-data` of `folder` on `procs` processes (one: pinned to one core), in a fresh cache: MB/s."""
+    cache = work / f"cache_{part}"
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "RUNNER_TOKEN_CACHE": str(cache)}
+    seconds, gib, _ = measured([sys.executable, "-m", "runner", "--prepare-data", "data=text_files",
+                                f"data.files={folder}", f"data.num_proc={procs}"], env, work, one_core=procs == 1)
+    megabytes = sum(path.stat().st_size for path in folder.iterdir()) / 1e6
+    print(f"runner --prepare-data, num_proc={procs}{' on one core' if procs == 1 else ''}, {megabytes:,.0f} MB: "
+          f"{seconds:.1f} s, {megabytes / seconds:.1f} MB/s, peak {gib:.2f} GiB (process tree)")
+    return megabytes / seconds
+
+
+def second_run(work: Path, corpus: Path) -> str:
+    """A 1-step run of the corpus prepared on every core: the seconds from launch to its first step's log line."""
+    cache = next(path for path in (work / "cache_whole", work / "cache_every-core") if path.exists())
+    shutil.rmtree(work / "second_run", ignore_errors=True)
     started = time.perf_counter()
-    process = subprocess.Popen([*run, *data, "train.max_steps=1", "train.log_every=1", "train.eval_every=0",
-                                "train.eval_batches=1", "train.save_model=false", "hydra.run.dir=second_run"],
-                               env=env, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen([sys.executable, "-m", "runner", "data=text_files", f"data.files={corpus}",
+                                "train.max_steps=1", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+                                "train.save_model=false", "hydra.run.dir=second_run"],
+                               env={**os.environ, "RUNNER_TOKEN_CACHE": str(cache)}, cwd=work,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first_step = None
     for line in process.stdout:
         if first_step is None and re.search(r"\bstep 1\b", line):
             first_step = time.perf_counter() - started
     process.wait()
-    print(f"a second run of the same data: its first step {first_step:.1f} s after launch" if first_step else
-          "a second run of the same data logged no step 1")
-    if args.work is None:
-        shutil.rmtree(work)
+    return (f"a second run of the same data: its first step {first_step:.1f} s after launch" if first_step else
+            "a second run of the same data logged no step 1")
 
 
 if __name__ == "__main__":
