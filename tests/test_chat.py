@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_cli
+from helpers import run_cli, run_dirs
 from runner.config.data import DataConfig, DataFormat
 from runner.config.model import byte_tokenizer
 from runner.data.chat import ChatRenderer, Conversation, conversation
@@ -124,6 +124,22 @@ def test_a_template_whose_turns_end_on_no_token_of_their_own_is_refused():
     ChatRenderer(chat_tokenizer(plain), trl_training_template("glm4moe"), "assistant")
 
 
+@pytest.mark.parametrize("name,end", [("llama3", "<|eot_id|>"), ("qwen2_5", "<|im_end|>"), ("gemma3", "<end_of_turn>"),
+                                      ("phi3", "<|end|>")])
+def test_generation_asks_as_the_template_does_and_stops_at_the_end_of_the_turn(name, end):
+    """task=generate on chat data: a prompt becomes the user turn and the template's generation prompt, and the
+    completion ends at the token that ends an assistant turn."""
+    template = (TEMPLATES / f"{name}.jinja").read_text()
+    tokenizer = chat_tokenizer(template)
+    renderer = ChatRenderer(tokenizer, template, "assistant")
+    asked = renderer.prompt("Name a prime number.", "prompt 0")
+    assert asked == tokenizer.apply_chat_template([{"role": "user", "content": "Name a prime number."}],
+                                                  chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert asked.rstrip().endswith(("assistant<|end_header_id|>", "<|im_start|>assistant", "<start_of_turn>model",
+                                    "<|assistant|>"))
+    assert tokenizer.convert_ids_to_tokens(renderer.end_of_turn) == end
+
+
 def test_train_on_the_last_assistant_turn_or_all():
     template = (TEMPLATES / "llama3.jinja").read_text()
     tokenizer = chat_tokenizer(template)
@@ -195,14 +211,34 @@ def test_a_chat_run_trains_the_assistant_turns_and_refuses_bad_input_in_one_line
     chats.write_text("".join(json.dumps(record) + "\n" for record in records))
     result = run_cli("data=chat_files", f"data.files={chats}", f"model.tokenizer={tmp_path / 'tokenizer'}",
                      "data.seq_len=512", "data.packing=true", "train.max_steps=2", "train.eval_batches=1",
-                     "train.micro_batch_size=2", "train.save_model=false", cwd=tmp_path / "run")
+                     "train.micro_batch_size=2", cwd=tmp_path / "run")
     assert result.returncode == 0, result.stderr[-2000:]
+    [run_dir] = run_dirs(tmp_path / "run")
+    assert AutoTokenizer.from_pretrained(run_dir / "model").chat_template == llama3  # generation renders with it
+    (tmp_path / "prompts.txt").write_text("Name a prime number.\n")
+    generated = run_cli("task=generate", f"task.trained={run_dir}", f"task.prompts={tmp_path / 'prompts.txt'}",
+                        "task.max_new_tokens=4", cwd=tmp_path / "generate")
+    assert generated.returncode == 0, generated.stderr[-2000:]
+    [completion] = [json.loads(line) for line in
+                    (run_dirs(tmp_path / "generate")[0] / "completions.jsonl").read_text().splitlines()]
+    assert completion["prompt"] == "Name a prime number." and completion["new_tokens"] <= 4
     rows, _ = token_splits(DataConfig(files=str(chats), format=DataFormat.chat, seq_len=512, packing=True),
                            AutoTokenizer.from_pretrained(tmp_path / "tokenizer"), seed=0)
     assert 0.4 < rows.label_tokens.sum() / rows.tokens.sum() < 0.9  # the answers and their <|eot_id|>, not the rest
     row = rows[0]
     trained = [token for token, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
     assert tokenizer.decode(trained).count("<|eot_id|>") == row["position_ids"].count(0)  # one turn an example
+
+    shown = run_cli("--show-data", "2", "data=chat_files", f"data.files={chats}",
+                    f"model.tokenizer={tmp_path / 'tokenizer'}", "data.seq_len=512", "data.packing=true", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = shown.stdout.split("--- train row ")[1:]
+    assert len(rows) == 2 and rows[0].startswith("0\n<s><|start_header_id|>user<|end_header_id|>")
+    answers = re.findall(r"\[\[(.*?)\]\]", rows[0], re.S)
+    assert answers and all(answer.endswith("<|eot_id|>") for answer in answers)  # each answer and its end, no more
+    assert "<|start_header_id|>" not in "".join(answers)
+    assert re.search(r"\d+ train and \d+ eval rows of up to 512 tokens; [\d,]+ train tokens, [\d,]+ of them trained "
+                     r"\(\d+%\); \d+ of 200 examples longer than data.seq_len=512, cut$", shown.stdout.strip())
 
     alternating = tmp_path / "alternating.jsonl"
     alternating.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
@@ -213,8 +249,93 @@ def test_a_chat_run_trains_the_assistant_turns_and_refuses_bad_input_in_one_line
     assert refused.returncode == 2
     assert refused.stderr == (f"run: error: data.files: {alternating} line 1: the chat template refuses it: "
                               "Conversation roles must alternate user/assistant/user/assistant/...\n")
+    long_prompt = tmp_path / "long.jsonl"
+    long_prompt.write_text("".join(json.dumps({"instruction": text, "output": "Fine."}) + "\n"
+                                   for text in ("Short.", "A long question. " * 40, "Short again.")))
+    too_long = run_cli("data=chat_files", f"data.files={long_prompt}", f"model.tokenizer={tmp_path / 'tokenizer'}",
+                       "data.train_on=last_assistant", "data.seq_len=256", cwd=tmp_path / "refused")
+    assert too_long.returncode == 2
+    assert too_long.stderr == (f"run: error: data.files: {long_prompt} line 2: its last assistant turn starts past "
+                               "data.seq_len=256, so under data.train_on=last_assistant it trains nothing; raise "
+                               "data.seq_len, shorten the conversation or train on every assistant turn\n")
     no_template = run_cli("data=chat_files", f"data.files={chats}", cwd=tmp_path / "refused")
     assert no_template.returncode == 2
     assert no_template.stderr == ("run: error: data.format=chat needs a chat template, and the tokenizer has none; "
                                   "give one with data.chat_template=<a Jinja file>\n")
     assert list((tmp_path / "refused").iterdir()) == []  # nothing written, not even outputs/
+
+
+def test_streamed_conversations_train_what_stored_ones_do():
+    """data.streaming=true reads the same records through datasets and masks them the same way."""
+    import itertools
+
+    from runner.data.stream import StreamedRows, StreamPosition
+
+    template = TEMPLATES / "llama3.jinja"
+    tokenizer = chat_tokenizer(template.read_text())
+    data = DataConfig(files=str(Path(__file__).parent / "data" / "torchtune" / "alpaca_tiny.json"),
+                      format=DataFormat.chat, chat_template=str(template), seq_len=256, streaming=True)
+    rows = [row for row, _ in itertools.islice(StreamedRows(data, tokenizer, 0, 0, 1).rows(StreamPosition()), 20)]
+    for row in rows:
+        trained = [token for token, label in zip(row["input_ids"], row["labels"]) if label != IGNORE]
+        assert trained and len(trained) < len(row["input_ids"])
+        assert tokenizer.decode(trained).endswith("<|eot_id|>") or len(row["input_ids"]) == 256  # or cut
+
+
+# --- training on real chat data, under every strategy ---
+
+STEPS = 6
+REAL_CHATS = {  # name: (file, template), each a public dataset in tests/data with its SOURCE.md
+    "LLaMA-Factory alpaca_en_demo": (LLAMA_FACTORY / "alpaca_en_demo.json", "llama3"),
+    "LLaMA-Factory glaive_toolcall_en_demo": (LLAMA_FACTORY / "glaive_toolcall_en_demo.json", "qwen2_5"),
+    "torchtune alpaca_tiny": (Path(__file__).parent / "data" / "torchtune" / "alpaca_tiny.json", "llama3"),
+}
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory) -> Path:
+    """The byte tokenizer with the special tokens of Llama 3's and Qwen2.5's templates, saved as a model's is."""
+    folder = tmp_path_factory.mktemp("chat_tokenizer")
+    chat_tokenizer(*((TEMPLATES / f"{name}.jinja").read_text() for name in ("llama3", "qwen2_5"))).save_pretrained(folder)
+    return folder
+
+
+def chat_run(name: str, tokenizer_dir: Path) -> list[str]:
+    path, template = REAL_CHATS[name]
+    return ["data=chat_files", f"data.files={path}", f"data.chat_template={TEMPLATES / f'{template}.jinja'}",
+            f"model.tokenizer={tokenizer_dir}", "data.seq_len=256", "data.packing=true", "data.eval_fraction=0.1",
+            f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
+            "train.save_model=false", "train.micro_batch_size=2"]
+
+
+@pytest.mark.distributed
+def test_real_chat_data_trains_to_the_same_losses_under_single_ddp_and_fsdp(chat_tokenizer_dir, tmp_path):
+    from helpers import resolved_spec, step_losses, train_in_workers
+    from runner.engine.job import prepare_job
+    from runner.engine.loop import train
+
+    references, specs, dirs = {}, [], []
+    for name in REAL_CHATS:
+        single = tmp_path / name / "single"
+        single.mkdir(parents=True)
+        train(prepare_job(resolved_spec([*chat_run(name, chat_tokenizer_dir), "train.grad_accum_steps=4"]), single))
+        references[name] = step_losses(single)
+        for strategy in ("ddp", "fsdp"):
+            specs.append(resolved_spec([*chat_run(name, chat_tokenizer_dir), "hardware.nproc_per_node=2",
+                                        "train.grad_accum_steps=2", f"strategy={strategy}"]))
+            dirs.append(tmp_path / name / strategy)
+    train_in_workers(specs, dirs)
+    for run_dir in dirs:
+        name = run_dir.parent.name
+        assert step_losses(run_dir) == pytest.approx(references[name], rel=1e-5), run_dir
+        assert len(references[name]) == STEPS
+
+
+@pytest.mark.signals
+def test_a_chat_run_killed_and_resumed_has_the_uninterrupted_losses(chat_tokenizer_dir, tmp_path, tmp_path_factory):
+    from helpers import killed_and_resumed
+
+    args = [*chat_run("LLaMA-Factory glaive_toolcall_en_demo", chat_tokenizer_dir), "train.max_steps=8",
+            "train.checkpoint_every=2"]
+    expected, resumed = killed_and_resumed(args, tmp_path, 5, tmp_path_factory)
+    assert resumed == expected

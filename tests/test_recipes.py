@@ -27,13 +27,14 @@ def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
     """What `model.pretrained` points at, as far as validation reads it: the config.json of the published model
     (the architecture the model group of the same name describes)."""
     model = Path(spec.model.pretrained).name.lower().replace("meta-", "").replace("-", "")
-    name = {"llama38b": "llama3_8b", "llama370b": "llama3_70b"}[model]
+    name = {"llama38b": "llama3_8b", "llama38binstruct": "llama3_8b", "llama370b": "llama3_70b"}[model]
     architecture = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())["architecture"]
     (tmp / "config.json").write_text(json.dumps(architecture))
     return tmp
 
 
-PARAMETERS = {"meta-llama/Meta-Llama-3-8B": 8_030_261_248, "meta-llama/Meta-Llama-3-70B": 70_553_706_496}
+PARAMETERS = {"meta-llama/Meta-Llama-3-8B": 8_030_261_248, "meta-llama/Meta-Llama-3-8B-Instruct": 8_030_261_248,
+              "meta-llama/Meta-Llama-3-70B": 70_553_706_496}
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES)

@@ -36,6 +36,7 @@ def help_text(recipe_dirs: list[Path]) -> str:
             "  run --from-accelerate <file> [<name>]     turn an accelerate config file into ./recipes/<name>.yaml",
             "  run --to-accelerate [overrides]           print the accelerate config file of a spec",
             "  run --prepare-data [overrides]            tokenize the spec's data into the token store, for later runs",
+            "  run --show-data [N] [overrides]           N training rows (default 3), the tokens that train marked",
             "  run -m hydra/sweeper=optuna 'optim.lr=interval(1e-4,1e-2)'   search, minimising the eval loss",
             "  run -m hydra/launcher=slurm ...           one SLURM job per sweep point (slurm_local: on this machine)",
             "",

@@ -149,6 +149,29 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
           f"({int(train.tokens.sum()):,} train tokens)")
 
 
+def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
+    """Prints the first N (default 3) training rows of the spec that `run <overrides>` would compose, the tokens
+    that train marked, and the counts of rows, tokens and trained tokens."""
+    from runner.cli.app import validated
+    from runner.config.model import build_tokenizer
+    from runner.data.show import counts, shown_row
+    from runner.data.splits import token_splits
+
+    count = int(arguments.pop(0)) if arguments and arguments[0].isdigit() else 3
+    spec = validated(compose_config(arguments), Path.cwd(), on_this_machine=False)
+    if spec.data.streaming:
+        raise SpecError("--show-data reads the token store, which data.streaming=true does not write; drop "
+                        "data.streaming to see the rows")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    tokenizer = build_tokenizer(spec.model)
+    train, evaluation = token_splits(spec.data, tokenizer, spec.seed)
+    colour = sys.stdout.isatty()
+    for index in range(min(count, len(train))):
+        print(f"--- train row {index}\n{shown_row(train[index], tokenizer, colour)}")
+    print(f"--- {'green' if colour else '[[ ]]'}: trained; {'┃'}: between packed examples\n"
+          f"{counts(train, evaluation, spec.data.seq_len)}")
+
+
 # The runner's own commands, which answer without composing a job.
 COMMANDS: dict[str, Callable[[list[Path], list[str]], None]] = {
     "--recipes": list_recipes,
@@ -156,4 +179,5 @@ COMMANDS: dict[str, Callable[[list[Path], list[str]], None]] = {
     "--from-accelerate": recipe_from_accelerate,
     "--to-accelerate": print_accelerate_config,
     "--prepare-data": prepare_data,
+    "--show-data": show_data,
 }

@@ -153,25 +153,31 @@ class ChatRenderer:
             raise SpecError("data.format=chat maps the template's text to tokens by their offsets, which only "
                             "fast tokenizers give; use a fast tokenizer (tokenizer.json)")
         self.tokenizer, self.template, self.train_on = tokenizer, template, train_on
-        self.check_turns_end()
+        self.end_of_turn = self.turns_end()
 
-    def check_turns_end(self) -> None:
-        """Refuses a template whose assistant turn ends on no token of its own (GLM-4's leaves it to the next
-        message's header): the model would never learn to stop. Checked on a short conversation, as TRL's
-        is_chat_template_stop_token_trained does."""
+    def turns_end(self) -> int:
+        """The token that ends an assistant turn, where generation stops. A template whose assistant turn ends on
+        no token of its own (GLM-4's leaves it to the next message's header) is refused: the model would never
+        learn to stop. Found on a short conversation, as TRL's is_chat_template_stop_token_trained does."""
         probe = Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                               {"role": "user", "content": "Bye"}])
         try:
             text = self.render(probe, "", "")
             ids, mask = self.masked(text, self.assistant_spans(probe, text, "", ""))
         except SpecError:  # a template that wants other conversations: their own checks apply
-            return
+            return self.tokenizer.eos_token_id
         trained = [token for token, bit in zip(ids, mask) if bit and self.tokenizer.decode([token]).strip()]
         ends = set(self.tokenizer.get_added_vocab().values()) | set(self.tokenizer.all_special_ids)
         if trained and trained[-1] not in ends:
             raise SpecError("the chat template ends an assistant turn on no token of its own, so the model would "
                             "never learn to stop; give one that does with data.chat_template=<file> (TRL's "
                             "`_training` templates do)")
+        return trained[-1] if trained else self.tokenizer.eos_token_id
+
+    def prompt(self, text: str, where: str) -> str:
+        """A user's prompt as the template asks the model to answer it: the user turn and the generation prompt."""
+        return self.render(Conversation([{"role": "user", "content": text}]), "task.prompts", where,
+                           add_generation_prompt=True)
 
     def render(self, found: Conversation, source: str, where: str, **options: Any) -> str:
         from jinja2 import TemplateError

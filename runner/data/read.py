@@ -132,6 +132,18 @@ def read_records(item: WorkItem, source: str) -> list[tuple[Any, str]]:
     return records
 
 
+def record_where(data: DataConfig, index: int) -> str:
+    """Where the `index`-th record of the data was read (its file and line, record or row), read again to say so."""
+    source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else "data.files"
+    seen = 0
+    for item in work_items(data):
+        records = read_records(item, source)
+        if index < seen + len(records):
+            return records[index - seen][1]
+        seen += len(records)
+    return f"record {index}"
+
+
 def read_text(path: str, source: str) -> str:
     with open(path, "rb") as file:
         raw = file.read()

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.config.data import resolve_files
 from runner.data.pack import group_rows, groups
-from runner.data.read import HUB_ROWS
+from runner.data.read import HUB_ROWS, record_where
 from runner.data.rows import RowSet, RowStore, RowWriter
 from runner.data.store import Documents, cache_dir, documents_key, ensure, rows_key
 from runner.data.tokenize import token_dtype, tokenize_documents
@@ -64,11 +64,28 @@ def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) ->
     for split in (order[:evals], order[evals:]):
         rows_before.append(writer.rows)
         for group in groups(split, documents.lengths):
-            writer.add(group_rows(data, *documents.group(group)))
+            tokens, masks = documents.group(group)
+            if data.train_on.value == "last_assistant" and data.format.value == "chat":
+                check_something_trains(data, group, masks)
+            writer.add(group_rows(data, tokens, masks))
     writer.close()
     eval_rows = rows_before[1]
-    return {"dtype": documents.dtype.name, "packing": data.packing, "eval_rows": eval_rows,
-            "rows": writer.rows, "documents": len(documents)}
+    meta = {"dtype": documents.dtype.name, "packing": data.packing, "eval_rows": eval_rows, "rows": writer.rows,
+            "documents": len(documents)}
+    if documents.trained is not None:  # examples: how many seq_len cuts
+        meta["cut"] = int((documents.lengths > data.seq_len).sum())
+    return meta
+
+
+def check_something_trains(data: DataConfig, indices: Any, masks: list[Any]) -> None:
+    """Under data.train_on=last_assistant, refuses a conversation whose last assistant turn starts past
+    data.seq_len, which would train nothing, naming its file and line."""
+    for index, mask in zip(indices, masks):
+        if not mask[1:data.seq_len].any():
+            source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else "data.files"
+            raise SpecError(f"{source}: {record_where(data, int(index))}: its last assistant turn starts past "
+                            f"data.seq_len={data.seq_len}, so under data.train_on=last_assistant it trains nothing; "
+                            "raise data.seq_len, shorten the conversation or train on every assistant turn")
 
 
 def check_room(data: DataConfig, tokenizer: PreTrainedTokenizerBase, root: Path) -> None:

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
+from runner.config.data import DataFormat
 from runner.config.model import build_tokenizer
+from runner.data.chat import chat_template
 from runner.config.scheduler import build_scheduler
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import RunIdentity, Tracker, build_trackers
@@ -80,6 +82,8 @@ def load_data(spec: RunSpec) -> LoadedData:
     """
     train, dp_size = spec.train, spec.hardware.world_size
     tokenizer = build_tokenizer(spec.model)
+    if spec.data.format is DataFormat.chat:  # saved with the model: what generation renders prompts with
+        tokenizer.chat_template = chat_template(spec.data, tokenizer)
     if spec.data.streaming:
         check_stream(spec.data)
         return tokenizer, None, None

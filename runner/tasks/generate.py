@@ -12,7 +12,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Optional
 
+from runner.config.data import DataFormat
 from runner.config.task import InferenceTaskConfig
+from runner.data.chat import ChatRenderer, chat_template
 from runner.errors import SpecError, require
 from runner.files import absolute_path, move_into_place, write_json_atomically
 from runner.memory.facts import check_causal_lm, facts_of
@@ -107,9 +109,14 @@ class GenerateTask(InferenceTaskConfig):
         for line in model.placement:
             log.info("placed %s", line)
         tokenizer = model.tokenizer
+        texts, end = prompts, tokenizer.eos_token_id
+        if spec.data.format is DataFormat.chat:  # as the model was trained: the template, and its end of turn
+            renderer = ChatRenderer(tokenizer, chat_template(spec.data, tokenizer), spec.data.train_on.value)
+            texts = [renderer.prompt(prompt, f"prompt {index}") for index, prompt in enumerate(prompts)]
+            end = renderer.end_of_turn
         decoding = Decoding(self.max_new_tokens, self.do_sample, self.temperature, self.top_p, self.top_k,
-                            tokenizer.eos_token_id, tokenizer.pad_token_id)
-        ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+                            end, tokenizer.pad_token_id)
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         batches = prompt_batches(ids, self.batch_size, tokenizer.pad_token_id)
         log.info("generating %d prompts in %d batch%s of up to %d, on %s%s", len(prompts), len(batches),
                  "es" if len(batches) > 1 else "", self.batch_size, processes(ranks.world_size),

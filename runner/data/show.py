@@ -1,0 +1,48 @@
+"""What trains, shown: rows as the model reads them, the tokens whose labels train marked, and the counts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from runner.data.rows import IGNORE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from runner.data.rows import RowSet
+
+# Trained text: green on a terminal, else between brackets.
+MARKS = {True: ("\x1b[32m", "\x1b[0m"), False: ("[[", "]]")}
+SEGMENT = " ┃ "  # between the examples of a packed row
+
+
+def shown_row(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase, colour: bool) -> str:
+    """The row's text, a token's text marked where its label trains (the model predicts it)."""
+    opening, closing = MARKS[colour]
+    starts = {i for i, position in enumerate(row.get("position_ids", [])) if position == 0 and i}
+    pieces, run, trained = [], [], None
+    for i, (token, label) in enumerate(zip(row["input_ids"], row["labels"])):
+        if run and (i in starts or (label != IGNORE) != trained):
+            pieces.append(marked(tokenizer.decode(run), trained, opening, closing))
+            run = []
+        if i in starts:
+            pieces.append(SEGMENT)
+        run.append(token)
+        trained = label != IGNORE
+    if run:
+        pieces.append(marked(tokenizer.decode(run), trained, opening, closing))
+    return "".join(pieces)
+
+
+def marked(text: str, trained: bool, opening: str, closing: str) -> str:
+    return f"{opening}{text}{closing}" if trained else text
+
+
+def counts(train: RowSet, evaluation: RowSet, seq_len: int) -> str:
+    tokens, trained = int(train.tokens.sum()), int(train.label_tokens.sum())
+    meta = train.store.meta
+    line = (f"{len(train):,} train and {len(evaluation):,} eval rows of up to {seq_len} tokens; {tokens:,} train "
+            f"tokens, {trained:,} of them trained ({trained / max(tokens, 1):.0%})")
+    if "cut" in meta:
+        line += f"; {meta['cut']:,} of {meta['documents']:,} examples longer than data.seq_len={seq_len}, cut"
+    return line
