@@ -132,9 +132,21 @@ def read_records(item: WorkItem, source: str) -> list[tuple[Any, str]]:
     return records
 
 
+def error_source(data: DataConfig) -> str:
+    """What a one-line error about the data's records starts with."""
+    return f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else "data.files"
+
+
+def fields(data: DataConfig) -> tuple[str, ...]:
+    """The fields a text or instruction record's documents are read from."""
+    if data.format.value == "instruction":
+        return data.prompt_field, data.response_field
+    return (data.text_field,)
+
+
 def record_where(data: DataConfig, index: int) -> str:
     """Where the `index`-th record of the data was read (its file and line, record or row), read again to say so."""
-    source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else "data.files"
+    source = error_source(data)
     seen = 0
     for item in work_items(data):
         records = read_records(item, source)

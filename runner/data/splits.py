@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from runner.config.data import resolve_files
 from runner.data.pack import group_rows, groups
-from runner.data.read import HUB_ROWS, record_where
+from runner.data.read import HUB_ROWS, error_source, record_where
 from runner.data.rows import RowSet, RowStore, RowWriter
 from runner.data.store import Documents, cache_dir, documents_key, ensure, rows_key
 from runner.data.tokenize import token_dtype, tokenize_documents
@@ -82,8 +82,7 @@ def check_something_trains(data: DataConfig, indices: Any, masks: list[Any]) -> 
     data.seq_len, which would train nothing, naming its file and line."""
     for index, mask in zip(indices, masks):
         if not mask[1:data.seq_len].any():
-            source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else "data.files"
-            raise SpecError(f"{source}: {record_where(data, int(index))}: its last assistant turn starts past "
+            raise SpecError(f"{error_source(data)}: {record_where(data, int(index))}: its last assistant turn starts past "
                             f"data.seq_len={data.seq_len}, so under data.train_on=last_assistant it trains nothing; "
                             "raise data.seq_len, shorten the conversation or train on every assistant turn")
 

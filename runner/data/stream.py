@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 from runner.config.data import DataFormat, file_kind, resolve_files
 from runner.data.chat import conversation
 from runner.data.pack import GROUP, GROUP_TOKENS, group_rows
-from runner.data.read import read_item, read_records, values, work_items
+from runner.data.read import fields, read_item, read_records, values, work_items
 from runner.data.rows import HeldRows, RowList
 from runner.data.tokenize import Encoder, token_dtype
 from runner.errors import SpecError, WorkerFailed
@@ -36,9 +36,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from runner.config.data import DataConfig
-
-BUILDERS = {"text": "text", "json": "json", "parquet": "parquet"}
-
 
 @dataclass(frozen=True)
 class StreamPosition:
@@ -71,7 +68,7 @@ def open_stream(data: DataConfig) -> datasets.IterableDataset:
         files = resolve_files(data.files)
         kind = file_kind(files[0])
         options = {"sample_by": "document", "keep_linebreaks": True} if kind == "text" else {}
-        return datasets.load_dataset(BUILDERS[kind], data_files=files, split="train", streaming=True, **options)
+        return datasets.load_dataset(kind, data_files=files, split="train", streaming=True, **options)
     except Exception as error:  # datasets raises many kinds for unreachable or unknown datasets
         raise SpecError(f"{source_name(data)} could not be streamed: {first_line(error)}") from None
 
@@ -79,12 +76,6 @@ def open_stream(data: DataConfig) -> datasets.IterableDataset:
 def first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def fields(data: DataConfig) -> tuple[str, ...]:
-    if data.format is DataFormat.instruction:
-        return data.prompt_field, data.response_field
-    return (data.text_field,)
 
 
 def check_stream(data: DataConfig) -> None:

@@ -15,7 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
 from runner.data.chat import ChatRenderer, chat_template, conversation
-from runner.data.read import HUB_ROWS, WorkItem, read_item, read_records, values, work_items
+from runner.data.read import (HUB_ROWS, WorkItem, error_source, fields, read_item, read_records, values,
+                              work_items)
 from runner.errors import WorkerFailed
 
 if TYPE_CHECKING:
@@ -49,12 +50,11 @@ class Encoder:
     def __init__(self, data: DataConfig, tokenizer: PreTrainedTokenizerBase, dtype: Any):
         from runner.config.data import DataFormat
 
-        instruction = data.format is DataFormat.instruction
-        self.fields = (data.prompt_field, data.response_field) if instruction else (data.text_field,)
+        self.fields = fields(data)
         self.chat_format = data.chat_format.value
         self.chat = ChatRenderer(tokenizer, chat_template(data, tokenizer), data.train_on.value) \
             if data.format is DataFormat.chat else None
-        self.source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else "data.files"
+        self.source = error_source(data)
         self.tokenizer = tokenizer
         self.dtype = dtype
 
