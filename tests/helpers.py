@@ -410,10 +410,8 @@ def run_in_workers(fn, *args, nproc: int) -> list:
 
 
 def _train_each(ranks, specs, run_dirs):
-    from runner.engine.job import prepare_job
-    from runner.engine.loop import train
-
-    return [train(prepare_job(spec, Path(run_dir), ranks)) for spec, run_dir in zip(specs, run_dirs)]
+    """Each spec's task (train, dpo) run into its run directory."""
+    return [spec.task.run(spec, Path(run_dir), ranks, None) for spec, run_dir in zip(specs, run_dirs)]
 
 
 def train_in_workers(specs, run_dirs: list[Path], nproc: int = 2) -> list[dict]:

@@ -199,7 +199,8 @@ def test_bad_conversations_are_named_in_one_line(record, message, tmp_path):
 def test_a_chat_run_trains_the_assistant_turns_and_refuses_bad_input_in_one_line(tmp_path):
     """data=chat_files as a user runs it: LLaMA-Factory's Alpaca demo as chat, with a tokenizer that carries Llama
     3's template and special tokens (saved and read back as a model's tokenizer is); then a conversation Gemma 3's
-    template refuses (user and assistant must alternate), and a tokenizer without a template."""
+    template refuses (user and assistant must alternate), and a tokenizer without a template; the byte tokenizer's
+    own plain template trains each answer and its </s>."""
     from transformers import AutoTokenizer
 
     llama3, gemma3 = ((TEMPLATES / f"{name}.jinja").read_text() for name in ("llama3", "gemma3"))
@@ -258,7 +259,10 @@ def test_a_chat_run_trains_the_assistant_turns_and_refuses_bad_input_in_one_line
     assert too_long.stderr == (f"run: error: data.files: {long_prompt} line 2: its last assistant turn starts past "
                                "data.seq_len=256, so under data.train_on=last_assistant it trains nothing; raise "
                                "data.seq_len, shorten the conversation or train on every assistant turn\n")
-    no_template = run_cli("data=chat_files", f"data.files={chats}", cwd=tmp_path / "refused")
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "no_template")
+    no_template = run_cli("data=chat_files", f"data.files={chats}", f"model.tokenizer={tmp_path / 'no_template'}",
+                          cwd=tmp_path / "refused")
     assert no_template.returncode == 2
     assert no_template.stderr == ("run: error: data.format=chat needs a chat template, and the tokenizer has none; "
                                   "give one with data.chat_template=<a Jinja file>\n")

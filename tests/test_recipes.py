@@ -16,11 +16,12 @@ from runner.config.hardware import Accelerator
 from runner.memory.advice import check_fit, fit
 from runner.memory.facts import facts_of
 from runner.memory.terms import estimate
-from runner.tasks.train import TrainTask
 
 RECIPES = sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
 CPU_RECIPES = [name for name in RECIPES if name.startswith("cpu_")]
 GPU_RECIPES = [name for name in RECIPES if name not in CPU_RECIPES]
+# The data of the recipes that name none: LLaMA-Factory's preference demo (tests/data/llama_factory/SOURCE.md).
+RECIPE_DATA = {"cpu_dpo": [f"data.files={Path(__file__).parent / 'data' / 'llama_factory' / 'dpo_en_demo.json'}"]}
 
 
 def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
@@ -49,8 +50,9 @@ def test_gpu_recipe_validates_and_fits_its_hardware(recipe, tmp_path):
     spec = validate(composed([f"recipe={recipe}", f"model.pretrained={checkpoint}", f"data.files={pairs}",
                               "task=estimate"]))
     assert facts_of(spec.model).parameters == PARAMETERS[planned.model.pretrained]
-    check_fit(replace(spec, task=TrainTask()))  # the check every launch runs: raises if it does not fit
-    assert fit(spec, estimate(spec, facts_of(spec.model))).fits
+    trained = replace(spec, task=planned.task)  # the recipe's task (train, dpo), as the launch checks it
+    check_fit(trained)  # the check every launch runs: raises if it does not fit
+    assert fit(trained, estimate(trained, facts_of(spec.model))).fits
 
 
 def test_recipes_set_what_their_names_say():
@@ -67,13 +69,21 @@ def test_recipes_set_what_their_names_say():
 @pytest.mark.distributed
 @pytest.mark.parametrize("recipe", CPU_RECIPES)
 def test_cpu_recipe_trains(recipe, workdir):
-    result = run_cli(f"recipe={recipe}", cwd=workdir)
+    data = RECIPE_DATA.get(recipe, [])
+    result = run_cli(f"recipe={recipe}", *data, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     [summary_file] = workdir.glob("outputs/*/*/summary.json")
     summary = json.loads(summary_file.read_text())
-    assert summary["steps"] == composed([f"recipe={recipe}"]).train.max_steps
+    planned = composed([f"recipe={recipe}", *data])
+    assert summary["steps"] == planned.train.max_steps
+    if planned.data.format.value == "preference":  # the held-out pairs' rewards rank chosen over rejected
+        evaluations = [json.loads(line) for line in summary_file.with_name("metrics.jsonl").read_text().splitlines()
+                       if "eval_loss" in line]
+        assert evaluations[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # log 2: the policy is its reference
+        assert evaluations[-1]["eval_rewards/accuracies"] > 0.5 and evaluations[-1]["eval_rewards/margins"] > 0
+        return
     # Adapters on a frozen random-init base learn less in a few steps than a full fine-tune.
-    progress = 0.75 if composed([f"recipe={recipe}"]).adapter.active else 1.0
+    progress = 0.75 if planned.adapter.active else 1.0
     assert summary["eval_loss"] < summary["first_eval_loss"] - progress
 
 
@@ -137,7 +147,7 @@ def test_a_command_writes_recipes_only_under_plain_names_in_recipes(command, nam
 
 
 @pytest.mark.parametrize("args,message", [
-    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_fsdp, cpu_lora, cpu_qlora, cpu_quick"),
+    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_dpo, cpu_fsdp, cpu_lora, cpu_qlora, cpu_quick"),
     (["--copy-recipe", "no_such"], "no recipe named no_such"),
     (["--copy-recipe"], "usage: run --copy-recipe <name> [<new name>]"),
 ])
@@ -167,5 +177,5 @@ def test_tab_completion_offers_the_recipes(flag, workdir):
     typed = {"COMP_LINE": "run recipe=cpu_", "COMP_POINT": "15"}
     result = run_cli(flag, "query=bash", cwd=workdir, env=typed)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_fsdp", "recipe=cpu_lora", "recipe=cpu_mine",
+    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_dpo", "recipe=cpu_fsdp", "recipe=cpu_lora", "recipe=cpu_mine",
                                      "recipe=cpu_qlora", "recipe=cpu_quick"]

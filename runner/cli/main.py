@@ -132,6 +132,7 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
     """Tokenizes the data of the spec that `run <overrides>` would compose into the token store, where its runs
     will read it: on a CPU or login node, before a GPU job starts."""
     from runner.cli.app import validated
+    from runner.config.data import DataFormat
     from runner.config.model import build_tokenizer
     from runner.data.splits import token_splits
     from runner.data.store import size_on_disk
@@ -153,6 +154,7 @@ def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
     """Prints the first N (default 3) training rows of the spec that `run <overrides>` would compose, the tokens
     that train marked, and the counts of rows, tokens and trained tokens."""
     from runner.cli.app import validated
+    from runner.config.data import DataFormat
     from runner.config.model import build_tokenizer
     from runner.data.show import counts, shown_row
     from runner.data.splits import token_splits
@@ -166,10 +168,14 @@ def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
     tokenizer = build_tokenizer(spec.model)
     train, evaluation = token_splits(spec.data, tokenizer, spec.seed)
     colour = sys.stdout.isatty()
+    pairs = spec.data.format is DataFormat.preference
     for index in range(min(count, len(train))):
-        print(f"--- train row {index}\n{shown_row(train[index], tokenizer, colour)}")
+        rows = train.batch([index])  # a row, or a pair's two: the chosen, then the rejected
+        names = [f"train pair {index}, chosen", f"train pair {index}, rejected"] if pairs else [f"train row {index}"]
+        for name, values in zip(names, zip(*rows.values())):
+            print(f"--- {name}\n{shown_row(dict(zip(rows, values)), tokenizer, colour)}")
     print(f"--- {'green' if colour else '[[ ]]'}: trained; {'┃'}: between packed examples\n"
-          f"{counts(train, evaluation, spec.data.seq_len)}")
+          f"{counts(train, evaluation, spec.data.seq_len, 'pairs' if pairs else 'rows')}")
 
 
 # The runner's own commands, which answer without composing a job.

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Iterator, List
 
 from runner.config.model import blocks
 from runner.errors import did_you_mean, require
@@ -138,6 +139,22 @@ def add_adapter(model: nn.Module, adapter: AdapterConfig, adapter_dtype: torch.d
     if adapter.quantized:
         return described + f"; the frozen base in {base_dtype}, {in_nf4} of {len(layers)} adapted weights in NF4"
     return described + f"; the frozen base in {base_dtype}"
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The model's LoRA layers pass their base layer's output alone: the frozen base, as peft's disable_adapter
+    gives it, without peft's switching of requires_grad, which a sharded or wrapped model holds on to."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer._disable_adapters = False
 
 
 def _nf4(weight: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ class DataFormat(str, Enum):
     text = "text"
     instruction = "instruction"
     chat = "chat"
+    # Preference pairs (runner/data/preference.py): a prompt, a chosen and a rejected response, for task=dpo.
+    preference = "preference"
 
 
 class ChatFormat(str, Enum):
@@ -44,6 +46,12 @@ class DataConfig:
     text_field: str = "text"
     prompt_field: str = "prompt"
     response_field: str = "response"
+    # Preference pairs: the responses' fields (torchtune's stack_exchange_paired: response_j and response_k).
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    # A pair whose prompt fills seq_len, leaving no room for a response, is refused by its file and line; true: left
+    # out, and counted (as TRL's DPOTrainer drops them).
+    drop_long_prompts: bool = False
     # Chat (runner/data/chat.py): how records hold their conversations, the Jinja chat template (unset: the
     # tokenizer's own), and the turns that train: every assistant turn (with its end-of-turn token), the last one,
     # or every token.
@@ -76,13 +84,22 @@ def check(data: DataConfig) -> None:
     require(0 < data.eval_fraction < 1, f"data.eval_fraction={data.eval_fraction} must be between 0 and 1")
     require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be at least 1")
     if data.chat_template:
-        require(data.format is DataFormat.chat, f"data.chat_template is for data.format=chat, not {data.format.value}")
+        require(data.format in (DataFormat.chat, DataFormat.preference),
+                f"data.chat_template is for data.format=chat and preference, not {data.format.value}")
         require(os.path.isfile(data.chat_template), f"data.chat_template={data.chat_template} is not a file")
+    if data.format is DataFormat.preference:
+        require(not data.packing, "data.packing=true packs examples into rows; preference pairs keep a row for each "
+                                  "response, side by side: set data.packing=false")
+        require(not data.streaming, "data.streaming=true streams documents; preference pairs are read from the token "
+                                    "store: set data.streaming=false")
     if data.files:
         files = resolve_files(data.files)
         require(bool(files), f"data.files={data.files} matches no file; give an existing file, directory or glob")
         kinds = {file_kind(f) for f in files}
         require(len(kinds) == 1, f"data.files={data.files} mixes file kinds ({', '.join(sorted(kinds))}); pick one")
+        require(data.format is not DataFormat.preference or kinds != {"text"},
+                f"data.files={data.files} are text files; preference pairs are records of .json, .jsonl or .parquet "
+                "files")
 
 
 def with_absolute_paths(data: DataConfig, base: Path) -> DataConfig:

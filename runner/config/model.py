@@ -70,7 +70,8 @@ def build_tokenizer(model: ModelConfig) -> PreTrainedTokenizerBase:
 
 
 def byte_tokenizer() -> PreTrainedTokenizerBase:
-    """A byte-level tokenizer: one token per UTF-8 byte plus three special tokens; nothing to download."""
+    """A byte-level tokenizer: one token per UTF-8 byte plus three special tokens, and a plain chat template;
+    nothing to download."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -80,7 +81,16 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = BYTE_CHAT_TEMPLATE
+    return tokenizer
+
+
+# The byte tokenizer's chat template: a line a message, `Role: content`, each assistant turn ended by </s>, so that
+# chat and preference data train on the CPU without a template file.
+BYTE_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
+                      "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                      "{% if add_generation_prompt %}Assistant: {% endif %}")
 
 
 def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, weights: bool = True,

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 from runner.config.model import BYTES, ModelConfig
 from runner.errors import SpecError, require
@@ -26,6 +26,11 @@ class TaskConfig:
     def with_absolute_paths(self, base: Path) -> TaskConfig:
         """The task's local paths absolute from `base` (the directory `run` started in); none by default."""
         return self
+
+    def memory_terms(self, spec: Spec, facts: Any, estimate: Any) -> Any:
+        """The memory estimate (runner/memory/terms.py's Estimate, which this layer cannot name) of a training run of
+        this task, from the strategy's terms: those of next-token training by default."""
+        return estimate
 
 
 class DeviceMap(str, Enum):

@@ -22,6 +22,8 @@ class MicroBatch:
     labels: torch.Tensor
     tokens: int  # its tokens, padding aside
     label_tokens: int  # its predicted labels: every label but each row's (and packed segment's) first, not IGNORE
+    # The rows' indices in the token store, where they say (preference pairs: what a precomputed reference reads).
+    store_rows: Optional[list[int]] = None
 
     def to(self, device: torch.device) -> MicroBatch:
         return replace(self, inputs={k: v.to(device) for k, v in self.inputs.items()}, labels=self.labels.to(device))
@@ -55,7 +57,8 @@ def collate(rows: dict[str, list], pad_token_id: int) -> MicroBatch:
                                                for positions in rows["position_ids"]])
     else:
         inputs["attention_mask"] = padded([[1] * len(ids) for ids in rows["input_ids"]], 0)
-    return MicroBatch(inputs, padded(rows["labels"], IGNORE), sum(rows["tokens"]), sum(rows["label_tokens"]))
+    return MicroBatch(inputs, padded(rows["labels"], IGNORE), sum(rows["tokens"]), sum(rows["label_tokens"]),
+                      rows.get("store_row"))
 
 
 def train_batches(

@@ -133,15 +133,21 @@ def check(found: Conversation, source: str, where: str) -> None:
 
 def chat_template(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     """data.chat_template's file, else the tokenizer's own template; neither is refused in one line."""
+    template = template_or_none(data, tokenizer)
+    if not template:
+        raise SpecError("data.format=chat needs a chat template, and the tokenizer has none; give one with "
+                        "data.chat_template=<a Jinja file>")
+    return template
+
+
+def template_or_none(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Optional[str]:
+    """data.chat_template's file, else the tokenizer's own template, else None."""
     if data.chat_template:
         return Path(data.chat_template).read_text(encoding="utf-8")
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default")
-    if not template:
-        raise SpecError("data.format=chat needs a chat template, and the tokenizer has none; give one with "
-                        "data.chat_template=<a Jinja file>")
-    return template
+    return template or None
 
 
 class ChatRenderer:

@@ -38,11 +38,14 @@ def marked(text: str, trained: bool, opening: str, closing: str) -> str:
     return f"{opening}{text}{closing}" if trained else text
 
 
-def counts(train: RowSet, evaluation: RowSet, seq_len: int) -> str:
+def counts(train: RowSet, evaluation: RowSet, seq_len: int, unit: str = "rows") -> str:
+    """The splits' sizes in `unit` (rows, or preference pairs), their tokens and the trained share."""
     tokens, trained = int(train.tokens.sum()), int(train.label_tokens.sum())
     meta = train.store.meta
-    line = (f"{len(train):,} train and {len(evaluation):,} eval rows of up to {seq_len} tokens; {tokens:,} train "
+    line = (f"{len(train):,} train and {len(evaluation):,} eval {unit} of up to {seq_len} tokens; {tokens:,} train "
             f"tokens, {trained:,} of them trained ({trained / max(tokens, 1):.0%})")
     if "cut" in meta:
         line += f"; {meta['cut']:,} of {meta['documents']:,} examples longer than data.seq_len={seq_len}, cut"
+    if meta.get("dropped_pairs"):
+        line += f"; {meta['dropped_pairs']:,} pairs whose prompt fills data.seq_len left out"
     return line

@@ -7,8 +7,9 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from runner.config.data import resolve_files
+from runner.config.data import DataFormat, resolve_files
 from runner.data.pack import group_rows, groups
+from runner.data.preference import PairSet, prompts_fit
 from runner.data.read import HUB_ROWS, error_source, record_where
 from runner.data.rows import RowSet, RowStore, RowWriter
 from runner.data.store import Documents, cache_dir, documents_key, ensure, rows_key
@@ -26,11 +27,15 @@ if TYPE_CHECKING:
     from runner.config.data import DataConfig
 
 
-def token_splits(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[RowSet, RowSet]:
-    """The train and eval rows; the eval split holds whole documents the model never trains on."""
+def token_splits(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> tuple[Any, Any]:
+    """The train and eval rows (preference data: pairs of rows); the eval split holds whole documents (pairs) the
+    model never trains on."""
     store = prepared_rows(data, tokenizer, seed)
     evals = store.meta["eval_rows"]
-    return RowSet(store, evals, len(store.row_lengths)), RowSet(store, 0, evals)
+    train, evaluation = RowSet(store, evals, len(store.row_lengths)), RowSet(store, 0, evals)
+    if data.format is DataFormat.preference:
+        return PairSet(train), PairSet(evaluation)
+    return train, evaluation
 
 
 def prepared_rows(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> RowStore:
@@ -50,21 +55,36 @@ def prepared_rows(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
 
 
 def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) -> dict[str, Any]:
-    """The eval rows, then the train rows, of the documents split with the seed: the eval documents are the first
-    round(eval_fraction x documents) (at least one) of a seeded permutation, the train documents the rest."""
+    """The eval rows, then the train rows, of the records split with the seed: the eval records are the first
+    round(eval_fraction x records) (at least one) of a seeded permutation, the train records the rest. A record is
+    a document, or a preference pair's two documents."""
     import numpy as np
 
-    source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else f"data.files={data.files}"
-    if len(documents) < 2:
-        raise SpecError(f"{source} holds {len(documents)} document(s); training and evaluation need at least 2")
-    evals = max(1, round(len(documents) * data.eval_fraction))
-    order = np.random.default_rng(seed).permutation(len(documents))
+    per_record = 2 if data.format is DataFormat.preference else 1
+    records = len(documents) // per_record
+    if records < 2:
+        source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else f"data.files={data.files}"
+        raise SpecError(f"{source} holds {records} {'pair' if per_record == 2 else 'document'}(s); training and "
+                        "evaluation need at least 2")
+    evals = max(1, round(records * data.eval_fraction))
+    order = np.random.default_rng(seed).permutation(records)
+    record_lengths = documents.lengths.reshape(records, per_record).sum(1)
     writer = RowWriter(into, documents.dtype)
-    rows_before = []
+    rows_before, dropped = [], 0
     for split in (order[:evals], order[evals:]):
         rows_before.append(writer.rows)
-        for group in groups(split, documents.lengths):
-            tokens, masks = documents.group(group)
+        for group in groups(split, record_lengths):
+            tokens, masks = documents.group((group[:, None] * per_record + np.arange(per_record)).ravel())
+            if data.format is DataFormat.preference:
+                fit = prompts_fit(masks, data.seq_len)
+                if not all(fit) and not data.drop_long_prompts:
+                    raise SpecError(f"{error_source(data)}: {record_where(data, int(group[fit.index(False)]))}: its "
+                                    f"prompt fills data.seq_len={data.seq_len}, leaving no room for a response; raise "
+                                    "data.seq_len, shorten the prompt, or leave such pairs out with "
+                                    "data.drop_long_prompts=true")
+                dropped += fit.count(False)
+                tokens, masks = [part for i, part in enumerate(tokens) if fit[i // 2]], \
+                    [part for i, part in enumerate(masks) if fit[i // 2]]
             if data.train_on.value == "last_assistant" and data.format.value == "chat":
                 check_something_trains(data, group, masks)
             writer.add(group_rows(data, tokens, masks))
@@ -74,6 +94,8 @@ def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) ->
             "documents": len(documents)}
     if documents.trained is not None:  # examples: how many seq_len cuts
         meta["cut"] = int((documents.lengths > data.seq_len).sum())
+    if per_record == 2:
+        meta["dropped_pairs"] = dropped
     return meta
 
 

@@ -6,10 +6,11 @@ and every node that shares the directory.
 
 The documents key covers what decides the tokens: the files (path, size, modification time), the tokenizer, the
 format and its fields, and STORE_VERSION, raised whenever the documents' tokens change; the rows key adds what
-decides the rows: seq_len, packing, the eval fraction, the seed of the split and ROWS_VERSION, raised whenever
-the packing changes. A store is written under a
-temporary name and renamed into place whole, so that a reader finds a complete store or none; writers of the same
-store take turns under a lock, and one that waits says for whom.
+decides the rows: seq_len, packing, the eval fraction, the seed of the split, whether preference pairs whose prompt
+fills seq_len are left out, and ROWS_VERSION, raised whenever the packing changes. Beside a preference store's
+rows, `reference-<key>.npy` keeps a reference model's log-probs of them (task.precompute_reference). A store is
+written under a temporary name and renamed into place whole, so that a reader finds a complete store or none;
+writers of the same store take turns under a lock, and one that waits says for whom.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from runner.config.data import resolve_files
-from runner.data.chat import chat_template
+from runner.data.chat import chat_template, template_or_none
 from runner.data.read import HUB_ROWS
 from runner.errors import WorkerFailed
 
@@ -59,6 +60,8 @@ def documents_key(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
                   for found in [os.stat(path)]]
     if data.format.value == "chat":  # what renders the conversations and masks them
         fields: Any = [data.chat_format.value, chat_template(data, tokenizer), data.train_on.value]
+    elif data.format.value == "preference":
+        fields = [data.prompt_field, data.chosen_field, data.rejected_field, template_or_none(data, tokenizer)]
     else:
         fields = [data.prompt_field, data.response_field] if data.format.value == "instruction" else [data.text_field]
     return digest({"version": STORE_VERSION, "source": source, "tokenizer": tokenizer_identity(tokenizer),
@@ -67,7 +70,8 @@ def documents_key(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
 
 def rows_key(data: DataConfig, seed: int) -> str:
     return digest({"version": ROWS_VERSION, "seq_len": data.seq_len, "packing": data.packing,
-                   "eval_fraction": data.eval_fraction, "seed": seed})
+                   "eval_fraction": data.eval_fraction, "seed": seed,
+                   **({"drop_long_prompts": True} if data.drop_long_prompts else {})})
 
 
 def digest(value: Any) -> str:

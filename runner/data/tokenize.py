@@ -14,7 +14,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
-from runner.data.chat import ChatRenderer, chat_template, conversation
+from runner.data.chat import ChatRenderer, chat_template, conversation, template_or_none
+from runner.data.preference import PairEncoder, pair
 from runner.data.read import (HUB_ROWS, WorkItem, error_source, fields, read_item, read_records, values,
                               work_items)
 from runner.errors import WorkerFailed
@@ -45,7 +46,8 @@ class Encoded(NamedTuple):
 class Encoder:
     """Reads a work item and tokenizes its documents: text with the tokenizer's end-of-sequence token after each
     document; instruction data as prompt, response and end-of-sequence token, the response and the end trained;
-    conversations with the chat template (runner/data/chat.py), the turns of data.train_on trained."""
+    conversations with the chat template (runner/data/chat.py), the turns of data.train_on trained; preference
+    pairs as two sequences, the chosen and the rejected (runner/data/preference.py)."""
 
     def __init__(self, data: DataConfig, tokenizer: PreTrainedTokenizerBase, dtype: Any):
         from runner.config.data import DataFormat
@@ -54,6 +56,9 @@ class Encoder:
         self.chat_format = data.chat_format.value
         self.chat = ChatRenderer(tokenizer, chat_template(data, tokenizer), data.train_on.value) \
             if data.format is DataFormat.chat else None
+        self.pairs = PairEncoder(tokenizer, template_or_none(data, tokenizer), self.ids) \
+            if data.format is DataFormat.preference else None
+        self.pair_fields = (data.prompt_field, data.chosen_field, data.rejected_field)
         self.source = error_source(data)
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -65,12 +70,16 @@ class Encoder:
 
     def encode_records(self, records: list[tuple[Any, str]], size: int = 0) -> Encoded:
         """Records, each with where it was read (a file and line), as the data's format reads them."""
-        if self.chat is None:
+        if self.chat is None and self.pairs is None:
             return self.encode([values(record, self.fields, self.source, where) for record, where in records], size)
-        rendered = [self.chat(conversation(record, self.chat_format, self.source, where), self.source, where)
-                    for record, where in records]
         size = size or sum(len(json.dumps(record, default=str)) for record, _ in records)
-        return self.encoded([ids for ids, _ in rendered], [mask for _, mask in rendered], size)
+        if self.pairs is not None:
+            encoded = [sequence for record, where in records for sequence in
+                       self.pairs(pair(record, self.pair_fields, self.source, where), self.source, where)]
+        else:
+            encoded = [self.chat(conversation(record, self.chat_format, self.source, where), self.source, where)
+                       for record, where in records]
+        return self.encoded([ids for ids, _ in encoded], [mask for _, mask in encoded], size)
 
     def encode(self, documents: list[tuple[str, ...]], size: int = 0) -> Encoded:
         """Documents, each the tuple of its fields' strings; `size`: their bytes, where known."""

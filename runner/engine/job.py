@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optio
 
 from runner.config.data import DataFormat
 from runner.config.model import build_tokenizer
-from runner.data.chat import chat_template
+from runner.data.chat import chat_template, template_or_none
 from runner.config.scheduler import build_scheduler
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import RunIdentity, Tracker, build_trackers
@@ -64,6 +64,9 @@ class PreparedJob:
     start_step: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
     stream_position: Optional[dict[str, int]] = None
+    # What the steps minimise and the evaluations report (runner/engine/step.py's Objective, which imports this
+    # module): None, the next-token loss, unless the task sets its own.
+    objective: Any = None
 
     @property
     def global_batch_size(self) -> int:
@@ -84,6 +87,8 @@ def load_data(spec: RunSpec) -> LoadedData:
     tokenizer = build_tokenizer(spec.model)
     if spec.data.format is DataFormat.chat:  # saved with the model: what generation renders prompts with
         tokenizer.chat_template = chat_template(spec.data, tokenizer)
+    elif spec.data.format is DataFormat.preference:
+        tokenizer.chat_template = template_or_none(spec.data, tokenizer)
     if spec.data.streaming:
         check_stream(spec.data)
         return tokenizer, None, None

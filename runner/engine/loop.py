@@ -21,7 +21,7 @@ from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
 from runner.engine.signals import GracefulStop
 from runner.engine.stall_watch import StallWatch
-from runner.engine.step import evaluate, train_step
+from runner.engine.step import SHOWN_METRICS, evaluate, train_step
 from runner.errors import NonFiniteLoss, Stopped
 from runner.files import move_into_place, write_json_atomically
 from runner.strategies.protocol import parameter_count, unwrapped
@@ -60,9 +60,9 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
         progress = Progress(**{f.name: job.progress[f.name] for f in fields(Progress)})
     else:
         watch.entering("evaluating before the first step")
-        progress = Progress(first_eval_loss=evaluate(job, step=0))
+        progress = Progress(first_eval_loss=evaluate(job, step=0)["eval_loss"])
     job.model.train()  # from_pretrained leaves a model in eval mode
-    eval_loss, train_loss = progress.first_eval_loss, math.nan
+    evaluated, train_loss = {"eval_loss": progress.first_eval_loss}, math.nan
     started = time.perf_counter()
     batches = job.train_batches(job.start_step, job.stream_position)
     bar = ProgressBar(job.ranks.rank == 0 and sys.stdout.isatty(), job.start_step, cfg.max_steps)
@@ -80,7 +80,8 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
                         step, cfg.max_steps, result.outcome.loss_scale)
         # The loss's .item() also waits for the device, so the timing is the step's own. Every rank stops after
         # the same step.
-        step_loss, stop_votes = all_ranks_sums([result.loss.item(), stop.requested is not None])
+        step_loss, stop_votes, *metric_sums = all_ranks_sums([result.loss.item(), stop.requested is not None,
+                                                              *result.metrics.values()])
         if not math.isfinite(step_loss):
             last_good = checkpoint.complete_checkpoints(job.run_dir)
             raise NonFiniteLoss(f"the loss is {step_loss} at step {step}; the last good checkpoint is "
@@ -90,7 +91,7 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
             log.info("step %d/%d | torch.compile: %.1f s, left out of the step times", step, cfg.max_steps, compiling)
         elapsed = time.perf_counter() - tic - compiling
         progress.train_time, progress.tokens_seen = progress.train_time + elapsed, progress.tokens_seen + result.tokens
-        window.add(step_loss, result.tokens, elapsed)
+        window.add(step_loss, result.tokens, elapsed, dict(zip(result.metrics, metric_sums)))
         # The mean tokens/s of the training steps so far, as the done line gives it.
         bar.advance(loss=f"{step_loss:.4f}", tokens_per_s=f"{progress.tokens_seen / progress.train_time:,.0f}")
 
@@ -99,7 +100,7 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
                                                       progress.tokens_seen, job.device))
         if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
             watch.entering(f"evaluating after step {step}")
-            eval_loss = evaluate(job, step)
+            evaluated = evaluate(job, step)
         stopping = stop_votes > 0
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
             watch.entering(f"saving the checkpoint of step {step}")
@@ -111,7 +112,7 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
 
     bar.close()
     watch.entering("saving the model")
-    return _finish(job, progress, train_loss, eval_loss, started)
+    return _finish(job, progress, train_loss, evaluated, started)
 
 
 def _start(job: PreparedJob) -> MetricsWindow:
@@ -127,14 +128,17 @@ def _start(job: PreparedJob) -> MetricsWindow:
 def _log(job: PreparedJob, step: int, record: dict[str, Any]) -> float:
     for tracker in job.trackers:
         tracker.log(record, step)
-    log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s", step, job.spec.train.max_steps,
-             record["loss"], record["lr"], record["grad_norm"], f"{record['tokens_per_s']:,.0f}")
+    shown = "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)
+    log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s%s", step, job.spec.train.max_steps,
+             record["loss"], record["lr"], record["grad_norm"], f"{record['tokens_per_s']:,.0f}", shown)
     return record["loss"]
 
 
-def _finish(job: PreparedJob, progress: Progress, train_loss: float, eval_loss: float,
+def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: dict[str, float],
             started: float) -> dict[str, Any]:
-    """The model saved, summary.json written, the trackers finished; the summary."""
+    """The model saved, summary.json written, the trackers finished; the summary, with the last evaluation's
+    metrics (task=dpo's rewards)."""
+    eval_loss = evaluated["eval_loss"]
     model_dir = save_model(job) if job.spec.train.save_model else None
     summary = {
         "steps": job.spec.train.max_steps,
@@ -151,6 +155,7 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, eval_loss: 
         "run_dir": str(job.run_dir),
         "model_dir": str(model_dir) if model_dir else None,
         "precision": job.precision_in_effect().as_dict(),
+        **{name: value for name, value in evaluated.items() if name != "eval_loss"},
     }
     if job.ranks.rank == 0:
         write_json_atomically(job.run_dir / "summary.json", summary)

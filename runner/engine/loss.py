@@ -20,55 +20,72 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from runner.config.train import TrainConfig
+
 
 def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -> LossKind:
-    """Sets the model's forward to return the summed loss when it is given `loss_labels` (and to be its own forward
-    otherwise); the kind in effect."""
+    """Sets the model's forward to return the summed loss when it is given `loss_labels` (each row's, with
+    `per_row`: minus the row's summed log-probability of its labels, as preference losses take it), and to be its
+    own forward otherwise; the kind in effect."""
     kind = loss_kind_in_effect(requested, model.config.model_type)
     own_forward = model.forward
 
-    def forward(*args, loss_labels: torch.Tensor | None = None, **kwargs):
+    def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, **kwargs):
         if loss_labels is None:
             return own_forward(*args, **kwargs)
         if kind is LossKind.full:
-            return summed_cross_entropy(own_forward(*args, use_cache=False, **kwargs).logits, loss_labels)
+            return summed_cross_entropy(own_forward(*args, use_cache=False, **kwargs).logits, loss_labels, per_row)
         hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
-        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens)
+        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, per_row)
 
     model.forward = forward
     return kind
 
 
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy over the whole batch's logits. The labels are shifted (the last position gets
-    IGNORE) rather than the logits, whose slice would be a copy of the largest activation."""
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False) -> torch.Tensor:
+    """Summed next-token cross entropy over the whole batch's logits (or each row's). The labels are shifted (the
+    last position gets IGNORE) rather than the logits, whose slice would be a copy of the largest activation."""
     import torch.nn.functional as F
 
     targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
+                             reduction="none" if per_row else "sum")
+    return losses.view(targets.shape).sum(1) if per_row else losses
 
 
 def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                                 chunk_tokens: int) -> torch.Tensor:
+                                 chunk_tokens: int, per_row: bool = False) -> torch.Tensor:
     """The same sum from the last hidden states: the head runs on the positions that predict a label, chunk by
     chunk; under autograd each chunk keeps only its input, and backward recomputes its logits one chunk at a time."""
     import torch
     import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).flatten().to(hidden.device)
-    predicting = targets != IGNORE
-    hidden, targets = hidden.flatten(0, 1)[predicting], targets[predicting]
-    total = torch.zeros((), device=hidden.device)
-    for hidden_chunk, target_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)):
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).to(hidden.device)
+    predicting = targets.flatten() != IGNORE
+    rows = torch.arange(targets.shape[0], device=hidden.device).repeat_interleave(targets.shape[1])[predicting]
+    hidden, targets = hidden.flatten(0, 1)[predicting], targets.flatten()[predicting]
+    total = torch.zeros(labels.shape[0] if per_row else (), device=hidden.device)
+    for hidden_chunk, target_chunk, row_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens),
+                                                    rows.split(chunk_tokens)):
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, use_reentrant=False)
+            losses = checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, per_row, use_reentrant=False)
         else:
-            total = total + _chunk_loss(head, hidden_chunk, target_chunk)
+            losses = _chunk_loss(head, hidden_chunk, target_chunk, per_row)
+        total = total.index_add(0, row_chunk, losses) if per_row else total + losses
     return total
 
 
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
     import torch.nn.functional as F
 
-    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+    return F.cross_entropy(head(hidden).float(), targets, reduction="none" if per_token else "sum")
+
+
+def loss_line(train: TrainConfig, model_type: str) -> str:
+    """How the forward computes its loss, for the run's overview: chunked or from the full logits, compiled or not."""
+    kind = loss_kind_in_effect(train.loss, model_type)
+    how = (f"chunked ({train.loss_chunk_tokens:,} label tokens a chunk; no whole-batch logits)"
+           if kind is LossKind.chunked else "full logits")
+    compiled = "; transformer blocks compiled (train.compile)" if train.compile else ""
+    return f"{how} (train.loss={train.loss.value}){compiled}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import resource
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,10 +25,13 @@ class MetricsWindow:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own (task=dpo's rewards), summed
 
-    def add(self, loss: float, tokens: int, seconds: float) -> None:
+    def add(self, loss: float, tokens: int, seconds: float, metrics: dict[str, float]) -> None:
         self.loss, self.tokens = self.loss + loss, self.tokens + tokens
         self.seconds, self.steps = self.seconds + seconds, self.steps + 1
+        for name, value in metrics.items():
+            self.metrics[name] = self.metrics.get(name, 0.0) + value
 
     def close(self, lr: float, outcome: StepOutcome, tokens_seen: int, device: torch.device) -> dict[str, Any]:
         """The window's record, as metrics.jsonl and the trackers log it; the next window starts empty."""
@@ -44,7 +47,8 @@ class MetricsWindow:
             record["loss_scale"] = outcome.loss_scale
         if self.peak_flops:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak_flops
-        self.loss, self.tokens, self.seconds, self.steps = 0.0, 0, 0.0, 0
+        record.update({name: value / self.steps for name, value in self.metrics.items()})
+        self.loss, self.tokens, self.seconds, self.steps, self.metrics = 0.0, 0, 0.0, 0, {}
         return record
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
-from runner.config.data import resolve_files
+from runner.config.data import DataFormat, resolve_files
 from runner.config.scheduler import Decay, warmup_steps
-from runner.config.train import LossKind, loss_kind_in_effect
 from runner.data.store import size_on_disk
+from runner.engine.step import objective_of
 from runner.strategies.protocol import model_class_name, parameter_count, unwrapped
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def overview(job: PreparedJob) -> list[str]:
                  f"data-parallel ranks x {train.grad_accum_steps} accumulation steps; {train.max_steps} steps of "
                  f"{'' if rows_are_full(job) else 'up to '}"
                  f"{job.global_batch_size * spec.data.seq_len:,} tokens",
-        "loss": loss_line(job),
+        "loss": objective_of(job).line(job),
         "strategy": spec.strategy.describe(spec.hardware),
         "precision": job.precision_in_effect().line(),
         "trackers": ", ".join(["metrics.jsonl", *(name for name, _ in spec.tracker.chosen())]),
@@ -53,15 +54,21 @@ def data_source(job: PreparedJob) -> str:
         return (f"{where}, streamed: each of the {job.dp_size} data-parallel ranks reads its own shard and tokenizes "
                 f"it as training goes, into {'packed ' if data.packing else ''}rows of up to {data.seq_len} tokens; "
                 f"{job.eval_sequences:,} eval sequences from held-out documents")
-    rows = f"{job.train_sequences:,} train {'packed rows' if data.packing else 'sequences'} of "
+    pairs = data.format is DataFormat.preference
+    unit = "pairs" if pairs else "packed rows" if data.packing else "sequences"
+    rows = f"{job.train_sequences:,} train {unit} of "
     if rows_are_full(job):
         rows += f"{data.seq_len} tokens ({job.train_tokens:,} tokens)"
     else:  # rows of varied lengths: what share of the rows' room they fill, before a batch pads them
-        rows += (f"up to {data.seq_len} tokens ({job.train_tokens:,} tokens, "
-                 f"{job.train_tokens / (job.train_sequences * data.seq_len):.0%} of the rows' room; "
-                 f"{job.train_label_tokens / job.train_tokens:.0%} of them trained)")
+        room = job.train_sequences * (2 if pairs else 1) * data.seq_len
+        rows = (f"{rows}{'two rows ' if pairs else ''}up to {data.seq_len} tokens ({job.train_tokens:,} tokens, "
+                f"{job.train_tokens / room:.0%} of the rows' room; "
+                f"{job.train_label_tokens / job.train_tokens:.0%} of them trained)")
+    dropped = json.loads((job.token_store / "meta.json").read_text()).get("dropped_pairs")
+    if dropped:
+        rows += f" ({dropped:,} pairs whose prompt fills data.seq_len left out: data.drop_long_prompts)"
     store = job.token_store.parent  # the documents' tokens and this layout's rows
-    return (f"{where}: {rows}, {job.eval_sequences:,} eval sequences; token store {store} "
+    return (f"{where}: {rows}, {job.eval_sequences:,} eval {'pairs' if pairs else 'sequences'}; token store {store} "
             f"({size_on_disk(store) / 2**20:,.1f} MiB)")
 
 
@@ -70,15 +77,6 @@ def rows_are_full(job: PreparedJob) -> bool:
     if job.train_sequences is None:
         return False
     return job.train_tokens == job.train_sequences * job.spec.data.seq_len
-
-
-def loss_line(job: PreparedJob) -> str:
-    train = job.spec.train
-    kind = loss_kind_in_effect(train.loss, unwrapped(job.model).config.model_type)
-    how = (f"chunked ({train.loss_chunk_tokens:,} label tokens a chunk; no whole-batch logits)"
-           if kind is LossKind.chunked else "full logits")
-    compiled = "; transformer blocks compiled (train.compile)" if train.compile else ""
-    return f"next-token cross entropy, {how} (train.loss={train.loss.value}){compiled}"
 
 
 def schedule(job: PreparedJob) -> str:

@@ -76,10 +76,12 @@ def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrain
 
 
 def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase,
-                 training: bool, weights: Optional[dict[str, torch.Tensor]] = None) -> tuple[nn.Module, list[str]]:
+                 training: bool, weights: Optional[dict[str, torch.Tensor]] = None,
+                 frozen: bool = False) -> tuple[nn.Module, list[str]]:
     """The model wrapped or sharded by its strategy, and its fp8 layers. `weights`: a whole state dict to load
     (a checkpoint's model). For inference (not `training`), no activation checkpointing, and a whole replica on
-    this rank's device unless the strategy shards inference too."""
+    this rank's device unless the strategy shards inference too; `frozen` (task=dpo's reference), sharded as the
+    strategy shards what it trains."""
     import torch
 
     strategy = spec.strategy
@@ -108,6 +110,8 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         checkpoint_activations(model)
     if training and spec.train.compile:
         compile_blocks(model)
+    if frozen:
+        return strategy.frozen(model, spec, device), fp8_layers
     if training or strategy.shards_inference:
         return strategy.wrap(model, spec, device), fp8_layers
     return model.to(device), fp8_layers

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol
 
 from runner.distributed import all_ranks_sums
+from runner.engine.loss import loss_line
+from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +20,47 @@ if TYPE_CHECKING:
     from runner.strategies.protocol import StepOutcome
 
 log = logging.getLogger("runner")
+# The objective's metrics that the log lines show (metrics.jsonl and the trackers have them all).
+SHOWN_METRICS = ("rewards/accuracies", "rewards/margins")
+
+
+class Objective(Protocol):
+    """What a training step minimises and an evaluation reports: the next-token loss (NextTokenLoss), or a
+    preference loss (task=dpo: runner/engine/preference.py)."""
+
+    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro batch's share of the global batch's loss, to differentiate, and its shares of the global
+        batch's metrics (means over the global batch, once every rank's shares are summed)."""
+        ...
+
+    def evaluate(self, job: PreparedJob) -> dict[str, float]:
+        """`eval_loss` (and the objective's own metrics) over the eval rows of every rank."""
+        ...
+
+    def line(self, job: PreparedJob) -> str:
+        """What it is, for the run's overview."""
+        ...
+
+
+class NextTokenLoss:
+    """The mean next-token cross entropy over every label token of the global batch, whatever way it is split: the
+    rows carry their counts, so every rank knows the global batch's without a collective before the forward."""
+
+    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return job.model(**micro_batch.inputs, loss_labels=micro_batch.labels) / batch.label_tokens, {}
+
+    def evaluate(self, job: PreparedJob) -> dict[str, float]:
+        return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast).loss}
+
+    def line(self, job: PreparedJob) -> str:
+        return f"next-token cross entropy, {loss_line(job.spec.train, unwrapped(job.model).config.model_type)}"
+
+
+def objective_of(job: PreparedJob) -> Objective:
+    """The job's objective: its task's own, else the next-token loss."""
+    return job.objective or NextTokenLoss()
 
 
 @dataclass
@@ -25,34 +68,39 @@ class StepResult:
     loss: torch.Tensor  # this rank's share of the global batch's mean loss, on the device
     tokens: int  # the global batch's tokens, padding aside, on all ranks together
     outcome: StepOutcome
+    metrics: dict[str, float]  # this rank's shares of the objective's metrics
 
 
 def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
     import torch
 
-    # The loss is the mean over every label token of the global batch, whatever way it is split: the rows carry
-    # their counts, so every rank knows the global batch's without a collective before the forward. Data-parallel
-    # strategies average gradients over ranks, so each rank's share is scaled by dp_size to make that a sum.
+    # Data-parallel strategies average gradients over ranks, so each rank's share is scaled by dp_size to make that
+    # a sum.
     micro_batches = [micro_batch.to(job.device) for micro_batch in batch.micro_batches]
     step_loss = torch.zeros((), device=job.device)
+    metrics: dict[str, torch.Tensor] = {}
     for i, micro_batch in enumerate(micro_batches):
         with job.stepper.micro_batch(last=i == len(micro_batches) - 1):
             with job.autocast():
-                loss = job.model(**micro_batch.inputs, loss_labels=micro_batch.labels) / batch.label_tokens
+                loss, shares = objective_of(job).loss(job, micro_batch, batch)
             job.stepper.backward(loss * job.dp_size)
         step_loss += loss.detach()
-    return StepResult(step_loss, batch.tokens, job.stepper.step())
+        for name, share in shares.items():
+            metrics[name] = metrics.get(name, 0) + share
+    outcome = job.stepper.step()
+    return StepResult(step_loss, batch.tokens, outcome, {name: float(value) for name, value in metrics.items()})
 
 
-def evaluate(job: PreparedJob, step: int) -> float:
-    """The mean loss over the eval rows, summed exactly across ranks; logged at `step`."""
+def evaluate(job: PreparedJob, step: int) -> dict[str, float]:
+    """The objective's eval loss (and metrics) over the eval rows, summed exactly across ranks; logged at `step`."""
     job.model.eval()
-    eval_loss = mean_loss(job.model, job.eval_batches(), job.device, job.autocast).loss
+    record = objective_of(job).evaluate(job)
     for tracker in job.trackers:
-        tracker.log({"eval_loss": eval_loss}, step)
-    log.info("step %d/%d | eval loss %.4f", step, job.spec.train.max_steps, eval_loss)
+        tracker.log(record, step)
+    shown = "".join(f" | {name} {record[f'eval_{name}']:.4f}" for name in SHOWN_METRICS if f"eval_{name}" in record)
+    log.info("step %d/%d | eval loss %.4f%s", step, job.spec.train.max_steps, record["eval_loss"], shown)
     job.model.train()
-    return eval_loss
+    return record
 
 
 @dataclass

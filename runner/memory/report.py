@@ -39,6 +39,7 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
         row("gradients", result.gradients),
         row("optimizer states", result.optimizer_states),
         row("activations", result.activations),
+        *([row("reference model", result.reference)] if result.reference.note else []),
         "  transient buffers",
         *([row("  kept throughout", result.buffers)] if result.buffers.bytes else []),
         row("  start of backward", result.backward_start),
@@ -67,7 +68,8 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
 
 
 def _peak_formula(result: Estimate) -> str:
-    kept = "weights + optimizer states" + (" + buffers kept throughout" if result.buffers.bytes else "")
+    kept = "weights + optimizer states" + (" + buffers kept throughout" if result.buffers.bytes else "") + \
+        (" + reference model" if result.reference.bytes else "")
     return {
         Phase.LOADING: "the whole module on the device",
         Phase.BACKWARD_START: kept + " + activations + its transients" + (" + gradients" if result.accumulating else ""),

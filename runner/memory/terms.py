@@ -48,9 +48,10 @@ class Estimate:
     host_offload: Part = field(default_factory=Part)  # the node's CPU RAM: what offload moves there
     host_loading: Part = field(default_factory=Part)  # the node's CPU RAM while its processes build the model
     accumulating: bool = False  # gradients live through forward and backward (train.grad_accum_steps > 1)
+    reference: Part = field(default_factory=Part)  # kept throughout: task=dpo's frozen reference model
 
     def phases(self) -> dict[Phase, int]:
-        kept = self.weights.bytes + self.optimizer_states.bytes + self.buffers.bytes
+        kept = self.weights.bytes + self.optimizer_states.bytes + self.buffers.bytes + self.reference.bytes
         accumulated = self.gradients.bytes if self.accumulating else 0
         phases = {
             Phase.BACKWARD_START: kept + self.activations.bytes + self.backward_start.bytes + accumulated,
@@ -76,10 +77,11 @@ class Estimate:
 
 
 def estimate(spec: RunSpec, facts: ModelFacts) -> Estimate:
-    """The run's memory per device and per node, from its spec and its model's shapes: the strategy's terms."""
+    """The run's memory per device and per node, from its spec and its model's shapes: the strategy's terms, and
+    the task's (task=dpo: two rows a pair, a reference model)."""
     result = spec.strategy.estimate_memory(spec, facts)
     result.accumulating = spec.train.grad_accum_steps > 1
-    return result
+    return spec.task.memory_terms(spec, facts, result)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,12 @@ class DDPStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return True
 
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+        return model.to(device)  # no gradients to reduce: a replica as it is
+
+    def frozen_shards(self, hardware: HardwareConfig) -> int:
+        return 1
+
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
         """DDP's constructor broadcasts rank 0's parameters and buffers to the other ranks; a frozen base (which
         every rank builds the same, and QLoRA's NF4 tensors cannot be broadcast) is left alone."""

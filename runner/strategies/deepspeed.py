@@ -120,6 +120,19 @@ class DeepSpeedStrategy(StrategyConfig):
         device and broadcasts rank 0's weights."""
         return model
 
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+        """ZeRO-3: an engine of its own, without optimizer, which partitions the weights as the trained model's are
+        and gathers them layer by layer in the forward (as TRL places its reference); otherwise a replica."""
+        if self.zero_stage < 3:
+            return model.to(device)
+        import deepspeed
+
+        engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(spec))
+        return engine
+
+    def frozen_shards(self, hardware: HardwareConfig) -> int:
+        return hardware.world_size if self.zero_stage == 3 else 1
+
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
                 device: torch.device) -> tuple[nn.Module, DeepSpeedStepper]:
         import deepspeed

@@ -178,6 +178,12 @@ class FSDPStrategy(StrategyConfig):
             _load_set_aside(model, weights, "cpu" if self.offload_params else device)
         return model
 
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+        return self.wrap(model, spec, device)
+
+    def frozen_shards(self, hardware: HardwareConfig) -> int:
+        return self.mesh_shape(hardware)[1]
+
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
                 device: torch.device) -> tuple[nn.Module, TorchStepper]:
         def sync(last: bool) -> ContextManager:

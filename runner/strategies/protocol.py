@@ -119,6 +119,15 @@ class Strategy(Protocol):
         """The model on its device(s), wrapped or sharded, with rank 0's weights on every rank."""
         ...
 
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+        """A model that only runs forward beside the trained one (task=dpo's reference), sharded as the trained
+        one's weights are: whole, or in the same shards (FSDP's units, ZeRO-3's partitions)."""
+        ...
+
+    def frozen_shards(self, hardware: HardwareConfig) -> int:
+        """How many shards `frozen` splits a model's weights into (1: whole on every rank)."""
+        ...
+
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
                 device: torch.device) -> tuple[nn.Module, Stepper]:
         """The model as the loop calls it, and its stepper."""

@@ -51,6 +51,12 @@ class SingleStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return True
 
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+        return model.to(device)  # no gradients to reduce: a replica as it is
+
+    def frozen_shards(self, hardware: HardwareConfig) -> int:
+        return 1
+
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
         return model.to(device)
 

@@ -1,8 +1,10 @@
 """The `task` group's options, by name: conf/task/<name>.yaml is runner/tasks/<name>.py's schema."""
 
+from runner.tasks.dpo import DpoTask
 from runner.tasks.estimate import EstimateTask
 from runner.tasks.evaluate import EvaluateTask
 from runner.tasks.generate import GenerateTask
 from runner.tasks.train import TrainTask
 
-TASKS = {"train": TrainTask, "estimate": EstimateTask, "evaluate": EvaluateTask, "generate": GenerateTask}
+TASKS = {"train": TrainTask, "estimate": EstimateTask, "evaluate": EvaluateTask, "generate": GenerateTask,
+         "dpo": DpoTask}

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 from runner.config.adapter import targets
+from runner.config.data import DataFormat
 from runner.config.task import TaskConfig
 from runner.config.tracker import check_services
 from runner.engine.checkpoint import check_resumable
+from runner.errors import require
 from runner.memory.advice import check_fit
 from runner.memory.facts import check_causal_lm, fp8_linears, meta_model
 
@@ -18,7 +20,8 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
     from runner.distributed import Ranks
-    from runner.engine.job import LoadedData
+    from runner.engine.job import LoadedData, PreparedJob
+    from runner.engine.step import Objective
 
 
 @dataclass
@@ -29,27 +32,52 @@ class TrainTask(TaskConfig):
     runs_on_this_machine: ClassVar[bool] = True
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
-        if spec.resume:
-            check_resumable(spec)
-        check_causal_lm(spec.model)
-        if spec.adapter.active:  # the layers to adapt are the model's
-            targets(spec.adapter, meta_model(spec.model))
-        if spec.precision.fp8:  # an fp8 run without an fp8 layer is an error, not a bf16 run
-            fp8_linears(meta_model(spec.model), spec.precision)
-        if self.fit_check:
-            check_fit(spec)
-        check_services(spec.tracker)
+        require(spec.data.format is not DataFormat.preference,
+                "data.format=preference holds pairs of responses, which task=dpo trains on; task=train trains on "
+                "text, instruction or chat data")
+        check_training(spec, self.fit_check)
         return None
 
     def inputs(self, spec: RunSpec) -> LoadedData:
-        from runner.engine.job import load_data  # the engine, and torch with it, once a job runs
-
-        return load_data(spec)
+        return training_inputs(spec)
 
     def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
             inputs: Optional[LoadedData] = None) -> dict[str, Any]:
-        from runner.engine.job import prepare_job
-        from runner.engine.loop import train
+        return run_training(spec, run_dir, ranks, identity, inputs)
 
-        summary = train(prepare_job(spec, run_dir, ranks, identity, inputs))
-        return {**summary, "objective": summary["eval_loss"]}
+
+def training_inputs(spec: RunSpec) -> LoadedData:
+    """The tokenizer and the token store's train and eval rows (a streamed run's: none), read before any worker
+    starts."""
+    from runner.engine.job import load_data  # the engine, and torch with it, once a job runs
+
+    return load_data(spec)
+
+
+def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Optional[LoadedData],
+                 objective: Optional[Callable[[PreparedJob], Objective]] = None) -> dict[str, Any]:
+    """A training task's job on this rank: the prepared job, with the task's objective where it has its own (the
+    next-token loss otherwise), trained; its summary, whose eval loss a sweeper minimises."""
+    from runner.engine.job import prepare_job
+    from runner.engine.loop import train
+
+    job = prepare_job(spec, run_dir, ranks, identity, inputs)
+    if objective is not None:
+        job.objective = objective(job)
+    summary = train(job)
+    return {**summary, "objective": summary["eval_loss"]}
+
+
+def check_training(spec: RunSpec, fit_check: bool) -> None:
+    """What a training task checks before launch that the spec alone cannot say: the checkpoint to resume, the
+    model's layers, the fit in the hardware's memory, the trackers' services."""
+    if spec.resume:
+        check_resumable(spec)
+    check_causal_lm(spec.model)
+    if spec.adapter.active:  # the layers to adapt are the model's
+        targets(spec.adapter, meta_model(spec.model))
+    if spec.precision.fp8:  # an fp8 run without an fp8 layer is an error, not a bf16 run
+        fp8_linears(meta_model(spec.model), spec.precision)
+    if fit_check:
+        check_fit(spec)
+    check_services(spec.tracker)

@@ -19,6 +19,8 @@ from runner.errors import Stopped
 
 COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib",
            "wall_time_s", "error"]
+# The objective's own metrics (task=dpo's), after eval_loss where a job has them.
+OBJECTIVE_COLUMNS = ["eval_rewards/accuracies", "eval_rewards/margins"]
 # A failed job's error, in its run directory: the report's `error` column and a job's status before the sweep ends.
 ERROR_FILE = "error.txt"
 
@@ -76,6 +78,7 @@ def job_rows(sweep_dir: Path, ended: bool, not_started: list[list[str]]) -> list
             "swept": overrides,
             "status": "completed" if summary else status_of(error) if error else "failed" if ended else "running",
             **{key: summary.get(key) for key in COLUMNS[4:-1]},
+            **{key: summary[key] for key in OBJECTIVE_COLUMNS if key in summary},
             "error": error,
         })
     first = int(rows[-1]["job"]) + 1 if rows and rows[-1]["job"].isdigit() else 0
@@ -94,8 +97,10 @@ def status_of(error: str) -> str:
 
 def write_report(sweep_dir: Path, ended: bool, not_started: Optional[list[list[str]]] = None) -> None:
     rows = job_rows(sweep_dir, ended, not_started or [])
+    objective = [key for key in OBJECTIVE_COLUMNS if any(key in row for row in rows)]
+    columns = COLUMNS[:6] + objective + COLUMNS[6:]
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=COLUMNS)
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
     writer.writeheader()
     writer.writerows(rows)
     (sweep_dir / "report.csv").write_text(buffer.getvalue())
@@ -105,8 +110,8 @@ def write_report(sweep_dir: Path, ended: bool, not_started: Optional[list[list[s
             return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
         return "" if value is None else str(value)
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(row[c]) for c in COLUMNS) + " |" for row in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
     (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n" + "\n".join(lines) + "\n")
     plot_losses(sweep_dir, rows)
 

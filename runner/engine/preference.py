@@ -1,0 +1,231 @@
+"""task=dpo's objective: a preference loss over pairs of rows (runner/data/preference.py), each micro batch its
+chosen rows then its rejected rows, with the metrics TRL's DPOTrainer logs.
+
+A response's log-probability is the sum over its trained tokens, as TRL sums it. The reference model is the policy
+with its adapters off (adapter=lora, qlora: no second copy), a frozen copy of the initial model placed as the
+strategy places an inference model (FSDP shards it), their log-probs precomputed once, or none (simpo). With c and
+r the chosen and rejected responses' log-ratios (policy - reference), n their trained tokens, m = c - r and eps the
+label smoothing (the formulas of TRL 1.16's DPOTrainer, and of its CPOTrainer for simpo):
+
+    sigmoid   -(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m)   (eps > 0: conservative DPO)
+    robust    (-(1 - eps) log sigmoid(beta m) + eps log sigmoid(-beta m)) / (1 - 2 eps)
+    ipo       (c / n_c - r / n_r - 1 / (2 beta))^2
+    hinge     relu(1 - beta m)
+    simpo     the sigmoid loss of beta (mean log-prob margin) - gamma, without a reference
+
+The rewards are beta c and beta r (simpo: beta times the mean log-probs); the loss of a step is the mean over the
+global batch's pairs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional, Protocol
+
+from runner.data.rows import IGNORE
+from runner.distributed import all_ranks_sums
+from runner.engine.loss import loss_line
+from runner.strategies.protocol import unwrapped
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from runner.data.batches import GlobalBatch, MicroBatch
+    from runner.engine.job import PreparedJob
+
+log = logging.getLogger("runner")
+LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo")
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+class Reference(Protocol):
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
+        """Each row's summed log-probability of its labels under the reference model, without gradients."""
+        ...
+
+    def line(self) -> str:
+        """What it is, for the run's overview."""
+        ...
+
+
+class AdaptersOff:
+    """The policy with its adapters switched off: the frozen base, which is the initial model."""
+
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
+        from runner.config.adapter import adapters_off
+
+        with adapters_off(unwrapped(job.model)):
+            return -job.model(**micro_batch.inputs, loss_labels=micro_batch.labels, per_row=True)
+
+    def line(self) -> str:
+        return "the policy with its adapters off (no second copy)"
+
+
+@dataclass
+class FrozenCopy:
+    """A copy of the initial model, never trained, placed as the strategy places a model for inference."""
+
+    model: nn.Module
+
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
+        return -self.model(**micro_batch.inputs, loss_labels=micro_batch.labels, per_row=True)
+
+    def line(self) -> str:
+        return "a frozen copy of the initial model, sharded as the strategy shards the trained one"
+
+
+@dataclass
+class Precomputed:
+    """The reference's log-probability of every row of the token store, computed once and kept beside the rows
+    (task.precompute_reference): training holds only the policy."""
+
+    table: np.ndarray
+
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
+        import torch
+
+        return torch.from_numpy(self.table[micro_batch.store_rows]).to(job.device)
+
+    def line(self) -> str:
+        return "its log-probs precomputed once for the token store's pairs (task.precompute_reference)"
+
+
+def precomputed(job: PreparedJob, reference: Reference, path: Path) -> Precomputed:
+    """The reference's log-probs of every row of the job's token store, read from `path`, else computed with
+    `reference` (every rank a share of the pairs, the same number of batches on each) and written there by rank 0."""
+    import numpy as np
+    import torch
+
+    from runner.data.batches import collate
+    from runner.data.preference import PairSet
+    from runner.data.rows import RowSet, RowStore
+
+    if path.exists():
+        log.info("reference model: its log-probs of the token store's pairs read from %s", path)
+        return Precomputed(np.load(path))
+    store = RowStore(job.token_store)
+    pairs = PairSet(RowSet(store, 0, len(store.row_lengths)))
+    log.info("reference model: computing its log-probs of the %s pairs once, into %s", f"{len(pairs):,}", path)
+    size, ranks = job.spec.train.micro_batch_size, job.ranks
+    share = -(-len(pairs) // ranks.world_size)
+    table = np.zeros(len(store.row_lengths))
+    job.model.eval()
+    with torch.no_grad():
+        for start in range(ranks.rank * share, (ranks.rank + 1) * share, size):
+            # past the last pair, the last pair again: every rank runs as many forwards (FSDP's all-gathers)
+            indices = [min(i, len(pairs) - 1) for i in range(start, min(start + size, (ranks.rank + 1) * share))]
+            micro_batch = collate(pairs.batch(indices), job.tokenizer.pad_token_id).to(job.device)
+            with job.autocast():
+                logps = reference.logps(job, micro_batch).double().cpu().numpy()
+            table[micro_batch.store_rows] = logps
+    job.model.train()
+    mine = np.zeros(len(table))
+    owned = slice(2 * ranks.rank * share, 2 * min((ranks.rank + 1) * share, len(pairs)))
+    mine[owned] = table[owned]
+    table = np.array(all_ranks_sums(mine.tolist()), dtype=np.float32)
+    if ranks.rank == 0:
+        partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
+        with open(partial, "wb") as file:
+            np.save(file, table)
+        os.replace(partial, path)
+    return Precomputed(table)
+
+
+@dataclass
+class PreferenceLoss:
+    beta: float
+    kind: str  # one of LOSSES
+    label_smoothing: float
+    simpo_gamma: float
+    reference: Optional[Reference]  # None: simpo's, which has none
+
+    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The mean over the global batch's pairs: each micro batch adds its pairs' losses over their number."""
+        losses, metrics = self.pair_losses(job, micro_batch)
+        pairs = job.global_batch_size
+        return losses.sum() / pairs, {name: value.sum() / pairs for name, value in metrics.items()}
+
+    def pair_losses(self, job: PreparedJob, micro_batch: MicroBatch
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Each pair's loss, and each pair's metrics (detached)."""
+        import torch
+
+        logps = -job.model(**micro_batch.inputs, loss_labels=micro_batch.labels, per_row=True)
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = self.reference.logps(job, micro_batch)
+        tokens = (micro_batch.labels[:, 1:] != IGNORE).sum(1).to(logps.device)
+        return preference_losses(logps, reference, tokens, self.kind, self.beta, self.label_smoothing,
+                                 self.simpo_gamma)
+
+    def line(self, job: PreparedJob) -> str:
+        smoothing = f", label smoothing {self.label_smoothing:g}" if self.label_smoothing else ""
+        gamma = f", gamma {self.simpo_gamma:g}" if self.kind == "simpo" else ""
+        reference = self.reference.line() if self.reference is not None else "none"
+        return (f"{self.kind} preference loss, beta {self.beta:g}{smoothing}{gamma}; reference model: {reference}; "
+                f"log-probs {loss_line(job.spec.train, unwrapped(job.model).config.model_type)}")
+
+    def evaluate(self, job: PreparedJob) -> dict[str, float]:
+        """The mean loss and metrics over every rank's eval pairs, as `eval_loss` and `eval_<metric>`."""
+        import torch
+
+        sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=job.device)
+        pairs = 0
+        with torch.no_grad():
+            for micro_batch in job.eval_batches():
+                with job.autocast():
+                    losses, metrics = self.pair_losses(job, micro_batch.to(job.device))
+                sums += torch.stack([losses.sum(), *(metrics[name].sum() for name in METRICS)]).double()
+                pairs += len(losses)
+        total, *metric_sums, counted = all_ranks_sums([*sums.tolist(), pairs])
+        return {"eval_loss": total / counted,
+                **{f"eval_{name}": value / counted for name, value in zip(METRICS, metric_sums)}}
+
+
+def preference_losses(logps: torch.Tensor, reference: Optional[torch.Tensor], tokens: torch.Tensor, kind: str,
+                      beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.0
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Each pair's loss from its rows' summed log-probabilities (the chosen rows, then the rejected rows), the
+    reference's (None: simpo, which has none) and the rows' trained tokens; each pair's metrics, detached."""
+    import torch.nn.functional as F
+
+    ls = label_smoothing
+    chosen, rejected = logps.chunk(2)
+    chosen_tokens, rejected_tokens = tokens.chunk(2)
+    if reference is None:
+        chosen_ratio, rejected_ratio = chosen, rejected
+    else:
+        ref_chosen, ref_rejected = reference.chunk(2)
+        chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    margin = chosen_ratio - rejected_ratio
+    if kind == "sigmoid":
+        losses = -(1 - ls) * F.logsigmoid(beta * margin) - ls * F.logsigmoid(-beta * margin)
+    elif kind == "robust":
+        losses = (-(1 - ls) * F.logsigmoid(beta * margin) + ls * F.logsigmoid(-beta * margin)) / (1 - 2 * ls)
+    elif kind == "ipo":
+        losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+    elif kind == "hinge":
+        losses = F.relu(1 - beta * margin)
+    elif kind == "simpo":
+        chosen_ratio, rejected_ratio = chosen / chosen_tokens, rejected / rejected_tokens
+        shifted = beta * (chosen_ratio - rejected_ratio) - simpo_gamma
+        losses = -(1 - ls) * F.logsigmoid(shifted) - ls * F.logsigmoid(-shifted)
+    else:
+        raise ValueError(f"unknown preference loss {kind}; the losses are {', '.join(LOSSES)}")
+    chosen_rewards, rejected_rewards = (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
+    return losses, {
+        "rewards/chosen": chosen_rewards,
+        "rewards/rejected": rejected_rewards,
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+        "rewards/margins": chosen_rewards - rejected_rewards,
+        "logps/chosen": chosen.detach(),
+        "logps/rejected": rejected.detach(),
+    }
