@@ -29,6 +29,8 @@ from runner.engine.loss import with_summed_loss
 from runner.errors import SpecError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+LLAMA_FACTORY_ALPACA = Path(__file__).parent / "data" / "llama_factory" / "alpaca_en_demo.json"
+DOLLY_HHRLHF = Path(__file__).parent / "data" / "llm_foundry" / "dolly_hhrlhf_train_small.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +91,15 @@ def test_packed_rows_keep_every_example_whole_with_its_own_positions(pairs):
     assert not any(examples.values())
 
 
-def test_a_packed_batch_gives_each_example_its_unpacked_loss(pairs):
+@pytest.mark.parametrize("chat", [False, True], ids=["instruction pairs", "chat"])
+def test_a_packed_batch_gives_each_example_its_unpacked_loss(pairs, chat):
+    """Instruction pairs, and LLaMA-Factory's Alpaca demo as conversations."""
     tokenizer = byte_tokenizer()
-    padded, _ = token_splits(instruction_data(pairs, packing=False), tokenizer, seed=0)
-    packed, _ = token_splits(instruction_data(pairs, packing=True), tokenizer, seed=0)
-    rows = packed.batch(range(3))
+    data = DataConfig(files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.chat, seq_len=1024) if chat else \
+        instruction_data(pairs, packing=False)
+    padded, _ = token_splits(replace(data, packing=False), tokenizer, seed=0)
+    packed, _ = token_splits(replace(data, packing=True), tokenizer, seed=0)
+    rows = packed.batch(range(4))
     unpacked = {tuple(example["input_ids"]): i for i, example in enumerate(padded)}
     indices = [unpacked[tuple(ids[start:end])] for ids, tokens, positions in
                zip(rows["input_ids"], rows["tokens"], rows["position_ids"])
@@ -107,18 +113,29 @@ def test_a_packed_batch_gives_each_example_its_unpacked_loss(pairs):
     assert packed_sum.item() == pytest.approx(one_per_row.item(), rel=1e-5)
 
 
-LLAMA_FACTORY_ALPACA = Path(__file__).parent / "data" / "llama_factory" / "alpaca_en_demo.json"
+# Instruction-like data as users have it (tests/data/*/SOURCE.md): pairs, and conversations rendered with the byte
+# tokenizer's own chat template; each at row lengths that hold several of its examples (a byte is a token here:
+# dolly's 2048-byte rows are about 512 tokens of a subword tokenizer).
+INSTRUCTION_LIKE = {
+    "LLaMA-Factory alpaca_en_demo, instruction": (DataConfig(
+        files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.instruction, prompt_field="instruction",
+        response_field="output", packing=True), (512, 2048)),
+    "LLaMA-Factory alpaca_en_demo, chat": (DataConfig(files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.chat,
+                                                     packing=True), (512, 2048)),
+    "llm-foundry dolly_hhrlhf_train_small, instruction": (DataConfig(
+        files=str(DOLLY_HHRLHF), format=DataFormat.instruction, packing=True), (2048, 4096)),
+}
 
 
-@pytest.mark.parametrize("seq_len", [512, 2048])
-def test_packed_instruction_rows_are_at_least_95_percent_full(seq_len):
-    """LLaMA-Factory's Alpaca demo (tests/data/llama_factory/SOURCE.md), packed in order, fills 83% of 512-token
-    rows; best-fit-decreasing fills them."""
-    data = DataConfig(files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.instruction, prompt_field="instruction",
-                      response_field="output", seq_len=seq_len, packing=True)
-    train, evaluation = token_splits(data, byte_tokenizer(), seed=0)
-    for rows in (train, evaluation):
-        assert rows.tokens.sum() / (len(rows) * seq_len) >= 0.95
+@pytest.mark.parametrize("name,seq_len", [(name, seq_len) for name, (_, lengths) in INSTRUCTION_LIKE.items()
+                                          for seq_len in lengths])
+def test_packed_instruction_and_chat_rows_are_at_least_95_percent_full(name, seq_len):
+    """Packed in order, LLaMA-Factory's Alpaca demo fills 83% of 512-token rows; best-fit-decreasing fills them.
+    The rows of both splits together: a split of a few rows ends on a part-filled one."""
+    train, evaluation = token_splits(replace(INSTRUCTION_LIKE[name][0], seq_len=seq_len), byte_tokenizer(), seed=0)
+    rows = len(train) + len(evaluation)
+    assert (train.tokens.sum() + evaluation.tokens.sum()) / (rows * seq_len) >= 0.95
+    assert train.tokens.sum() / (len(train) * seq_len) >= 0.95
 
 
 def test_best_fit_rows_hold_every_example_once_within_the_room_whatever_the_order():
