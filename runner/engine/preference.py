@@ -69,7 +69,7 @@ class AdaptersOff:
 
 @dataclass
 class FrozenCopy:
-    """A copy of the initial model, never trained, placed as the strategy places a model for inference."""
+    """A copy of the initial model, never trained, sharded as the strategy shards the trained one (Strategy.frozen)."""
 
     model: nn.Module
 
