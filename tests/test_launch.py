@@ -242,6 +242,30 @@ def test_a_node_whose_peers_never_come_ends_after_the_rendezvous_timeout(tmp_pat
 
 
 @pytest.mark.signals
+def test_a_rank_stuck_before_the_first_step_says_where_it_waits(workdir):
+    """Rank 1 stopped (SIGSTOP) as soon as it starts: rank 0 waits for it in the process group's meeting or in a
+    collective of the model's placement, and after train.stall_report_s says which, with its stack, rather than
+    waiting in silence; once rank 1 goes on, the job ends as usual."""
+    job = start_cli("strategy=fsdp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=2", "train.eval_every=0",
+                    "train.save_model=false", "train.stall_report_s=2", cwd=workdir, new_session=True)
+    try:
+        rank1 = rank_pid("outputs/*/*/rank1.log", workdir, 1, "rank 1 of 2")
+        os.kill(rank1, signal.SIGSTOP)
+        [run_dir] = run_dirs(workdir)
+        stalls = run_dir / "stalls_rank0.txt"
+        reported = (r"rank 0: no progress for \d+ s, (joining the process group|preparing the job: its data, the "
+                    r"model's placement); where each thread waits: .*stalls_rank0.txt")
+        wait_until(lambda: stalls.exists() and re.search(reported, job.stdout() + (run_dir / "rank0.log").read_text()),
+                   "rank 0's report of the wait before the first step", job)
+        os.kill(rank1, signal.SIGCONT)
+        stdout, stderr = job.communicate(timeout=120)
+        assert job.returncode == 0, stderr[-3000:]
+        assert "(most recent call first)" in stalls.read_text()
+    finally:
+        job.kill()
+
+
+@pytest.mark.signals
 def test_a_rank_that_waits_on_a_stopped_rank_says_where_it_waits(workdir):
     """Rank 1 stopped (SIGSTOP) mid-run: rank 0 waits in a collective and, after train.stall_report_s, says so with
     its stack; once rank 1 goes on, the job ends as usual."""

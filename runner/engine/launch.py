@@ -26,6 +26,7 @@ from runner.distributed import Ranks, free_port
 from runner.engine.build_locks import clear_stale_build_locks
 from runner.engine.checkpoint import complete_checkpoints
 from runner.engine.cluster import Task, check_reachable
+from runner.engine.stall_watch import StallWatch
 from runner.errors import ExitStatus, Stopped, WorkerFailed
 from runner.quiet import name_deepspeed_accelerator, quiet_loggers
 
@@ -232,10 +233,15 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does, instead of oversubscribing them
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
         backend, device = "gloo", None
-    if task is None:  # the elastic launcher's agent holds the rendezvous
-        dist.init_process_group(backend, device_id=device)
-    else:
-        join_task_group(task, backend, device, spec.hardware.rdzv_timeout_s)
+    joining = StallWatch(ranks.rank, spec.train.stall_report_s, run_dir / f"stalls_rank{ranks.rank}.txt")
+    joining.entering("joining the process group")
+    try:
+        if task is None:  # the elastic launcher's agent holds the rendezvous
+            dist.init_process_group(backend, device_id=device)
+        else:
+            join_task_group(task, backend, device, spec.hardware.rdzv_timeout_s)
+    finally:
+        joining.close()
     try:
         return spec.task.run(spec, run_dir, ranks, identity)
     finally:

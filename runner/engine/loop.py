@@ -20,7 +20,7 @@ from runner.engine.metrics import (
 from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
 from runner.engine.signals import GracefulStop
-from runner.engine.stall_watch import StallWatch
+from runner.engine.stall_watch import StallWatch, process_watch
 from runner.engine.step import SHOWN_METRICS, evaluate, train_step
 from runner.errors import NonFiniteLoss, Stopped
 from runner.files import move_into_place, write_json_atomically
@@ -44,7 +44,8 @@ class Progress:
 
 def train(job: PreparedJob) -> dict[str, Any]:
     stop = GracefulStop()
-    watch = StallWatch(job.ranks.rank, job.spec.train.stall_report_s, job.run_dir / f"stalls_rank{job.ranks.rank}.txt")
+    rank = job.ranks.rank
+    watch = process_watch(rank, job.spec.train.stall_report_s, job.run_dir / f"stalls_rank{rank}.txt")
     try:
         return _train(job, stop, watch)
     finally:

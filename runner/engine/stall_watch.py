@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 log = logging.getLogger("runner")
 
@@ -30,6 +31,10 @@ class StallWatch:
     def close(self) -> None:
         self._closed.set()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def _watch(self) -> None:
         watched, reports = self._current, 0
         while not self._closed.wait(min(self.after_s, 5.0)):
@@ -46,3 +51,15 @@ class StallWatch:
                 faulthandler.dump_traceback(out, all_threads=True)
             log.warning("rank %d: no progress for %.0f s, %s; where each thread waits: %s", self.rank, waited, phase,
                         self.stack_file)
+
+
+_PROCESS_WATCH: Optional[StallWatch] = None
+
+
+def process_watch(rank: int, after_s: float, stack_file: Path) -> StallWatch:
+    """This process's watch of a training job, from its preparation (its data, the model's placement, whose
+    collectives wait on every rank) to its end: the one already watching, else a new one."""
+    global _PROCESS_WATCH
+    if _PROCESS_WATCH is None or _PROCESS_WATCH.closed:
+        _PROCESS_WATCH = StallWatch(rank, after_s, stack_file)
+    return _PROCESS_WATCH

@@ -60,11 +60,19 @@ def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdenti
     next-token loss otherwise), trained; its summary, whose eval loss a sweeper minimises."""
     from runner.engine.job import prepare_job
     from runner.engine.loop import train
+    from runner.engine.stall_watch import process_watch
 
-    job = prepare_job(spec, run_dir, ranks, identity, inputs)
-    if objective is not None:
-        job.objective = objective(job)
-    summary = train(job)
+    # A rank stuck before the first step (a collective of the model's placement that another rank never joins) says
+    # where, as the loop's steps do.
+    watch = process_watch(ranks.rank, spec.train.stall_report_s, run_dir / f"stalls_rank{ranks.rank}.txt")
+    watch.entering("preparing the job: its data, the model's placement")
+    try:
+        job = prepare_job(spec, run_dir, ranks, identity, inputs)
+        if objective is not None:
+            job.objective = objective(job)
+        summary = train(job)
+    finally:
+        watch.close()
     return {**summary, "objective": summary["eval_loss"]}
 
 
