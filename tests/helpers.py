@@ -120,14 +120,31 @@ def wait_until(condition: Callable[[], T], what: str, job: Optional[Started] = N
         time.sleep(every)
 
 
-def hold_at_step(job: Started, cwd: Path, step: int) -> tuple[Path, int]:
-    """Waits until the run under `cwd` has logged `step`, then stops its whole process group (SIGSTOP) where it is,
-    so that what the test does next reaches it mid-run whatever the machine's speed; returns the run directory and
-    the last step logged. `resume` it, or kill it."""
-    run_dir = wait_until(lambda: next((d for d in run_dirs(cwd) if last_step(d) >= step), None),
-                         f"step {step} in {cwd}", job, every=0.01)
-    os.killpg(job.pid, signal.SIGSTOP)
-    return run_dir, last_step(run_dir)
+def hold_at_step(job: Started, cwd: Path, step: int, timeout: float = 300) -> tuple[Path, int]:
+    """Lets the run under `cwd` (in a session of its own) go on a slice at a time until it has logged `step`, and
+    returns with its whole process group stopped there (SIGSTOP), so that what the test does next reaches it mid-run
+    whatever the machine's speed: the run directory and the last step logged. `resume` it, or kill it.
+
+    The run is stopped while the test reads what it has logged, and goes on only between two looks: a test that gets
+    little of the CPU (a loaded machine) cannot look away while a quick run goes past the step and ends."""
+    deadline = time.monotonic() + timeout
+    wait_until(lambda: os.getpgid(job.pid) == job.pid, "the run's session of its own", job)
+    while True:
+        try:
+            os.killpg(job.pid, signal.SIGSTOP)
+        except ProcessLookupError:  # its group is gone: it has ended
+            job.wait(60)
+        run_dir = next((d for d in run_dirs(cwd) if last_step(d) >= step), None)
+        if run_dir is not None and job.poll() is None:
+            return run_dir, last_step(run_dir)
+        if job.poll() is not None:
+            raise AssertionError(f"the run ended ({job.returncode}) before it was held at step {step} in {cwd}: "
+                                 f"{job.stderr()[-2000:]}")
+        if time.monotonic() > deadline:
+            job.resume()
+            raise AssertionError(f"waited {timeout:.0f} s for step {step} in {cwd}")
+        job.resume()
+        time.sleep(0.01)
 
 
 # ---- the `run` command
