@@ -1,6 +1,8 @@
 """Checkpoints and resume: a job killed at any step continues exactly where it stopped."""
 
+import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (QUICK, hold_at_step, kill_at_step, logged, resolved_spec, run_cli, run_dirs, run_in_workers,
-                     start_cli, uninterrupted_losses)
+                     start_cli, uninterrupted_losses, wait_until)
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import NonFiniteLoss
@@ -141,6 +143,13 @@ def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninter
     try:
         run_dir, _ = hold_at_step(job, tmp_path, 4)
         job.send_signal(signal.SIGTERM)  # to the run process, as `kill <pid>` sends it; it arrives mid-step
+        if strategy:
+            # The run passes it on to its workers (torch elastic's shutdown). They stay stopped until each has it,
+            # so that they stop after the step they are in, however long the passing on takes.
+            workers = [worker_pid(run_dir, rank) for rank in range(2)]
+            os.kill(job.pid, signal.SIGCONT)
+            wait_until(lambda: all(signal.SIGTERM in pending_signals(pid) for pid in workers),
+                       "the run to pass SIGTERM on to its workers", job)
         job.resume()
         assert job.wait(timeout=120) == 3
     finally:
@@ -152,6 +161,18 @@ def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninter
     assert result.returncode == 0, result.stderr[-2000:]
     reference = uninterrupted_ddp if strategy else uninterrupted
     assert losses(run_dir) == reference
+
+
+def worker_pid(run_dir: Path, rank: int) -> int:
+    """A worker's process, from the line its rank log starts with."""
+    return int(re.search(rf"rank {rank} of \d+, process (\d+)", (run_dir / f"rank{rank}.log").read_text()).group(1))
+
+
+def pending_signals(pid: int) -> set[signal.Signals]:
+    """The signals sent to a process that it has not handled yet (a stopped process keeps them), from /proc."""
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    mask = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+    return {number for number in signal.valid_signals() if number < 32 and mask >> (number - 1) & 1}
 
 
 @pytest.mark.signals
