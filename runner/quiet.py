@@ -24,8 +24,11 @@ def quiet_loggers() -> None:
     device), warns about kernels this machine does not need, and torch about torchao's enum registrations;
     alembic, which the Optuna sweeper imports, lists its plugins; matplotlib (the sweep report's plot) says it
     builds its font cache; huggingface_hub retries an unreachable hub five times, a warning each, before the one
-    error the run reports. Errors still show."""
-    for name in ("torchao", "torch.utils._pytree", "alembic", "matplotlib.font_manager", "huggingface_hub"):
+    error the run reports; DTensor suggests flattening mesh dimensions whenever a tensor-parallel and FSDP-sharded
+    tensor is gathered over both (the gradient norm at each step, a checkpoint's whole weights). Errors still
+    show."""
+    for name in ("torchao", "torch.utils._pytree", "alembic", "matplotlib.font_manager", "huggingface_hub",
+                 "torch.distributed.tensor._redistribute"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # datasets logs, as an error, the bad file that it then raises about (runner/data/stream.py names its line).
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)

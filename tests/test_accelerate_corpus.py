@@ -44,8 +44,6 @@ REFUSED = {
         "huggingface__accelerate__examples__torch_native_parallelism__configs__cp.yaml",
         "huggingface__trl__examples__accelerate_configs__context_parallel_2gpu.yaml",
     ], "the runner has no context parallelism"),
-    "huggingface__accelerate__examples__torch_native_parallelism__configs__tp_hsdp.yaml":
-        "the runner has no tensor parallelism",
     **dict.fromkeys([
         "huggingface__trl__docs__source__distributing_training.md__block7.yaml",
         "huggingface__trl__examples__accelerate_configs__alst_ulysses_4gpu.yaml",
@@ -153,7 +151,7 @@ def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
                           "main_process_ip: 10.0.0.1\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n")
         spec = checked_recipe(recipe_of(source, "hybrid")[0])
         assert to_plain(spec)["strategy"]["hybrid_shard_size"] is None
-        assert spec.strategy.mesh_shape(spec.hardware) == mesh
+        assert spec.strategy.dims(spec.hardware).shape == (*mesh, 1)
 
 
 def test_transformer_engines_scaling_goes_back_to_accelerate_and_returns():
@@ -164,3 +162,18 @@ def test_transformer_engines_scaling_goes_back_to_accelerate_and_returns():
     settings, _ = convert(yaml.safe_load(text))
     assert settings.items() >= {"precision.fp8.format": "e4m3", "precision.fp8.amax_history_len": 16,
                                 "precision.fp8.amax_compute_algo": "most_recent", "precision.fp8.margin": 1}.items()
+
+
+def test_accelerates_tensor_parallel_hsdp_example_is_the_same_mesh_here_and_back():
+    """accelerate's torch_native_parallelism example: 8 processes as dp_replicate 2 x dp_shard 2 x tp 2. It converts
+    to HYBRID_SHARD in groups of 2 with strategy.tp_size=2, the same mesh, and goes back to the same sizes."""
+    register(RECIPES_DIR)
+    name = "huggingface__accelerate__examples__torch_native_parallelism__configs__tp_hsdp.yaml"
+    spec = checked_recipe(recipe_of(CORPUS / name, "tp_hsdp")[0])
+    assert spec.strategy.dims(spec.hardware).shape == (2, 2, 2)
+    text, _ = accelerate_file(spec)
+    assert yaml.safe_load(text)["parallelism_config"] == yaml.safe_load((CORPUS / name).read_text())[
+        "parallelism_config"]
+    assert {key: value for key, value in convert(yaml.safe_load(text))[0].items() if key.startswith("strategy")} \
+        .items() >= {"strategy.sharding_strategy": "HYBRID_SHARD", "strategy.hybrid_shard_size": 2,
+                     "strategy.tp_size": 2}.items()

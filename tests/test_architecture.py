@@ -15,6 +15,7 @@ LAYERS = [
     {"files"},
     {"config"},
     {"data"},
+    {"parallel"},
     {"memory"},
     {"strategies"},
     {"engine"},

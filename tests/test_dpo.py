@@ -317,13 +317,13 @@ def dpo_run(pairs: Path, tokenizer_dir: Path, steps: int = 3) -> list[str]:
 @pytest.mark.distributed
 def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokenizer_dir, tmp_path):
     """One global batch of 8 pairs a step: 1 process x 4 accumulation steps, or 2 x 2, under ddp, fsdp and ZeRO-2
-    and 3, the reference a frozen copy; with LoRA (the reference: the adapters off) under single and fsdp; with the
+    and 3, the reference a frozen copy (under fsdp tp 2, 1 data-parallel rank x 4, both models split); with LoRA (the reference: the adapters off) under single and fsdp; with the
     reference's log-probs precomputed once into the token store, and read back."""
     from helpers import resolved_spec, step_losses, train_in_workers
 
     base = dpo_run(short_pairs, llama3_tokenizer_dir)
     lora = ["adapter=lora", "adapter.rank=4"]
-    two = ["hardware.nproc_per_node=2", "train.grad_accum_steps=2"]
+    two = ["hardware.nproc_per_node=2"]
     singles = {"full": resolved_spec([*base, "train.grad_accum_steps=4"]),
                "lora": resolved_spec([*base, *lora, "train.grad_accum_steps=4"])}
     runs = {"ddp": ("full", ["strategy=ddp"]), "fsdp": ("full", ["strategy=fsdp"]),
@@ -333,9 +333,12 @@ def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokeni
             # the reference's log-probs computed once by the first, read back from the token store by the second
             "ddp-precomputed": ("full", ["strategy=ddp", "task.precompute_reference=true"]),
             "zero3-precomputed": ("full", ["strategy=deepspeed", "strategy.zero_stage=3",
-                                           "task.precompute_reference=true"])}
+                                           "task.precompute_reference=true"]),
+            "fsdp-tp": ("full", ["strategy=fsdp", "strategy.tp_size=2"])}
     train_in_workers(list(singles.values()), [tmp_path / name for name in singles], nproc=1)
-    train_in_workers([resolved_spec([*base, *two, *more]) for _, more in runs.values()],
+    accumulation = {name: f"train.grad_accum_steps={4 if 'strategy.tp_size=2' in more else 2}"
+                    for name, (_, more) in runs.items()}
+    train_in_workers([resolved_spec([*base, *two, accumulation[name], *more]) for name, (_, more) in runs.items()],
                      [tmp_path / name for name in runs])
     expected = {name: step_losses(tmp_path / name) for name in singles}
     assert len(list(Path(os.environ["RUNNER_TOKEN_CACHE"]).glob("*/rows-*/reference-*.npy"))) == 1

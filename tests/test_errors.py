@@ -21,9 +21,26 @@ BAD_INPUTS = {
     "missing model directory": (["model=pretrained", "model.pretrained=./no-such-model"], "is not a directory"),
     "bad sweep point": (["-m", "train.max_steps=5,-1"], "train.max_steps=-1 must be a positive integer"),
     "bad override syntax": (["train.max_steps=[1"], "train.max_steps=[1"),
-    "deepspeed key given to fsdp": (["strategy=fsdp", "strategy.zero_stage=3"], "unknown key strategy.zero_stage"),
+    "deepspeed key given to fsdp": (["strategy=fsdp", "strategy.zero_stage=3"],
+                                    "strategy.zero_stage is a key of strategy=deepspeed, not of strategy=fsdp"),
     "fsdp key given to deepspeed": (["strategy=deepspeed", "strategy.sharding_strategy=FULL_SHARD"],
-                                    "unknown key strategy.sharding_strategy"),
+                                    "strategy.sharding_strategy is a key of strategy=fsdp, not of strategy=deepspeed"),
+    "tensor parallelism under deepspeed": (["strategy=deepspeed", "strategy.tp_size=2", "hardware.nproc_per_node=2"],
+                                           "strategy.tp_size is a key of strategy=fsdp, not of strategy=deepspeed"),
+    "tensor parallelism that does not divide a node": (
+        ["strategy=fsdp", "strategy.tp_size=3", "hardware.nproc_per_node=4"],
+        "strategy.tp_size=3 does not divide a node's 4 processes"),
+    "tensor parallelism that does not divide the heads": (
+        ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2", "model.architecture.num_key_value_heads=1"],
+        "strategy.tp_size=2 does not divide the model's 4 attention heads and 1 key-value heads"),
+    "hybrid groups that do not divide the data-parallel ranks": (
+        ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=4", "strategy.sharding_strategy=HYBRID_SHARD",
+         "strategy.hybrid_shard_size=4"], "strategy.hybrid_shard_size=4 does not divide the 2 data-parallel ranks"),
+    "LoRA under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
+                                       "adapter=lora"], "adapter=lora with strategy.tp_size=2"),
+    "rank 0's loading under tensor parallelism": (
+        ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
+         "strategy.cpu_ram_efficient_loading=true"], "strategy.cpu_ram_efficient_loading=true with strategy.tp_size=2"),
     "hybrid groups that do not divide the processes": (
         ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=3",
          "hardware.nproc_per_node=4"], "strategy.hybrid_shard_size=3 does not divide the 4 processes"),

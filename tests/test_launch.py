@@ -38,7 +38,7 @@ def test_hybrid_shard_on_four_processes_trains_on_a_2x2_mesh(workdir):
     result = run_cli("strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=2",
                      "hardware.nproc_per_node=4", *SHORT, "train.micro_batch_size=2", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "fsdp HYBRID_SHARD, 4 processes, mesh 2 x 2 (replicate x shard)" in result.stdout
+    assert "fsdp HYBRID_SHARD, 4 processes, mesh 2 x 2 (dp_replicate x dp_shard)" in result.stdout
     assert "done: train loss" in result.stdout
 
 def test_a_worker_that_raises_ends_the_job_with_its_error_first(workdir):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
@@ -28,6 +29,15 @@ def unknown_key(cause: OmegaConfBaseException, message: str) -> str:
         return f"unknown key {full_key}: {FROM_OTHER_TOOLS[full_key]}"
     parent = getattr(cause, "parent_node", None)
     prefix = full_key.rpartition(".")[0]
+    schema = re.search(r"not in '(\w+)'", message)
+    chosen = option_of(schema[1]) if schema else None
+    if chosen and chosen[0] == prefix:
+        group, option = chosen
+        takers = [other for other, options_schema in SCHEMAS[group].items()
+                  if cause.key in {field.name for field in fields(options_schema)}]
+        if takers:
+            return (f"{full_key} is a key of {' and '.join(f'{group}={taker}' for taker in takers)}, not of "
+                    f"{group}={option}")
     known = list(parent.keys()) if parent is not None and hasattr(parent, "keys") else []
     return f"unknown key {full_key}: {message}{did_you_mean(str(cause.key), known, f'{prefix}.' if prefix else '')}"
 

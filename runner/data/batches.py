@@ -104,17 +104,19 @@ def streamed_batches(
     grad_accum_steps: int,
     pad_token_id: int,
     position: Optional[dict[str, Any]] = None,
+    counted: bool = True,
 ) -> Iterator[GlobalBatch]:
     """For each optimizer step, this rank's micro batches from its own stream, from a checkpoint's `position` on.
-    The ranks' rows differ, so the global batch's counts are summed across them, in one collective per step."""
+    The data-parallel ranks' rows differ, so the global batch's counts are summed across them, in one collective per
+    step (`counted`: whether this rank's count in the sum, or its tensor-parallel group's first rank's)."""
     from runner.data.stream import position_of
 
     rows = stream.rows(position_of(position))
     while True:
         taken = [next(rows) for _ in range(micro_batch_size * grad_accum_steps)]
         mine = [row for row, _ in taken]
-        tokens, label_tokens = all_ranks_sums([sum(row["tokens"] for row in mine),
-                                               sum(row["label_tokens"] for row in mine)])
+        tokens, label_tokens = all_ranks_sums([sum(row["tokens"] for row in mine) * counted,
+                                               sum(row["label_tokens"] for row in mine) * counted])
         yield GlobalBatch(
             [collate(columns(mine[i:i + micro_batch_size]), pad_token_id)
              for i in range(0, len(mine), micro_batch_size)],

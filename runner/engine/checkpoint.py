@@ -81,6 +81,7 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position
         write_json(partial / "meta.json", {
             "step": step,
             "world_size": job.ranks.world_size,
+            "mesh": list(job.spec.strategy.dims(job.spec.hardware).shape),
             "layout": job.spec.strategy.checkpoint_layout.value,
             "strategy": job.spec.strategy.name,
             "adapter": job.spec.adapter.kind.value,
@@ -125,6 +126,11 @@ def check_resumable(spec: RunSpec) -> None:
                 f"the checkpoint {spec.resume} holds {written['world_size']} ranks' shards ({layout.value}) and this "
                 f"run has {spec.hardware.world_size} processes; resume on {written['world_size']}, or write FULL "
                 "checkpoints (strategy.state_dict_type=FULL), which resume on any number")
+        mesh = list(strategy.dims(spec.hardware).shape)
+        require(written.get("mesh", mesh) == mesh,
+                f"the checkpoint {spec.resume} holds the shards of mesh {' x '.join(map(str, written.get('mesh', [])))} "
+                f"and this run's is {' x '.join(map(str, mesh))} (dp_replicate x dp_shard x tp); resume on the same "
+                "layout, or write FULL checkpoints (strategy.state_dict_type=FULL), which resume on any layout")
     require(written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
             f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "
             f"strategy={strategy.name}; only FULL checkpoints move between strategies, to those that read them")

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from runner.config.precision import PrecisionInEffect
     from runner.data.rows import RowSet
+    from runner.parallel.dims import ParallelDims
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
@@ -50,7 +51,7 @@ class PreparedJob:
     eval_batches: Callable[[], Iterator[batches.MicroBatch]]
     autocast: Callable[[], ContextManager]
     trackers: list[Tracker]
-    dp_size: int
+    dims: ParallelDims  # the job's layout: its data-parallel ranks split each global batch
     precision_in_effect: Callable[[], PrecisionInEffect]
     # From the token store: its train rows, their tokens (padding aside) and predicted labels, and the rows'
     # directory in the store (runner/data/store.py); None for a streamed run.
@@ -69,6 +70,16 @@ class PreparedJob:
     objective: Any = None
 
     @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @property
+    def counted(self) -> bool:
+        """Whether this rank's shares count in sums over the ranks (a tensor-parallel group's other ranks repeat
+        them)."""
+        return self.dims.counted(self.ranks.rank)
+
+    @property
     def global_batch_size(self) -> int:
         return self.spec.train.micro_batch_size * self.dp_size * self.spec.train.grad_accum_steps
 
@@ -83,7 +94,7 @@ def load_data(spec: RunSpec) -> LoadedData:
     The controller calls it before starting workers, so that data problems stop the job early and the workers
     read the token store it wrote. A streamed run's source is checked to stream, with the format's fields.
     """
-    train, dp_size = spec.train, spec.hardware.world_size
+    train, dp_size = spec.train, spec.strategy.dims(spec.hardware).dp_size
     tokenizer = build_tokenizer(spec.model)
     if spec.data.format is DataFormat.chat:  # saved with the model: what generation renders prompts with
         tokenizer.chat_template = chat_template(spec.data, tokenizer)
@@ -113,27 +124,28 @@ def prepare_job(
 ) -> PreparedJob:
     """`loaded`: what load_data returned for this spec in this process, when it has been called already."""
     device = device_of(spec, ranks)
-    # Every strategy's ranks split each global batch (single has one).
-    dp_size, train = ranks.world_size, spec.train
     tokenizer, train_set, eval_set = loaded or load_data(spec)
     placed = place(spec, ranks, device, tokenizer)
+    # The data-parallel ranks split each global batch (single has one); the ranks of a tensor-parallel group run
+    # the same rows.
+    dp_rank, dp_size, train = placed.dims.dp_rank(ranks.rank), placed.dims.dp_size, spec.train
     pad = tokenizer.pad_token_id
     if spec.data.streaming:
-        stream = StreamedRows(spec.data, tokenizer, spec.seed, ranks.rank, dp_size)
+        stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
         # Each rank evaluates its share of the eval rows from its own held-out documents.
         eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
 
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
             return batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
                                             grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
-                                            position=position)
+                                            position=position, counted=placed.dims.counted(ranks.rank))
         eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
     else:
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
             return batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
-                                         grad_accum_steps=train.grad_accum_steps, dp_rank=ranks.rank, dp_size=dp_size,
+                                         grad_accum_steps=train.grad_accum_steps, dp_rank=dp_rank, dp_size=dp_size,
                                          seed=spec.seed, pad_token_id=pad, start_step=start_step)
-        eval_rank, eval_size, eval_sequences = ranks.rank, dp_size, len(eval_set)
+        eval_rank, eval_size, eval_sequences = dp_rank, dp_size, len(eval_set)
     job = PreparedJob(
         spec=spec,
         run_dir=run_dir,
@@ -151,7 +163,7 @@ def prepare_job(
         ),
         autocast=placed.autocast,
         trackers=[],
-        dp_size=dp_size,
+        dims=placed.dims,
         precision_in_effect=placed.precision_in_effect,
         train_sequences=None if train_set is None else len(train_set),
         train_tokens=None if train_set is None else int(train_set.tokens.sum()),

@@ -1,13 +1,15 @@
 """The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its
 `parallelize_llama`): build (with the summed loss in its forward) -> the adapters (LoRA; QLoRA's NF4 base) -> fp8
--> the weights' dtype -> the attention (per example, for packed rows on the CPU) -> activation checkpointing ->
-compile each block -> wrap or shard (with rank 0's weights) -> optimizer -> stepper.
+-> the weights' dtype -> the attention (per example, for packed rows on the CPU) -> tensor parallelism ->
+activation checkpointing -> compile each block -> wrap or shard (with rank 0's weights) -> optimizer -> stepper.
 
 Why this order: the adapters come first, so that everything after sees the frozen base as it is kept (in the
 compute dtype, or NF4) and the adapters as parameters of the blocks they adapt. fp8 swaps the linear layers, so it
 comes before anything that holds on to them (checkpointed blocks, FSDP's units, DeepSpeed's partitions). The
-dtype is the weights' before sharding, so that shards, buckets and all-gathers take it. Activation checkpointing
-wraps each block's forward inside the block, and the strategy's wrapping then sees the checkpointed blocks.
+dtype is the weights' before sharding, so that shards, buckets and all-gathers take it. Tensor parallelism splits
+the blocks' layers before anything wraps them: checkpointing then recomputes the split layers with their
+collectives, and FSDP shards the split parameters, as 2-D tensors, over the data-parallel dimensions of the same
+mesh. Activation checkpointing wraps each block's forward inside the block, and the strategy's wrapping then sees the checkpointed blocks.
 Compiling replaces each block's forward with its compiled version, in place: the strategy's hooks and the
 checkpointing around it stay eager, and the blocks keep their class and parameter names, which FSDP's wrap
 policy and every checkpoint read. FSDP shards unit by unit, the blocks first. The optimizer takes the parameters
@@ -31,6 +33,7 @@ from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
 from runner.engine.attention import attend_within_examples
 from runner.engine.loss import with_summed_loss
+from runner.parallel.tensor import parallelize_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
 
     from runner.config.spec import RunSpec
     from runner.distributed import Ranks
+    from runner.parallel.dims import ParallelDims
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
@@ -54,6 +58,7 @@ class Placed:
     spec: RunSpec
     device: torch.device
     ranks: Ranks
+    dims: ParallelDims
     fp8_layers: list[str] = field(default_factory=list)
 
     def autocast(self) -> ContextManager:
@@ -69,22 +74,24 @@ class Placed:
 
 
 def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase) -> Placed:
-    model, fp8_layers = placed_model(spec, ranks, device, tokenizer, training=True)
+    dims = spec.strategy.dims(spec.hardware)
+    model, fp8_layers = placed_model(spec, ranks, device, tokenizer, dims, training=True)
     optimizer = build_optimizer(model, spec.optim)
     model, stepper = spec.strategy.stepper(model, optimizer, spec, device)
-    return Placed(model, optimizer, stepper, spec, device, ranks, fp8_layers)
+    return Placed(model, optimizer, stepper, spec, device, ranks, dims, fp8_layers)
 
 
 def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase,
-                 training: bool, weights: Optional[dict[str, torch.Tensor]] = None,
+                 dims: ParallelDims, training: bool, weights: Optional[dict[str, torch.Tensor]] = None,
                  frozen: bool = False) -> tuple[nn.Module, list[str]]:
-    """The model wrapped or sharded by its strategy, and its fp8 layers. `weights`: a whole state dict to load
-    (a checkpoint's model). For inference (not `training`), no activation checkpointing, and a whole replica on
-    this rank's device unless the strategy shards inference too; `frozen` (task=dpo's reference), sharded as the
-    strategy shards what it trains."""
+    """The model wrapped or sharded by its strategy on the layout `dims`, and its fp8 layers. `weights`: a whole
+    state dict to load (a checkpoint's model). For inference (not `training`), no activation checkpointing, and a
+    whole replica on this rank's device unless the strategy shards inference too; `frozen` (task=dpo's reference),
+    sharded as the strategy shards what it trains."""
     import torch
 
     strategy = spec.strategy
+    sharded = training or frozen or strategy.shards_inference
     torch.manual_seed(spec.seed)
     # Build fp32 master weights on the CPU; on the meta device on the ranks that receive rank 0's weights.
     builds_weights = strategy.loads_weights(ranks.rank)
@@ -106,14 +113,16 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
+    if sharded and dims.tp > 1:
+        parallelize_tensors(model, dims.mesh(device.type)["tp"])
     if training and strategy.activation_checkpointing:
         checkpoint_activations(model)
     if training and spec.train.compile:
         compile_blocks(model)
     if frozen:
-        return strategy.frozen(model, spec, device), fp8_layers
-    if training or strategy.shards_inference:
-        return strategy.wrap(model, spec, device), fp8_layers
+        return strategy.frozen(model, spec, device, dims), fp8_layers
+    if sharded:
+        return strategy.wrap(model, spec, device, dims), fp8_layers
     return model.to(device), fp8_layers
 
 

@@ -112,24 +112,25 @@ def precomputed(job: PreparedJob, reference: Reference, path: Path) -> Precomput
     store = RowStore(job.token_store)
     pairs = PairSet(RowSet(store, 0, len(store.row_lengths)))
     log.info("reference model: computing its log-probs of the %s pairs once, into %s", f"{len(pairs):,}", path)
-    size, ranks = job.spec.train.micro_batch_size, job.ranks
-    share = -(-len(pairs) // ranks.world_size)
+    size, dp_rank = job.spec.train.micro_batch_size, job.dims.dp_rank(job.ranks.rank)
+    share = -(-len(pairs) // job.dp_size)
     table = np.zeros(len(store.row_lengths))
     job.model.eval()
     with torch.no_grad():
-        for start in range(ranks.rank * share, (ranks.rank + 1) * share, size):
+        for start in range(dp_rank * share, (dp_rank + 1) * share, size):
             # past the last pair, the last pair again: every rank runs as many forwards (FSDP's all-gathers)
-            indices = [min(i, len(pairs) - 1) for i in range(start, min(start + size, (ranks.rank + 1) * share))]
+            indices = [min(i, len(pairs) - 1) for i in range(start, min(start + size, (dp_rank + 1) * share))]
             micro_batch = collate(pairs.batch(indices), job.tokenizer.pad_token_id).to(job.device)
             with job.autocast():
                 logps = reference.logps(job, micro_batch).double().cpu().numpy()
             table[micro_batch.store_rows] = logps
     job.model.train()
     mine = np.zeros(len(table))
-    owned = slice(2 * ranks.rank * share, 2 * min((ranks.rank + 1) * share, len(pairs)))
-    mine[owned] = table[owned]
+    if job.counted:
+        owned = slice(2 * dp_rank * share, 2 * min((dp_rank + 1) * share, len(pairs)))
+        mine[owned] = table[owned]
     table = np.array(all_ranks_sums(mine.tolist()), dtype=np.float32)
-    if ranks.rank == 0:
+    if job.ranks.rank == 0:
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
         with open(partial, "wb") as file:
             np.save(file, table)
@@ -185,7 +186,7 @@ class PreferenceLoss:
                     losses, metrics = self.pair_losses(job, micro_batch.to(job.device))
                 sums += torch.stack([losses.sum(), *(metrics[name].sum() for name in METRICS)]).double()
                 pairs += len(losses)
-        total, *metric_sums, counted = all_ranks_sums([*sums.tolist(), pairs])
+        total, *metric_sums, counted = all_ranks_sums([value * job.counted for value in (*sums.tolist(), pairs)])
         return {"eval_loss": total / counted,
                 **{f"eval_{name}": value / counted for name, value in zip(METRICS, metric_sums)}}
 

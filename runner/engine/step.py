@@ -52,7 +52,7 @@ class NextTokenLoss:
         return job.model(**micro_batch.inputs, loss_labels=micro_batch.labels) / batch.label_tokens, {}
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
-        return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast).loss}
+        return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast, job.counted).loss}
 
     def line(self, job: PreparedJob) -> str:
         return f"next-token cross entropy, {loss_line(job.spec.train, unwrapped(job.model).config.model_type)}"
@@ -74,8 +74,8 @@ class StepResult:
 def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
     import torch
 
-    # Data-parallel strategies average gradients over ranks, so each rank's share is scaled by dp_size to make that
-    # a sum.
+    # Data-parallel strategies average gradients over the data-parallel ranks, so each rank's share is scaled by
+    # dp_size to make that a sum.
     micro_batches = [micro_batch.to(job.device) for micro_batch in batch.micro_batches]
     step_loss = torch.zeros((), device=job.device)
     metrics: dict[str, torch.Tensor] = {}
@@ -111,8 +111,9 @@ class MeanLoss:
 
 
 def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.device,
-              autocast: Callable[[], ContextManager]) -> MeanLoss:
-    """The model's mean next-token loss over this rank's batches and every other rank's, without gradients."""
+              autocast: Callable[[], ContextManager], counted: bool = True) -> MeanLoss:
+    """The model's mean next-token loss over this rank's batches and every other data-parallel rank's, without
+    gradients (`counted`: whether this rank's batches count, or its tensor-parallel group's first rank's)."""
     import torch
 
     loss_sum = torch.zeros((), device=device)
@@ -125,5 +126,6 @@ def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.dev
                 loss_sum += model(**batch.inputs, loss_labels=batch.labels).to(device)
             label_tokens += batch.label_tokens
             tokens += batch.tokens
-    total_loss, total_labels, total_tokens = all_ranks_sums([loss_sum.item(), label_tokens, tokens])
+    total_loss, total_labels, total_tokens = all_ranks_sums([value * counted for value in
+                                                             (loss_sum.item(), label_tokens, tokens)])
     return MeanLoss(total_loss / total_labels, int(total_labels), int(total_tokens))

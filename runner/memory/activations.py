@@ -72,17 +72,19 @@ def layer_activation_bytes(layer: LayerShape, seq_len: int, dtypes: ActivationDt
 
 
 def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: ActivationDtypes,
-                     checkpointing: bool, chunked_loss: bool = False, adapters: int = 0) -> int:
-    """`adapters`: bytes per token the LoRA adapters of all the layers save (runner/memory/parameters.py)."""
+                     checkpointing: bool, chunked_loss: bool = False, adapters: int = 0, tp: int = 1) -> int:
+    """`adapters`: bytes per token the LoRA adapters of all the layers save (runner/memory/parameters.py). `tp`:
+    tensor-parallel ranks, which split every layer's activations (their heads and MLP columns, and along the
+    sequence between the blocks: the paper's section 4.2.2) and gather the head's input and the logits whole."""
     layer = facts.layer
-    per_layer = layer_activation_bytes(layer, seq_len, dtypes) + adapters // facts.layers
-    head_input = (FP32 + dtypes.stream) * layer.hidden + dtypes.compute * layer.hidden  # final norm, lm_head input
+    per_layer = (layer_activation_bytes(layer, seq_len, dtypes) + adapters // facts.layers) // tp
+    head_input = (FP32 + dtypes.stream) * layer.hidden // tp + dtypes.compute * layer.hidden  # final norm, lm_head
     if chunked_loss:  # the label positions' hidden states, which each chunk's head recomputes from
         logits = dtypes.stream * layer.hidden
     else:  # the logits, and the loss's fp32 log-softmax
         logits = (dtypes.compute + FP32) * facts.vocab
     if checkpointing:  # each layer keeps its input; one layer at a time is recomputed in backward
-        blocks = facts.layers * dtypes.stream * layer.hidden + per_layer
+        blocks = facts.layers * dtypes.stream * layer.hidden // tp + per_layer
     else:
         blocks = facts.layers * per_layer
     return tokens * (blocks + head_input + logits)
@@ -110,10 +112,12 @@ def activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes)
     rows = "packed rows" if spec.data.packing else "rows"
     parameters = parameters_of(spec, facts)
     adapters = parameters.activation_bytes(dtypes.compute)
-    note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers, {attention}, "
+    tp = spec.strategy.dims(spec.hardware).tp
+    split = f", split {tp} ways (tensor and sequence parallel)" if tp > 1 else ""
+    note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers{split}, {attention}, "
             f"{'activation checkpointing' if checkpointing else 'no checkpointing'}; "
             f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}"
             + (f"; the adapters' rank-{parameters.rank} intermediates" + (" and dropout copies" if parameters.dropout
                                                                           else "") if adapters else ""))
     return Part(activation_bytes(facts, micro_batch_tokens(spec), spec.data.seq_len, dtypes, checkpointing, chunked,
-                                 adapters), note)
+                                 adapters, tp), note)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT, nf4_fits, targets
 from runner.config.model import blocks
 from runner.memory.terms import FP32, Part, sharded_elements
+from runner.parallel.tensor import split_shapes
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -65,6 +66,8 @@ class Parameters:
     # the adapter's elements beside each adapted linear, by the linear's module name: FSDP's units read them.
     stored: dict[str, float] = field(default_factory=dict)
     adapters: dict[str, int] = field(default_factory=dict)
+    # Tensor-parallel ranks: the trained shapes are then each rank's parts.
+    tp: int = 1
 
     @property
     def trained(self) -> int:
@@ -100,6 +103,9 @@ class Parameters:
 
     def describe(self, param_dtype: str) -> str:
         """The report's line: how many parameters train, how many are frozen and in what."""
+        if self.tp > 1:
+            return (f"all train ({param_dtype}; adapter=none: a full fine-tune), split {self.tp} ways: "
+                    f"{self.trained:,} on each tensor-parallel rank")
         if not self.frozen:
             return f"all {self.trained:,} train ({param_dtype}; adapter=none: a full fine-tune)"
         frozen = ", ".join(f"{group.elements:,} in {group.dtype}" for group in self.frozen)
@@ -115,8 +121,10 @@ def parameters_of(spec: RunSpec, facts: ModelFacts) -> Parameters:
     """What the spec's run trains of its model and what it keeps frozen; kept for the next call (the fit check's
     re-estimates ask again)."""
     adapter = spec.adapter
-    if not adapter.active:
-        return Parameters(trained_shapes=tuple(facts.parameter_shapes), trained_linear=facts.linear_parameters)
+    if not adapter.active:  # under tensor parallelism, each rank's parts (no adapter composes with it)
+        tp = spec.strategy.dims(spec.hardware).tp
+        shapes = facts.parameter_shapes if tp == 1 else split_shapes(facts.model, tp)
+        return Parameters(trained_shapes=tuple(shapes), trained_linear=facts.linear_parameters // tp, tp=tp)
     key = (id(facts), repr(adapter), spec.precision.compute_dtype, spec.hardware.world_size)
     if key not in _PARAMETERS:
         if len(_PARAMETERS) >= 16:

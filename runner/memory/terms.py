@@ -106,8 +106,12 @@ def dtype_name(size: int) -> str:
     return {4: "fp32", 2: "16-bit", 1: "fp8"}[size]
 
 
-def share(shards: int) -> str:
-    return f", a 1/{shards} shard" if shards > 1 else ""
+def share(shards: int, tp: int = 1) -> str:
+    """How much of a tensor a process holds: a 1/shards shard (FSDP's, ZeRO's) of its 1/tp tensor-parallel part."""
+    part = f"its 1/{tp} tensor-parallel part" if tp > 1 else ""
+    if shards > 1:
+        return f", a 1/{shards} shard" + (f" of {part}" if part else "")
+    return f", {part}" if part else ""
 
 
 def processes(count: int) -> str:

@@ -12,6 +12,7 @@ from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.replicated import whole_copies
 from runner.memory.terms import Part, processes
+from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout
 from runner.strategies.torch_stepper import TorchStepper
@@ -53,16 +54,19 @@ class DDPStrategy(StrategyConfig):
     def describe(self, hardware: HardwareConfig) -> str:
         return f"ddp, {processes(hardware.world_size)}"
 
+    def dims(self, hardware: HardwareConfig) -> ParallelDims:
+        return ParallelDims(dp_replicate=hardware.world_size)
+
     def loads_weights(self, rank: int) -> bool:
         return True
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model.to(device)  # no gradients to reduce: a replica as it is
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         return 1
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         """DDP's constructor broadcasts rank 0's parameters and buffers to the other ranks; a frozen base (which
         every rank builds the same, and QLoRA's NF4 tensors cannot be broadcast) is left alone."""
         from torch.nn.parallel import DistributedDataParallel

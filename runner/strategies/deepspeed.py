@@ -20,6 +20,7 @@ from runner.memory.facts import facts_of, fp8_linears
 from runner.memory.parameters import host_loading, parameters_of
 from runner.memory.terms import (
     FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change)
+from runner.parallel.dims import ParallelDims
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
@@ -112,15 +113,18 @@ class DeepSpeedStrategy(StrategyConfig):
     def describe(self, hardware: HardwareConfig) -> str:
         return f"deepspeed ZeRO-{self.zero_stage}, {processes(hardware.world_size)}"
 
+    def dims(self, hardware: HardwareConfig) -> ParallelDims:
+        return ParallelDims(dp_shard=hardware.world_size)
+
     def loads_weights(self, rank: int) -> bool:
         return True
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         """Nothing yet: DeepSpeed's engine takes model and optimizer together (`stepper`), moves the module to the
         device and broadcasts rank 0's weights."""
         return model
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         """ZeRO-3: an engine of its own, without optimizer, which partitions the weights as the trained model's are
         and gathers them layer by layer in the forward (as TRL places its reference); otherwise a replica."""
         if self.zero_stage < 3:

@@ -1,14 +1,18 @@
-"""strategy=fsdp: torch FSDP2 (`fully_shard`) in the vocabulary of FSDP1 and accelerate, mapped onto a device mesh:
+"""strategy=fsdp: torch FSDP2 (`fully_shard`) in the vocabulary of FSDP1 and accelerate, mapped onto the data-parallel
+dimensions of the job's device mesh (runner/parallel/dims.py), dp the processes that are not tensor-parallel ranks
+of one another (world / tp_size):
 
-    sharding_strategy    mesh (replicate x shard)        reshard after forward
-    FULL_SHARD           1 x world                       yes   (ZeRO-3)
-    SHARD_GRAD_OP        1 x world                       no    (ZeRO-2)
-    NO_SHARD             world x 1                       -     (replicated, gradients all-reduced)
-    HYBRID_SHARD         world/group x group             yes   (shard within a group, replicate across)
-    HYBRID_SHARD_ZERO2   world/group x group             no
+    sharding_strategy    dp_replicate x dp_shard     reshard after forward
+    FULL_SHARD           1 x dp                      yes   (ZeRO-3)
+    SHARD_GRAD_OP        1 x dp                      no    (ZeRO-2)
+    NO_SHARD             dp x 1                      -     (replicated, gradients all-reduced)
+    HYBRID_SHARD         dp/group x group            yes   (shard within a group, replicate across)
+    HYBRID_SHARD_ZERO2   dp/group x group            no
 
-where `group` is `hybrid_shard_size`: by default the processes of one node, as in torch's FSDP and accelerate
-(shard within a node, replicate across nodes); on a single node that is FULL_SHARD unless a smaller group is given.
+where `group` is `hybrid_shard_size`: by default the data-parallel ranks of one node, as in torch's FSDP and
+accelerate (shard within a node, replicate across nodes); on a single node that is FULL_SHARD unless a smaller group
+is given. `tp_size` > 1 splits every block over that many consecutive ranks first (runner/parallel/tensor.py), and
+FSDP then shards the split parameters: FSDP x TP, or HYBRID_SHARD x TP.
 """
 
 from __future__ import annotations
@@ -21,18 +25,22 @@ from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, List, Optional
 
 from runner.config.precision import Dtype, PrecisionConfig, grad_scaler
 from runner.config.strategy import StrategyConfig
-from runner.errors import require
+from runner.distributed import local
+from runner.errors import SpecError, require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
-from runner.memory.facts import fp8_linears
+from runner.memory.facts import fp8_linears, meta_model
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
 from runner.memory.terms import (
     Change, Estimate, Part, dtype_name, processes, share, sharded_elements, strategy_change)
+from runner.parallel.dims import ParallelDims
+from runner.parallel.tensor import block_plan
 from runner.strategies.protocol import CheckpointLayout
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from runner.config.hardware import HardwareConfig
@@ -90,6 +98,8 @@ class FSDPStrategy(StrategyConfig):
     # How many following blocks' all-gathers to issue early in forward, and preceding ones in backward.
     forward_prefetch: int = 0
     backward_prefetch: int = 1
+    # Tensor-parallel ranks: each block's heads and MLP columns split across this many consecutive processes.
+    tp_size: int = 1
 
     name: ClassVar[str] = "fsdp"
     distributed: ClassVar[bool] = True
@@ -107,15 +117,23 @@ class FSDPStrategy(StrategyConfig):
     def check(self, spec: RunSpec) -> None:
         machine = spec.hardware
         processes_given = f"(hardware.nnodes={machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node})"
+        require(self.tp_size >= 1 and machine.nproc_per_node % self.tp_size == 0,
+                f"strategy.tp_size={self.tp_size} does not divide a node's {machine.nproc_per_node} processes "
+                f"{processes_given}; a tensor-parallel group exchanges activations at every layer and stays within "
+                f"a node: pick a divisor of {machine.nproc_per_node}")
+        data_parallel = machine.world_size // self.tp_size
         group = self.hybrid_group_size(machine)
         if self.sharding_strategy.hybrid:
-            require(group >= 1 and machine.world_size % group == 0,
-                    f"strategy.hybrid_shard_size={group} does not divide the {machine.world_size} processes "
-                    f"{processes_given}; pick a divisor of {machine.world_size}")
+            ranks = f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / strategy.tp_size=" \
+                    f"{self.tp_size})" if self.tp_size > 1 else f"the {machine.world_size} processes {processes_given}"
+            require(group >= 1 and data_parallel % group == 0,
+                    f"strategy.hybrid_shard_size={group} does not divide {ranks}; pick a divisor of {data_parallel}")
         else:
             require(self.hybrid_shard_size is None,
                     f"strategy.hybrid_shard_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not "
                     f"{self.sharding_strategy.value}")
+        if self.tp_size > 1:
+            self._check_tensor_parallel(spec)
         require(self.sync_module_states or not self.cpu_ram_efficient_loading,
                 "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
                 "get their weights from rank 0")
@@ -127,35 +145,47 @@ class FSDPStrategy(StrategyConfig):
         require(self.forward_prefetch >= 0 and self.backward_prefetch >= 0,
                 "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0")
 
+    def _check_tensor_parallel(self, spec: RunSpec) -> None:
+        """What tensor parallelism does not split yet, refused before launch rather than failing in a worker."""
+        tp = f"strategy.tp_size={self.tp_size}"
+        require(not spec.adapter.active,
+                f"adapter={spec.adapter.kind.value} with {tp}: the adapters' layers are not split across "
+                "tensor-parallel ranks; use strategy.tp_size=1 (FSDP shards the base and the adapters)")
+        require(not spec.precision.fp8,
+                f"precision.fp8 with {tp}: torchao's float8 linear layers are not split across tensor-parallel "
+                "ranks; use precision=bf16, or strategy.tp_size=1")
+        require(not self.cpu_ram_efficient_loading,
+                f"strategy.cpu_ram_efficient_loading=true with {tp}: every rank splits its own copy of the weights; "
+                "set strategy.cpu_ram_efficient_loading=false")
+
     def describe(self, hardware: HardwareConfig) -> str:
-        replicate, shard = self.mesh_shape(hardware)
-        described = (f"fsdp {self.sharding_strategy.value}, {processes(hardware.world_size)}, mesh {replicate} x "
-                     f"{shard} (replicate x shard), {self.auto_wrap_policy.value}")
-        if self.sharding_strategy.hybrid and replicate == 1:
+        dims = self.dims(hardware)
+        described = (f"fsdp {self.sharding_strategy.value}, {processes(hardware.world_size)}, {dims.describe()}, "
+                     f"{self.auto_wrap_policy.value}")
+        if self.sharding_strategy.hybrid and dims.dp_replicate == 1:
             same = "FULL_SHARD" if self.sharding_strategy.reshards_after_forward else "SHARD_GRAD_OP"
-            described += (f"; one shard group of the node's {shard} processes is {same}: "
-                          f"strategy.hybrid_shard_size=<a divisor of {shard}> gives replicas")
+            described += (f"; one shard group of the node's {dims.dp_shard} data-parallel ranks is {same}: "
+                          f"strategy.hybrid_shard_size=<a divisor of {dims.dp_shard}> gives replicas")
         return described
 
     def hybrid_group_size(self, hardware: HardwareConfig) -> int:
-        return self.hybrid_shard_size or hardware.nproc_per_node
+        return self.hybrid_shard_size or hardware.nproc_per_node // self.tp_size
 
-    def mesh_shape(self, hardware: HardwareConfig) -> tuple[int, int]:
-        """(replicate, shard) sizes of the device mesh."""
-        world = hardware.world_size
+    def dims(self, hardware: HardwareConfig) -> ParallelDims:
+        data_parallel, tp = hardware.world_size // self.tp_size, self.tp_size
         if self.sharding_strategy is ShardingStrategy.NO_SHARD:
-            return world, 1
+            return ParallelDims(dp_replicate=data_parallel, tp=tp)
         if self.sharding_strategy.hybrid:
             group = self.hybrid_group_size(hardware)
-            return world // group, group
-        return 1, world
+            return ParallelDims(dp_replicate=data_parallel // group, dp_shard=group, tp=tp)
+        return ParallelDims(dp_shard=data_parallel, tp=tp)
 
     def loads_weights(self, rank: int) -> bool:
         return rank == 0 or not self.cpu_ram_efficient_loading
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
-        """`fully_shard` on each unit, then on the root, on the device mesh; rank 0's weights in every shard."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+        """`fully_shard` on each unit, then on the root, over the mesh's data-parallel dimensions; rank 0's weights
+        in every shard."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         if self.cpu_ram_efficient_loading:
@@ -164,8 +194,8 @@ class FSDPStrategy(StrategyConfig):
             model = model.to("meta")
             model.tie_weights()  # moving to meta unties the LM head from the embeddings; the other ranks have them tied
         elif self.sync_module_states:
-            _broadcast_from_rank0(model)
-        mesh = init_device_mesh(device.type, self.mesh_shape(spec.hardware), mesh_dim_names=("replicate", "shard"))
+            _broadcast_from_rank0(model, dims.mesh(device.type))
+        mesh = dims.mesh(device.type)["dp_replicate", "dp_shard"]
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.offload_params else OffloadPolicy()
         options = {"mesh": mesh, "reshard_after_forward": self.sharding_strategy.reshards_after_forward,
                    "mp_policy": mixed_precision_policy(spec.precision), "offload_policy": offload}
@@ -178,11 +208,12 @@ class FSDPStrategy(StrategyConfig):
             _load_set_aside(model, weights, "cpu" if self.offload_params else device)
         return model
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
-        return self.wrap(model, spec, device)
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+        return self.wrap(model, spec, device, dims)
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
-        return self.mesh_shape(hardware)[1]
+        dims = self.dims(hardware)
+        return dims.dp_shard * dims.tp
 
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
                 device: torch.device) -> tuple[nn.Module, TorchStepper]:
@@ -200,14 +231,15 @@ class FSDPStrategy(StrategyConfig):
         With an adapter P is the adapters' parameters, and the frozen base is sharded alike in its stored dtypes
         (NF4 included: torchao's NF4 shards and all-gathers as NF4)."""
         precision, parameters = spec.precision, parameters_of(spec, facts)
-        _, shards = self.mesh_shape(spec.hardware)
+        shards = self.dims(spec.hardware).dp_shard
         w = precision.param_dtype.bytes
         gathered = min(w, precision.compute_dtype.bytes)  # FSDP's mixed-precision policy gathers in compute dtype
         reduce = precision.reduce_dtype.bytes
         k, states = spec.optim.states()
         held = sharded_elements(list(parameters.trained_shapes), shards)
         frozen = parameters.frozen_bytes(shards)
-        (root, root_trained), (largest, largest_trained), whole = unit_sizes(facts.model, self, parameters, gathered)
+        (root, root_trained), (largest, largest_trained), whole = unit_sizes(facts.model, self, parameters, gathered,
+                                                                            self.tp_size)
         _, fp8_blocks = fp8_linears(facts.model, precision)
         dtypes = ActivationDtypes(compute=gathered, stream=gathered, casts=False, fp8=fp8_blocks)
         if not self.sharding_strategy.reshards_after_forward:
@@ -222,7 +254,7 @@ class FSDPStrategy(StrategyConfig):
         if parameters.frozen:
             gather_note = gather_note.replace(dtype_name(gathered), parameters.frozen_note() + " base", 1)
         dequantized, dequantized_note = adapter_transients(parameters, precision.compute_dtype.bytes)
-        part_of = share(shards)
+        part_of = share(shards, self.tp_size)
         nproc = spec.hardware.nproc_per_node or 1
         loaders = 1 if self.cpu_ram_efficient_loading else nproc
         loss_gradient = loss_gradient_bytes(spec, facts)
@@ -260,6 +292,21 @@ class FSDPStrategy(StrategyConfig):
         if not self.cpu_ram_efficient_loading and not spec.adapter.quantized:  # qlora: each process quantizes
             changes.append(strategy_change("strategy.cpu_ram_efficient_loading=true", 0.5,
                                            cpu_ram_efficient_loading=True, sync_module_states=True))
+        return changes + self._tensor_parallel_changes(spec)
+
+    def _tensor_parallel_changes(self, spec: RunSpec) -> list[Change]:
+        """Splitting each block over 2, 4 or 8 of a node's processes, where the model's heads allow: it divides the
+        activations too, which no sharding does. Its collectives at every layer cost more the more ranks share them."""
+        if self.tp_size > 1:
+            return []
+        model, nproc = meta_model(spec.model), spec.hardware.nproc_per_node or 1
+        changes = []
+        for tp in (2, 4, 8):
+            try:
+                if nproc % tp == 0 and block_plan(model, tp):
+                    changes.append(strategy_change(f"strategy.tp_size={tp}", 1.0 + 0.5 * math.log2(tp), tp_size=tp))
+            except SpecError:
+                pass
         return changes
 
 
@@ -272,6 +319,7 @@ def switch_to_fsdp() -> Change:
 def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
     """Parameters all-gathered and computed in compute_dtype (the fp32 shards stay the master weights), gradients
     reduced in reduce_dtype."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     low = precision.compute_dtype is not Dtype.fp32 and precision.param_dtype is Dtype.fp32
@@ -279,15 +327,17 @@ def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
                                 reduce_dtype=precision.reduce_dtype.torch)
 
 
-def _broadcast_from_rank0(model: nn.Module) -> None:
-    """Rank 0's trained parameters and buffers; a frozen base is left alone: every rank builds the same one, and
-    QLoRA's NF4 tensors cannot be broadcast."""
+def _broadcast_from_rank0(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Rank 0's trained parameters and buffers, over the data-parallel dimensions: each rank gets those of the rank
+    with its tensor-parallel part. A frozen base is left alone: every rank builds the same one, and QLoRA's NF4
+    tensors cannot be broadcast."""
     import torch
     import torch.distributed as dist
 
     with torch.no_grad():
         for tensor in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
-            dist.broadcast(tensor, src=0)
+            for dimension in ("dp_shard", "dp_replicate"):
+                dist.broadcast(local(tensor), group=mesh.get_group(dimension), group_src=0)
 
 
 def _set_aside(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -363,11 +413,13 @@ def set_prefetch(units: list[nn.Module], strategy: FSDPStrategy) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - strategy.backward_prefetch) : i][::-1])
 
 
-def unit_sizes(model: nn.Module, strategy: FSDPStrategy, parameters: Parameters,
-               gathered: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+def unit_sizes(model: nn.Module, strategy: FSDPStrategy, parameters: Parameters, gathered: int,
+               tp: int = 1) -> tuple[tuple[int, int], tuple[int, int], int]:
     """(all-gathered bytes, trained parameters) of the root unit and of the largest other unit under the strategy's
     wrap policy, and the whole model's all-gathered bytes. Trained parameters gather in `gathered` bytes, as do the
-    adapters beside an adapted linear; frozen ones in the dtype they are stored in (NF4 as NF4)."""
+    adapters beside an adapted linear; frozen ones in the dtype they are stored in (NF4 as NF4). Under tensor
+    parallelism FSDP gathers a rank's parts: a tp-th of each unit (its norms, whole on every rank, are a rounding
+    error)."""
     def size(module: nn.Module, prefix: str) -> tuple[int, int]:
         gathered_bytes, trained = 0.0, 0
         for name, parameter in module.named_parameters(prefix=prefix):
@@ -375,7 +427,7 @@ def unit_sizes(model: nn.Module, strategy: FSDPStrategy, parameters: Parameters,
             gathered_bytes += parameter.numel() * (gathered if stored is None else stored)
             trained += parameter.numel() if stored is None else 0
         adapters = sum(parameters.adapters.get(name, 0) for name, _ in module.named_modules(prefix=prefix))
-        return math.ceil(gathered_bytes) + adapters * gathered, trained + adapters
+        return math.ceil(gathered_bytes / tp) + adapters * gathered, (trained + adapters) // tp
 
     names = {id(module): name for name, module in model.named_modules()}
     units = [size(unit, names[id(unit)]) for unit in wrap_units(model, strategy)]

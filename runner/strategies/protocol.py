@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
     from runner.memory.terms import Change, Estimate
+    from runner.parallel.dims import ParallelDims
 
 
 class CheckpointLayout(str, Enum):
@@ -111,15 +112,20 @@ class Strategy(Protocol):
         """Its line in the log and the estimate: `fsdp FULL_SHARD, 8 processes, mesh 1 x 8 ...`."""
         ...
 
+    def dims(self, hardware: HardwareConfig) -> ParallelDims:
+        """How its processes divide the work: the named dimensions of the job's device mesh."""
+        ...
+
     def loads_weights(self, rank: int) -> bool:
         """Whether this rank builds the model with its weights, or on the meta device to receive rank 0's."""
         ...
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
-        """The model on its device(s), wrapped or sharded, with rank 0's weights on every rank."""
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+        """The model on its device(s), wrapped or sharded over the data-parallel dimensions of `dims`' mesh, with
+        rank 0's weights on every rank."""
         ...
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         """A model that only runs forward beside the trained one (task=dpo's reference), sharded as the trained
         one's weights are: whole, or in the same shards (FSDP's units, ZeRO-3's partitions)."""
         ...

@@ -10,6 +10,7 @@ from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.replicated import whole_copies
 from runner.memory.terms import processes
+from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout
 from runner.strategies.torch_stepper import TorchStepper
@@ -48,16 +49,19 @@ class SingleStrategy(StrategyConfig):
     def describe(self, hardware: HardwareConfig) -> str:
         return f"single, {processes(hardware.world_size)}"
 
+    def dims(self, hardware: HardwareConfig) -> ParallelDims:
+        return ParallelDims()
+
     def loads_weights(self, rank: int) -> bool:
         return True
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model.to(device)  # no gradients to reduce: a replica as it is
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         return 1
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model.to(device)
 
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,

@@ -117,7 +117,8 @@ class DpoTask(TaskConfig):
             if spec.adapter.active:
                 reference = AdaptersOff()
             elif not (self.precompute_reference and cached.exists()):
-                model, _ = placed_model(spec, job.ranks, job.device, job.tokenizer, training=False, frozen=True)
+                model, _ = placed_model(spec, job.ranks, job.device, job.tokenizer, job.dims, training=False,
+                                        frozen=True)
                 model.eval()  # (DeepSpeed's engine returns None)
                 reference = FrozenCopy(model)
             if self.precompute_reference:

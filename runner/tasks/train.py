@@ -15,6 +15,7 @@ from runner.engine.checkpoint import check_resumable
 from runner.errors import require
 from runner.memory.advice import check_fit
 from runner.memory.facts import check_causal_lm, fp8_linears, meta_model
+from runner.parallel.tensor import block_plan
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -82,6 +83,9 @@ def check_training(spec: RunSpec, fit_check: bool) -> None:
     if spec.resume:
         check_resumable(spec)
     check_causal_lm(spec.model)
+    tp = spec.strategy.dims(spec.hardware).tp
+    if tp > 1:  # the model's plan, and heads that split evenly
+        block_plan(meta_model(spec.model), tp)
     if spec.adapter.active:  # the layers to adapt are the model's
         targets(spec.adapter, meta_model(spec.model))
     if spec.precision.fp8:  # an fp8 run without an fp8 layer is an error, not a bf16 run

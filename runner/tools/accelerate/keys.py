@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from runner.tools.accelerate.values import (
-    Handler, Settings, accelerator, count, flag, mixed_precision, no_meaning, transformer_engine)
+    Handler, Settings, accelerator, count, flag, fsdp2_sharding, mixed_precision, no_meaning, transformer_engine)
 
 # accelerate's distributed types and the strategy option each is here.
 DISTRIBUTED_TYPES = {"NO": "single", "MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
@@ -103,11 +103,12 @@ def dynamo(value: Any, file: dict) -> tuple[Settings, str]:
     return {}, "no meaning here: the runner does not torch.compile the model; the same run trains uncompiled"
 
 
-UNSUPPORTED_PARALLELISM = {"tp_size": "tensor", "cp_size": "context", "sp_size": "sequence"}
+UNSUPPORTED_PARALLELISM = {"cp_size": "context", "sp_size": "sequence"}
 
 
 def parallelism(value: Any, file: dict) -> tuple[Settings, str]:
-    """accelerate's ParallelismConfig: the data-parallel sizes are FSDP's hybrid mesh; other sizes are refused."""
+    """accelerate's ParallelismConfig: the data-parallel sizes are FSDP's hybrid mesh and tp_size its tensor-parallel
+    dimension (strategy.tp_size); context and sequence parallelism are refused."""
     if not value:
         return {}, "no meaning here: empty"
     if not isinstance(value, dict):
@@ -117,12 +118,19 @@ def parallelism(value: Any, file: dict) -> tuple[Settings, str]:
         if count(sizes.get(key, 1), 1) > 1:
             raise ValueError(f"{key}: {sizes[key]}: the runner has no {kind} parallelism")
     replicate, shard = count(sizes.get("dp_replicate_size", 1), 1), count(sizes.get("dp_shard_size", 1), 1)
-    if replicate == 1:
+    tp = count(sizes.get("tp_size", 1), 1)
+    if replicate == 1 and tp == 1:
         return {}, "no meaning here: one replicate group, so sharding follows fsdp_config"
     if file["distributed_type"] != "FSDP":
-        raise ValueError("dp_replicate_size > 1 is FSDP's hybrid mesh; it needs distributed_type FSDP")
-    return {"strategy.sharding_strategy": "HYBRID_SHARD", "strategy.hybrid_shard_size": shard}, (
-        f"mesh {replicate} x {shard} (replicate x shard)")
+        raise ValueError("dp_replicate_size and tp_size > 1 lay out FSDP's mesh; they need distributed_type FSDP")
+    settings: Settings = {"strategy.tp_size": tp} if tp > 1 else {}
+    if replicate > 1:
+        reshards = (file.get("fsdp_config") or {}).get("fsdp_reshard_after_forward", True) is not False
+        settings.update({"strategy.sharding_strategy": fsdp2_sharding(file, reshards),
+                         "strategy.hybrid_shard_size": shard})
+    shown = [(name, size) for name, size in (("dp_replicate", replicate), ("dp_shard", shard), ("tp", tp))]
+    return settings, (f"mesh {' x '.join(str(size) for _, size in shown)} "
+                      f"({' x '.join(name for name, _ in shown)})")
 
 
 TPU = no_meaning("a TPU pod's setting; the runner trains on CPUs and CUDA GPUs")

@@ -12,7 +12,7 @@ from runner.strategies import STRATEGIES
 from runner.strategies.deepspeed import OffloadDevice
 from runner.strategies.fsdp import AutoWrapPolicy, ShardingStrategy, StateDictType
 from runner.tools.accelerate.values import (
-    Handler, Settings, count, flag, mixed_precision, named, no_meaning, setting, transformer_engine)
+    Handler, Settings, count, flag, fsdp2_sharding, mixed_precision, named, no_meaning, setting, transformer_engine)
 
 # accelerate's own orders: a file may give a value as its 1-based position in the list.
 SHARDING_STRATEGIES = [s.value for s in ShardingStrategy]
@@ -43,7 +43,7 @@ def reshard_after_forward(value: Any, file: dict) -> tuple[Settings, str]:
     if fsdp_version_of(file) == 2:  # a bool, and what decides the sharding: fsdp_sharding_strategy goes unread
         if not isinstance(value, bool):
             raise ValueError("fsdp_version 2 takes true or false, as accelerate does")
-        return {"strategy.sharding_strategy": "FULL_SHARD" if value else "SHARD_GRAD_OP"}, "fsdp_version 2's form"
+        return {"strategy.sharding_strategy": fsdp2_sharding(file, value)}, "fsdp_version 2's form"
     if not isinstance(value, bool):  # the form accelerate's questionnaire writes for version 1: a strategy's name
         return sharding_strategy(value, file)
     given = file["fsdp_config"].get("fsdp_sharding_strategy")

@@ -31,6 +31,16 @@ def count(value: Any, minimum: int) -> int:
     return value
 
 
+def fsdp2_sharding(file: dict, reshards_after_forward: bool) -> str:
+    """The sharding strategy FSDP2's fsdp_reshard_after_forward means: across all data-parallel processes, or
+    within each shard group when parallelism_config gives replicate groups (accelerate's HSDP)."""
+    sizes = file.get("parallelism_config") or {}
+    hybrid = isinstance(sizes, dict) and count(sizes.get("parallelism_config_dp_replicate_size", 1), 1) > 1
+    if hybrid:
+        return "HYBRID_SHARD" if reshards_after_forward else "HYBRID_SHARD_ZERO2"
+    return "FULL_SHARD" if reshards_after_forward else "SHARD_GRAD_OP"
+
+
 def named(value: Any, names: list[str]) -> str:
     """A value given by name (any case) or by its 1-based position in accelerate's list of names."""
     if isinstance(value, str) and value.upper() in names:

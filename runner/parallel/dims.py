@@ -1,0 +1,65 @@
+"""The job's layout: its processes as a device mesh with named dimensions, outermost first (torchtitan's
+`ParallelDims`, and its order):
+
+    dp_replicate   data-parallel replicas (HYBRID_SHARD's groups, NO_SHARD's and DDP's ranks)
+    dp_shard       data-parallel shards (FULL_SHARD's ranks, DeepSpeed's)
+    tp             tensor-parallel ranks: each holds a part of every block, all of them run the same rows
+
+A global batch is split over the data-parallel ranks, dp_replicate x dp_shard of them (torchtitan's "batch"
+dimension). Consecutive ranks share a tensor-parallel group, so that a group sits within one node, where its
+all-gathers at every layer are fastest.
+
+torch is imported inside the methods: the command line answers `--help` and `--cfg` without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    _mesh: Optional[Any] = field(default=None, init=False, repr=False, compare=False)
+
+    names: ClassVar[tuple[str, ...]] = ("dp_replicate", "dp_shard", "tp")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.dp_replicate, self.dp_shard, self.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks, which split each global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self, rank: int) -> int:
+        """A rank's place along the batch dimension: which part of each global batch it runs."""
+        return rank // self.tp
+
+    def counted(self, rank: int) -> bool:
+        """Whether a rank's shares count in sums over the data-parallel ranks: one rank of each tensor-parallel
+        group, whose others repeat its rows and its loss."""
+        return rank % self.tp == 0
+
+    def mesh(self, device_type: str) -> DeviceMesh:
+        """The device mesh over every process, built once (its process groups are made on the first call)."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+        return self._mesh
+
+    def describe(self) -> str:
+        shown = [(name, size) for name, size in zip(self.names, self.shape) if name != "tp" or size > 1]
+        return f"mesh {' x '.join(str(size) for _, size in shown)} ({' x '.join(name for name, _ in shown)})"

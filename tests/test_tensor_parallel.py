@@ -1,0 +1,143 @@
+"""Tensor parallelism composed with FSDP (strategy.tp_size): the same math as one process, on 2-D and 3-D meshes.
+
+With the same seed, data order and global batch, in fp32, the per-step losses of one process and of each layout
+agree within 1e-5 relative over 10 optimizer steps: tp 2 alone, FSDP 2 x tp 2, and HYBRID_SHARD 2 x 1 x tp 2.
+"""
+
+import pytest
+
+from helpers import QUICK, logged, resolved_spec, step_losses, train_in_workers
+from runner.engine.job import prepare_job
+from runner.engine.loop import train
+
+STEPS = 10
+# Global batch 8: micro batch 2 x 4 accumulation steps in one process and under tp 2 alone (one data-parallel rank),
+# x 2 data-parallel ranks x 2 steps on four processes.
+BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
+        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64"]
+TP = ["strategy=fsdp", "strategy.tp_size=2"]
+LAYOUTS = {
+    "tp 2": (2, [*TP, "train.grad_accum_steps=4"]),
+    "fsdp 2 x tp 2": (4, [*TP, "train.grad_accum_steps=2"]),
+    "hybrid 2 x 1 x tp 2": (4, [*TP, "train.grad_accum_steps=2", "strategy.sharding_strategy=HYBRID_SHARD",
+                                "strategy.hybrid_shard_size=1"]),
+    # The whole logits' loss, and each block recomputed in backward with its collectives.
+    "tp 2, full logits, activation checkpointing": (2, [*TP, "train.grad_accum_steps=4", "train.loss=full",
+                                                        "strategy.activation_checkpointing=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    train(prepare_job(resolved_spec([*BASE, "train.grad_accum_steps=4"]), run_dir))
+    return step_losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference_full_logits(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("single")
+    train(prepare_job(resolved_spec([*BASE, "train.grad_accum_steps=4", "train.loss=full"]), run_dir))
+    return step_losses(run_dir)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_losses_as_one_process(layout, reference, reference_full_logits, tmp_path):
+    nproc, overrides = LAYOUTS[layout]
+    reference = reference_full_logits if "train.loss=full" in overrides else reference
+    spec = resolved_spec([*BASE, f"hardware.nproc_per_node={nproc}", *overrides])
+    train_in_workers([spec], [tmp_path], nproc=nproc)
+    losses = step_losses(tmp_path)
+    assert len(losses) == len(reference) == STEPS
+    assert losses == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_of_fsdp_x_tp_resumes_under_fsdp_alone_and_in_one_process(reference, tmp_path):
+    """Saved under fsdp 2 x tp 2 at step 5 (FULL: the whole model and optimizer state, gathered from both
+    dimensions), resumed under fsdp 4 and in one process: the same losses from step 6 on."""
+    saved = tmp_path / "fsdp 2 x tp 2"
+    nproc, overrides = LAYOUTS["fsdp 2 x tp 2"]
+    spec = resolved_spec([*BASE, f"hardware.nproc_per_node={nproc}", *overrides, "train.checkpoint_every=5"])
+    train_in_workers([spec], [saved], nproc=nproc)
+    checkpoint = f"resume={saved / 'checkpoints' / 'step_00000005'}"
+    on_four = resolved_spec([*BASE, checkpoint, "hardware.nproc_per_node=4", "strategy=fsdp"])
+    train_in_workers([on_four], [tmp_path / "fsdp 4"], nproc=4)
+    in_one = resolved_spec([*BASE, checkpoint, "train.grad_accum_steps=4"])
+    (tmp_path / "single").mkdir()
+    train(prepare_job(in_one, tmp_path / "single"))
+    assert step_losses(saved)[:5] == pytest.approx(reference[:5], rel=1e-5)
+    for resumed in ("fsdp 4", "single"):
+        losses = logged(tmp_path / resumed, "loss")
+        assert list(losses) == list(range(6, STEPS + 1))
+        assert list(losses.values()) == pytest.approx(reference[5:], rel=1e-5)
+
+
+def _mesh_places(ranks, dims):
+    """This rank's place on the job's mesh, as DTensor's mesh gives it and as the data loader is told it."""
+    mesh = dims.mesh("cpu")
+    batch = mesh["dp_replicate", "dp_shard"]
+    return {"batch": batch.get_local_rank(0) * batch.size(1) + batch.get_local_rank(1),
+            "tp": mesh.get_local_rank("tp"), "dp_rank": dims.dp_rank(ranks.rank), "counted": dims.counted(ranks.rank)}
+
+
+@pytest.mark.distributed
+def test_the_data_loader_is_told_its_place_on_the_mesh_batch_dimension():
+    """On a 2 x 2 x 2 mesh of 8 processes (HYBRID_SHARD x tp): the data-parallel rank each process reads for is its
+    coordinate along dp_replicate x dp_shard, and one rank of each tensor-parallel group counts in sums."""
+    from helpers import run_in_workers
+    from runner.parallel.dims import ParallelDims
+
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2)
+    places = run_in_workers(_mesh_places, dims, nproc=8)
+    assert [place["batch"] for place in places] == [place["dp_rank"] for place in places] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [place["tp"] for place in places] == [0, 1] * 4
+    assert [place["counted"] for place in places] == [True, False] * 4
+
+
+def test_the_estimate_splits_parameters_and_activations_over_the_tensor_parallel_ranks():
+    """Llama-3-8B on 8 H100s: fsdp 4 x tp 2 holds the same 1/8 of the weights as fsdp 8 (to the shards' padding),
+    half its activations but for the head's gathered input, and a fit check short of memory proposes tp."""
+    from runner.memory.facts import facts_of
+    from runner.memory.terms import estimate
+
+    overrides = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb",
+                 "data.seq_len=4096", "train.micro_batch_size=1"]
+    fsdp = resolved_spec(overrides)
+    split = resolved_spec([*overrides, "strategy.tp_size=2"])
+    facts = facts_of(fsdp.model)
+    whole, parts = estimate(fsdp, facts), estimate(split, facts)
+    assert parts.weights.bytes == pytest.approx(whole.weights.bytes, rel=1e-3)
+    assert parts.optimizer_states.bytes == pytest.approx(whole.optimizer_states.bytes, rel=1e-3)
+    assert whole.activations.bytes / 2 < parts.activations.bytes < whole.activations.bytes / 2 * 1.02
+    assert "a 1/4 shard of its 1/2 tensor-parallel part" in parts.weights.note
+
+
+def test_a_run_that_fits_only_split_is_told_to_split():
+    from runner.memory.advice import check_fit
+    from runner.errors import SpecError
+
+    long = resolved_spec(["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16",
+                          "hardware=8xh100_80gb", "data.seq_len=32768", "train.micro_batch_size=1"])
+    with pytest.raises(SpecError, match=r"it fits with: .*strategy\.tp_size=4"):
+        check_fit(long)
+
+
+@pytest.mark.distributed
+def test_a_sharded_checkpoint_resumes_on_its_own_layout_and_is_refused_on_another(tmp_path):
+    """SHARDED (each rank's own parts of the 2-D tensors): resumed under the same tp 2, the same losses from step 6
+    on; the same two processes as fsdp 2 are refused before launch, naming both meshes."""
+    from runner.errors import SpecError
+
+    nproc, overrides = LAYOUTS["tp 2"]
+    sharded = [*BASE, f"hardware.nproc_per_node={nproc}", *overrides, "strategy.state_dict_type=SHARDED"]
+    whole = resolved_spec([*sharded, "train.checkpoint_every=5"])
+    train_in_workers([whole], [tmp_path / "whole"], nproc=nproc)
+    checkpoint = f"resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000005'}"
+    train_in_workers([resolved_spec([*sharded, checkpoint])], [tmp_path / "resumed"], nproc=nproc)
+    assert logged(tmp_path / "resumed", "loss") == pytest.approx(
+        {step: loss for step, loss in logged(tmp_path / "whole", "loss").items() if step > 5}, rel=1e-6)
+    with pytest.raises(SpecError, match=r"holds the shards of mesh 1 x 1 x 2 and this run's is 1 x 2 x 1"):
+        resolved_spec([*BASE, checkpoint, "hardware.nproc_per_node=2", "train.grad_accum_steps=2", "strategy=fsdp",
+                       "strategy.state_dict_type=SHARDED"])
