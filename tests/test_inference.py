@@ -57,12 +57,15 @@ def test_evaluate_reproduces_the_runs_last_eval_loss(trained):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=fsdp"], ["strategy=fsdp", "strategy.tp_size=2"]],
+                         ids=["ddp", "fsdp", "fsdp tp 2"])
 def test_evaluate_sums_exactly_across_ranks(trained, strategy):
+    """Two data-parallel ranks each evaluate half the rows; under tp 2 both ranks run all of them, split, and count
+    once."""
     workdir, run_dir = trained
     single, _ = task(workdir, "task=evaluate", f"task.trained={run_dir}", "train.eval_batches=4")
     shared, _ = task(workdir, "task=evaluate", f"task.trained={run_dir}", "train.eval_batches=4",
-                     f"strategy={strategy}", "hardware.nproc_per_node=2")
+                     *strategy, "hardware.nproc_per_node=2")
     one, two = (json.loads((d / "eval.json").read_text()) for d in (single, shared))
     assert two["processes"] == 2 and two["label_tokens"] == one["label_tokens"]
     assert abs(two["eval_loss"] - one["eval_loss"]) < 1e-5
