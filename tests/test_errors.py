@@ -38,6 +38,8 @@ BAD_INPUTS = {
          "strategy.hybrid_shard_size=4"], "strategy.hybrid_shard_size=4 does not divide the 2 data-parallel ranks"),
     "LoRA under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
                                        "adapter=lora"], "adapter=lora with strategy.tp_size=2"),
+    "compiled blocks under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
+                                                  "train.compile=true"], "train.compile=true with strategy.tp_size=2"),
     "rank 0's loading under tensor parallelism": (
         ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
          "strategy.cpu_ram_efficient_loading=true"], "strategy.cpu_ram_efficient_loading=true with strategy.tp_size=2"),

@@ -157,6 +157,9 @@ class FSDPStrategy(StrategyConfig):
         require(not self.cpu_ram_efficient_loading,
                 f"strategy.cpu_ram_efficient_loading=true with {tp}: every rank splits its own copy of the weights; "
                 "set strategy.cpu_ram_efficient_loading=false")
+        require(not spec.train.compile,
+                f"train.compile=true with {tp}: torch.compile of the split blocks fails in their DTensor forward "
+                "(torch 2.13 on the CPU; untried on GPUs); set train.compile=false")
 
     def describe(self, hardware: HardwareConfig) -> str:
         dims = self.dims(hardware)
