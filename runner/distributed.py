@@ -26,14 +26,15 @@ def process_group_up() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_ranks_sums(values: list[float]) -> list[float]:
-    """The sums of several numbers over all ranks, in one collective (the numbers themselves in a single process)."""
+def all_ranks_sums(values: list[float], counted: bool = True) -> list[float]:
+    """The sums of several numbers over all ranks, in one collective (the numbers themselves in a single process).
+    A rank that is not `counted` adds zeros: it repeats another's shares (a tensor-parallel group's other ranks)."""
     import torch
     import torch.distributed as dist
 
     if not process_group_up():
         return list(values)
-    totals = torch.tensor([float(value) for value in values], dtype=torch.float64)
+    totals = torch.tensor([float(value) * counted for value in values], dtype=torch.float64)
     dist.all_reduce(totals)
     return totals.tolist()
 

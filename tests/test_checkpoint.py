@@ -170,7 +170,8 @@ def worker_pid(run_dir: Path, rank: int) -> int:
 
 def pending_signals(pid: int) -> set[signal.Signals]:
     """The signals sent to a process that it has not handled yet (a stopped process keeps them), from /proc."""
-    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
     mask = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
     return {number for number in signal.valid_signals() if number < 32 and mask >> (number - 1) & 1}
 

@@ -317,8 +317,9 @@ def dpo_run(pairs: Path, tokenizer_dir: Path, steps: int = 3) -> list[str]:
 @pytest.mark.distributed
 def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokenizer_dir, tmp_path):
     """One global batch of 8 pairs a step: 1 process x 4 accumulation steps, or 2 x 2, under ddp, fsdp and ZeRO-2
-    and 3, the reference a frozen copy (under fsdp tp 2, 1 data-parallel rank x 4, both models split); with LoRA (the reference: the adapters off) under single and fsdp; with the
-    reference's log-probs precomputed once into the token store, and read back."""
+    and 3, the reference a frozen copy (under fsdp tp 2: 1 data-parallel rank x 4, both models split); with LoRA
+    (the reference: the adapters off) under single and fsdp; with the reference's log-probs precomputed once into
+    the token store, and read back."""
     from helpers import resolved_spec, step_losses, train_in_workers
 
     base = dpo_run(short_pairs, llama3_tokenizer_dir)

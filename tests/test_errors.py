@@ -31,7 +31,8 @@ BAD_INPUTS = {
         ["strategy=fsdp", "strategy.tp_size=3", "hardware.nproc_per_node=4"],
         "strategy.tp_size=3 does not divide a node's 4 processes"),
     "tensor parallelism that does not divide the heads": (
-        ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2", "model.architecture.num_key_value_heads=1"],
+        ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
+         "model.architecture.num_key_value_heads=1"],
         "strategy.tp_size=2 does not divide the model's 4 attention heads and 1 key-value heads"),
     "hybrid groups that do not divide the data-parallel ranks": (
         ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=4", "strategy.sharding_strategy=HYBRID_SHARD",

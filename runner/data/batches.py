@@ -115,8 +115,8 @@ def streamed_batches(
     while True:
         taken = [next(rows) for _ in range(micro_batch_size * grad_accum_steps)]
         mine = [row for row, _ in taken]
-        tokens, label_tokens = all_ranks_sums([sum(row["tokens"] for row in mine) * counted,
-                                               sum(row["label_tokens"] for row in mine) * counted])
+        tokens, label_tokens = all_ranks_sums([sum(row["tokens"] for row in mine),
+                                               sum(row["label_tokens"] for row in mine)], counted)
         yield GlobalBatch(
             [collate(columns(mine[i:i + micro_batch_size]), pad_token_id)
              for i in range(0, len(mine), micro_batch_size)],

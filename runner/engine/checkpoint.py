@@ -127,9 +127,10 @@ def check_resumable(spec: RunSpec) -> None:
                 f"run has {spec.hardware.world_size} processes; resume on {written['world_size']}, or write FULL "
                 "checkpoints (strategy.state_dict_type=FULL), which resume on any number")
         mesh = list(strategy.dims(spec.hardware).shape)
-        require(written.get("mesh", mesh) == mesh,
-                f"the checkpoint {spec.resume} holds the shards of mesh {' x '.join(map(str, written.get('mesh', [])))} "
-                f"and this run's is {' x '.join(map(str, mesh))} (dp_replicate x dp_shard x tp); resume on the same "
+        saved = written.get("mesh", mesh)  # (checkpoints written before the mesh was recorded: its world size)
+        require(saved == mesh,
+                f"the checkpoint {spec.resume} holds the shards of mesh {' x '.join(map(str, saved))} and this "
+                f"run's is {' x '.join(map(str, mesh))} (dp_replicate x dp_shard x tp); resume on the same "
                 "layout, or write FULL checkpoints (strategy.state_dict_type=FULL), which resume on any layout")
     require(written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
             f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "

@@ -80,10 +80,10 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
             log.warning("step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
                         step, cfg.max_steps, result.outcome.loss_scale)
         # The loss's .item() also waits for the device, so the timing is the step's own. Every rank stops after
-        # the same step.
-        step_loss, stop_votes, *metric_sums = all_ranks_sums([result.loss.item() * job.counted,
-                                                              stop.requested is not None,
-                                                              *(value * job.counted for value in result.metrics.values())])
+        # the same step: every rank's stop vote counts, in the same collective as the shares.
+        shares = [result.loss.item(), *result.metrics.values()]
+        step_loss, *metric_sums, stop_votes = all_ranks_sums(
+            [*(share * job.counted for share in shares), stop.requested is not None])
         if not math.isfinite(step_loss):
             last_good = checkpoint.complete_checkpoints(job.run_dir)
             raise NonFiniteLoss(f"the loss is {step_loss} at step {step}; the last good checkpoint is "

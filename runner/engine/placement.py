@@ -9,7 +9,8 @@ comes before anything that holds on to them (checkpointed blocks, FSDP's units, 
 dtype is the weights' before sharding, so that shards, buckets and all-gathers take it. Tensor parallelism splits
 the blocks' layers before anything wraps them: checkpointing then recomputes the split layers with their
 collectives, and FSDP shards the split parameters, as 2-D tensors, over the data-parallel dimensions of the same
-mesh. Activation checkpointing wraps each block's forward inside the block, and the strategy's wrapping then sees the checkpointed blocks.
+mesh. Activation checkpointing wraps each block's forward inside the block, and the strategy's wrapping then sees
+the checkpointed blocks.
 Compiling replaces each block's forward with its compiled version, in place: the strategy's hooks and the
 checkpointing around it stay eager, and the blocks keep their class and parameter names, which FSDP's wrap
 policy and every checkpoint read. FSDP shards unit by unit, the blocks first. The optimizer takes the parameters

@@ -126,10 +126,9 @@ def precomputed(job: PreparedJob, reference: Reference, path: Path) -> Precomput
             table[micro_batch.store_rows] = logps
     job.model.train()
     mine = np.zeros(len(table))
-    if job.counted:
-        owned = slice(2 * dp_rank * share, 2 * min((dp_rank + 1) * share, len(pairs)))
-        mine[owned] = table[owned]
-    table = np.array(all_ranks_sums(mine.tolist()), dtype=np.float32)
+    owned = slice(2 * dp_rank * share, 2 * min((dp_rank + 1) * share, len(pairs)))
+    mine[owned] = table[owned]
+    table = np.array(all_ranks_sums(mine.tolist(), job.counted), dtype=np.float32)
     if job.ranks.rank == 0:
         partial = path.with_name(f"{path.name}.partial-{os.getpid()}")
         with open(partial, "wb") as file:
@@ -186,7 +185,7 @@ class PreferenceLoss:
                     losses, metrics = self.pair_losses(job, micro_batch.to(job.device))
                 sums += torch.stack([losses.sum(), *(metrics[name].sum() for name in METRICS)]).double()
                 pairs += len(losses)
-        total, *metric_sums, counted = all_ranks_sums([value * job.counted for value in (*sums.tolist(), pairs)])
+        total, *metric_sums, counted = all_ranks_sums([*sums.tolist(), pairs], job.counted)
         return {"eval_loss": total / counted,
                 **{f"eval_{name}": value / counted for name, value in zip(METRICS, metric_sums)}}
 

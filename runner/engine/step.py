@@ -126,6 +126,5 @@ def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.dev
                 loss_sum += model(**batch.inputs, loss_labels=batch.labels).to(device)
             label_tokens += batch.label_tokens
             tokens += batch.tokens
-    total_loss, total_labels, total_tokens = all_ranks_sums([value * counted for value in
-                                                             (loss_sum.item(), label_tokens, tokens)])
+    total_loss, total_labels, total_tokens = all_ranks_sums([loss_sum.item(), label_tokens, tokens], counted)
     return MeanLoss(total_loss / total_labels, int(total_labels), int(total_tokens))

@@ -114,8 +114,8 @@ def activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes)
     adapters = parameters.activation_bytes(dtypes.compute)
     tp = spec.strategy.dims(spec.hardware).tp
     split = f", split {tp} ways (tensor and sequence parallel)" if tp > 1 else ""
-    note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers{split}, {attention}, "
-            f"{'activation checkpointing' if checkpointing else 'no checkpointing'}; "
+    note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers{split}, "
+            f"{attention}, {'activation checkpointing' if checkpointing else 'no checkpointing'}; "
             f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}"
             + (f"; the adapters' rank-{parameters.rank} intermediates" + (" and dropout copies" if parameters.dropout
                                                                           else "") if adapters else ""))
