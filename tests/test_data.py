@@ -199,6 +199,7 @@ def test_rows_are_packed_in_groups_that_bound_memory_whatever_the_corpus():
     assert [len(group) for group in found] == [1000, 1000, 500, 1, 3, 3, 1]
 
 
+@pytest.mark.signals
 def test_the_tokenizing_processes_end_with_the_run_that_started_them(workdir):
     """`run --prepare-data` killed mid-way (kill -9, out of memory) leaves no process tokenizing for no one."""
     import psutil
@@ -211,8 +212,12 @@ def test_the_tokenizing_processes_end_with_the_run_that_started_them(workdir):
     job = start_cli("--prepare-data", "data=text_files", f"data.files={corpus}", "data.num_proc=2",
                     f"data.cache_dir={workdir / 'cache'}", cwd=workdir)
     run = psutil.Process(job.pid)
-    workers = wait_until(lambda: [p for p in run.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
-                         if "tokenizing" in job.stderr() else None, "the tokenizing processes", job=job)
+
+    def both_tokenizing_processes():  # the pool starts them one after the other: wait for the second too
+        workers = [p for p in run.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+        return workers if len(workers) == 2 and "tokenizing" in job.stderr() else None
+
+    workers = wait_until(both_tokenizing_processes, "the two tokenizing processes", job=job)
     os.kill(job.pid, 9)
     gone, alive = psutil.wait_procs(workers, timeout=60)  # at once, in fact: the kernel signals them
     assert alive == [] and len(gone) == 2
