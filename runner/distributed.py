@@ -57,6 +57,17 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def whole_on_cpu(state: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+    """Each tensor whole, a DTensor's shards gathered one tensor at a time (every rank of its mesh takes part), as
+    a CPU copy where `keep`; empty elsewhere."""
+    whole = {}
+    for name, tensor in state.items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if keep:
+            whole[name] = cpu_copy(full)
+    return whole
+
+
 def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A plain, contiguous CPU copy: safetensors stores each tensor once (tied weights and views get their own
     copies), and a tensor subclass (torchao's float8 all-gather weights) becomes the plain tensor it wraps."""

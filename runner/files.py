@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from runner.distributed import cpu_copy
 from runner.errors import SpecError
@@ -55,6 +55,15 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     save_file({name: cpu_copy(t) for name, t in tensors.items()}, path)
+
+
+def read_tensors(path: Path, wanted: Optional[set[str]] = None,
+                 name_of: Callable[[str], str] = lambda key: key) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, or those whose key's `name_of` is in `wanted`, read alone from the file."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as tensors:
+        return {key: tensors.get_tensor(key) for key in tensors.keys() if wanted is None or name_of(key) in wanted}
 
 
 def new_recipe(name: str, retry: str) -> Path:

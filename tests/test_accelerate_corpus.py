@@ -151,7 +151,7 @@ def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
                           "main_process_ip: 10.0.0.1\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n")
         spec = checked_recipe(recipe_of(source, "hybrid")[0])
         assert to_plain(spec)["strategy"]["hybrid_shard_size"] is None
-        assert spec.strategy.dims(spec.hardware).shape == (*mesh, 1)
+        assert spec.strategy.dims(spec.hardware).shape == (1, *mesh, 1)
 
 
 def test_transformer_engines_scaling_goes_back_to_accelerate_and_returns():
@@ -170,7 +170,7 @@ def test_accelerates_tensor_parallel_hsdp_example_is_the_same_mesh_here_and_back
     register(RECIPES_DIR)
     name = "huggingface__accelerate__examples__torch_native_parallelism__configs__tp_hsdp.yaml"
     spec = checked_recipe(recipe_of(CORPUS / name, "tp_hsdp")[0])
-    assert spec.strategy.dims(spec.hardware).shape == (2, 2, 2)
+    assert spec.strategy.dims(spec.hardware).shape == (1, 2, 2, 2)
     text, _ = accelerate_file(spec)
     assert yaml.safe_load(text)["parallelism_config"] == yaml.safe_load((CORPUS / name).read_text())[
         "parallelism_config"]

@@ -7,6 +7,7 @@ import pytest
 
 from helpers import run_cli
 
+TRL_PAIRS = Path(__file__).parent / "data" / "trl" / "preference_standard.jsonl"
 BAD_INPUTS = {
     "unknown key": (["strategy.shardng=x"], "unknown key strategy.shardng"),
     "unknown key added with +": (["+optim.foo=1"], "unknown key optim.foo"),
@@ -44,6 +45,31 @@ BAD_INPUTS = {
     "rank 0's loading under tensor parallelism": (
         ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
          "strategy.cpu_ram_efficient_loading=true"], "strategy.cpu_ram_efficient_loading=true with strategy.tp_size=2"),
+    "pipeline parallelism under deepspeed": (["strategy=deepspeed", "strategy.pp_size=2", "hardware.nproc_per_node=2"],
+                                             "strategy.pp_size is a key of strategy=fsdp, not of strategy=deepspeed"),
+    "pipeline stages that do not divide the processes": (
+        ["strategy=fsdp", "strategy.pp_size=2", "hardware.nproc_per_node=3"],
+        "strategy.pp_size=2 x strategy.tp_size=1 does not divide the 3 processes"),
+    "more pipeline stages than layers": (
+        ["strategy=fsdp", "strategy.pp_size=2", "strategy.pp_schedule=Interleaved1F1B", "hardware.nproc_per_node=2",
+         "model.architecture.num_hidden_layers=3", "train.grad_accum_steps=2"],
+        "strategy.pp_size=2 with strategy.pp_schedule=Interleaved1F1B cuts the model into 4 stages, more than its "
+        "3 decoder layers"),
+    "a schedule with fewer micro batches than stages": (
+        ["strategy=fsdp", "strategy.pp_size=2", "hardware.nproc_per_node=2"],
+        "strategy.pp_schedule=1F1B with strategy.pp_size=2: 1F1B needs at least as many microbatches as stages (2), "
+        "and a step has 1 (train.grad_accum_steps"),
+    "a schedule that is not one": (["strategy=fsdp", "strategy.pp_size=2", "hardware.nproc_per_node=2",
+                                    "strategy.pp_schedule=ZeroBubble"],
+                                   "strategy.pp_schedule=ZeroBubble is not a schedule; use one of GPipe, 1F1B, "
+                                   "Interleaved1F1B"),
+    "pipeline and tensor parallelism together": (
+        ["strategy=fsdp", "strategy.pp_size=2", "strategy.tp_size=2", "hardware.nproc_per_node=4",
+         "train.grad_accum_steps=2"], "strategy.pp_size=2 with strategy.tp_size > 1"),
+    "preference training through a pipeline": (
+        ["task=dpo", "data=preference_files", f"data.files={TRL_PAIRS}", "strategy=fsdp", "strategy.pp_size=2",
+         "hardware.nproc_per_node=2", "train.grad_accum_steps=2"],
+        "task=dpo with 2 pipeline stages (strategy.pp_size)"),
     "hybrid groups that do not divide the processes": (
         ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=3",
          "hardware.nproc_per_node=4"], "strategy.hybrid_shard_size=3 does not divide the 4 processes"),

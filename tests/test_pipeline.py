@@ -9,7 +9,8 @@ import torch
 from helpers import composed, run_in_workers
 from runner.config.model import build_model, build_tokenizer
 from runner.engine.generation import Decoding, next_tokens, prompt_batches
-from runner.engine.pipeline import pipeline_generate, stage_bounds
+from runner.engine.pipeline import pipeline_generate
+from runner.parallel.pipeline import stage_bounds
 from runner.errors import SpecError
 
 PROMPTS = ["Hello", "The quick brown fox", "a", "pipeline parallel", "12345 678"]

@@ -138,6 +138,6 @@ def test_a_sharded_checkpoint_resumes_on_its_own_layout_and_is_refused_on_anothe
     train_in_workers([resolved_spec([*sharded, checkpoint])], [tmp_path / "resumed"], nproc=nproc)
     assert logged(tmp_path / "resumed", "loss") == pytest.approx(
         {step: loss for step, loss in logged(tmp_path / "whole", "loss").items() if step > 5}, rel=1e-6)
-    with pytest.raises(SpecError, match=r"holds the shards of mesh 1 x 1 x 2 and this run's is 1 x 2 x 1"):
+    with pytest.raises(SpecError, match=r"holds the shards of mesh 1 x 1 x 1 x 2 and this run's is 1 x 1 x 2 x 1"):
         resolved_spec([*BASE, checkpoint, "hardware.nproc_per_node=2", "train.grad_accum_steps=2", "strategy=fsdp",
                        "strategy.state_dict_type=SHARDED"])

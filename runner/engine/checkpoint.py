@@ -127,10 +127,12 @@ def check_resumable(spec: RunSpec) -> None:
                 f"run has {spec.hardware.world_size} processes; resume on {written['world_size']}, or write FULL "
                 "checkpoints (strategy.state_dict_type=FULL), which resume on any number")
         mesh = list(strategy.dims(spec.hardware).shape)
-        saved = written.get("mesh", mesh)  # (checkpoints written before the mesh was recorded: its world size)
+        # (checkpoints written before the mesh was recorded: its world size; before pipelines: no pp dimension)
+        saved = written.get("mesh", mesh)
+        saved = [1, *saved] if len(saved) == len(mesh) - 1 else saved
         require(saved == mesh,
                 f"the checkpoint {spec.resume} holds the shards of mesh {' x '.join(map(str, saved))} and this "
-                f"run's is {' x '.join(map(str, mesh))} (dp_replicate x dp_shard x tp); resume on the same "
+                f"run's is {' x '.join(map(str, mesh))} (pp x dp_replicate x dp_shard x tp); resume on the same "
                 "layout, or write FULL checkpoints (strategy.state_dict_type=FULL), which resume on any layout")
     require(written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
             f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "

@@ -88,8 +88,8 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         from safetensors.torch import load_file
 
         weights = load_file(trained.checkpoint / "model.safetensors")
-    model, _ = placed_model(spec, ranks, device, tokenizer, spec.strategy.dims(spec.hardware), training=False,
-                            weights=weights)
+    model = placed_model(spec, ranks, device, tokenizer, spec.strategy.dims(spec.hardware), training=False,
+                            weights=weights).model
     # Frozen: autocast would otherwise keep a low-precision copy of every weight that requires grad.
     model.eval().requires_grad_(False)
     return InferenceModel(model, tokenizer, device, cast_forward)

@@ -19,6 +19,7 @@ from runner.data.stream import StreamedRows, check_stream
 from runner.distributed import Ranks
 from runner.engine import checkpoint
 from runner.engine.placement import device_of, place
+from runner.strategies.protocol import parameter_count
 from runner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -68,6 +69,10 @@ class PreparedJob:
     # What the steps minimise and the evaluations report (runner/engine/step.py's Objective, which imports this
     # module): None, the next-token loss, unless the task sets its own.
     objective: Any = None
+    # Under pipeline parallelism, the schedule of this rank's stages (runner/engine/schedule.py's Pipeline, which
+    # imports step.py, which imports this module), which runs the steps' forward and backward and the evaluation;
+    # `model` then holds this rank's stages only.
+    pipeline: Any = None
 
     @property
     def dp_size(self) -> int:
@@ -78,6 +83,12 @@ class PreparedJob:
         """Whether this rank's shares count in sums over the ranks (a tensor-parallel group's other ranks repeat
         them)."""
         return self.dims.counted(self.ranks.rank)
+
+    def parameter_count(self) -> int:
+        """The whole model's parameters, however they are sharded, or spread over a pipeline's stages (every rank
+        of a pipeline takes part)."""
+        own = parameter_count(self.model)
+        return self.pipeline.parameters(own) if self.pipeline else own
 
     @property
     def global_batch_size(self) -> int:
@@ -170,6 +181,7 @@ def prepare_job(
         train_label_tokens=None if train_set is None else int(train_set.label_tokens.sum()),
         token_store=None if train_set is None else train_set.store.path,
         eval_sequences=eval_sequences,
+        pipeline=placed.pipeline,
     )
     if spec.resume:
         progress = checkpoint.load(job, Path(spec.resume))

@@ -24,7 +24,7 @@ from runner.engine.stall_watch import StallWatch, process_watch
 from runner.engine.step import SHOWN_METRICS, evaluate, train_step
 from runner.errors import NonFiniteLoss, Stopped
 from runner.files import move_into_place, write_json_atomically
-from runner.strategies.protocol import parameter_count, unwrapped
+from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
     from runner.engine.job import PreparedJob
@@ -120,8 +120,8 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
 def _start(job: PreparedJob) -> MetricsWindow:
     """The job's first log lines; the metrics window that MFU is computed in."""
     spec = job.spec
-    n_params = parameter_count(job.model)
-    for line in overview(job):
+    n_params = job.parameter_count()
+    for line in overview(job, n_params):
         log.info("%s", line)
     flops_per_token = training_flops_per_token(unwrapped(job.model).config, n_params, spec.data.seq_len)
     return MetricsWindow(flops_per_token, spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size)

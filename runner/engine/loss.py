@@ -42,6 +42,15 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
     return kind
 
 
+def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, hidden: torch.Tensor,
+                            labels: torch.Tensor) -> torch.Tensor:
+    """The same summed loss from the final hidden states and the LM head, as a pipeline's last stage computes it
+    (runner/parallel/stages.py)."""
+    if kind is LossKind.full:
+        return summed_cross_entropy(head(hidden), labels)
+    return chunked_summed_cross_entropy(hidden, head, labels, chunk_tokens)
+
+
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False) -> torch.Tensor:
     """Summed next-token cross entropy over the whole batch's logits (or each row's). The labels are shifted (the
     last position gets IGNORE) rather than the logits, whose slice would be a copy of the largest activation."""

@@ -9,16 +9,17 @@ from runner.config.data import DataFormat, resolve_files
 from runner.config.scheduler import Decay, warmup_steps
 from runner.data.store import size_on_disk
 from runner.engine.step import objective_of
-from runner.strategies.protocol import model_class_name, parameter_count, unwrapped
+from runner.strategies.protocol import model_class_name, unwrapped
 
 if TYPE_CHECKING:
     from runner.engine.job import PreparedJob
 
 
-def overview(job: PreparedJob) -> list[str]:
+def overview(job: PreparedJob, parameters: int) -> list[str]:
+    """`parameters`: the whole model's."""
     spec, train = job.spec, job.spec.train
     rows = {
-        "model": f"{model_class_name(job.model)}, {parameter_count(job.model) / 1e6:,.2f}M parameters, "
+        "model": f"{model_class_name(job.model)}, {parameters / 1e6:,.2f}M parameters, "
                  f"{model_source(job)}",
         "data": data_source(job),
         "optimizer": f"{type(spec.optim).__name__.removesuffix('Config')} lr {spec.optim.lr:g}, weight decay "

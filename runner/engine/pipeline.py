@@ -23,30 +23,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from runner.distributed import Ranks
 from runner.engine.generation import Batch, Decoding, next_tokens, up_to_eos
-from runner.errors import SpecError, require
-
-
-def stage_bounds(num_layers: int, stages: int, split_points: Optional[list[int]] = None) -> list[tuple[int, int]]:
-    """[first, end) decoder-layer indices of each stage: an even split (the earlier stages take the layers left
-    over, the last one holding the LM head), or the given split points, the layers where stages 1.. start."""
-    require(stages >= 1, f"pipeline stages must be at least 1, got {stages}")
-    if split_points is None:
-        require(stages <= num_layers,
-                f"{stages} pipeline stages need at least {stages} decoder layers; the model has {num_layers}")
-        size, left_over = divmod(num_layers, stages)
-        starts = [stage * size + min(stage, left_over) for stage in range(stages)]
-    else:
-        points = list(split_points)
-        require(len(points) == stages - 1,
-                f"pipeline split points: {stages} stages need {stages - 1} (the layers where stages 1.. start), "
-                f"got {len(points)}: {points}")
-        require(all(a < b for a, b in zip(points, points[1:])),
-                f"pipeline split points must be increasing, got {points}")
-        require(not points or (0 < points[0] and points[-1] < num_layers),
-                f"pipeline split points must lie between 1 and {num_layers - 1} (the model has {num_layers} "
-                f"decoder layers), got {points}")
-        starts = [0, *points]
-    return list(zip(starts, [*starts[1:], num_layers]))
+from runner.parallel.stages import decoder_of, run_layers
 
 
 class DecoderStage(nn.Module):
@@ -67,12 +44,8 @@ class DecoderStage(nn.Module):
 
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor):
         hidden = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
-        position_ids = generation_position_ids(attention_mask)
-        masks = attention_masks(self.config, hidden, attention_mask, position_ids, self.layers)
-        position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=masks[layer_attention_type(layer)], position_ids=position_ids,
-                           position_embeddings=position_embeddings)
+        hidden = run_layers(self.config, list(self.layers), self.rotary_emb, hidden, attention_mask,
+                            generation_position_ids(attention_mask))
         if self.lm_head is None:
             return hidden, attention_mask
         return self.lm_head(self.norm(hidden[:, self.logits_position]))
@@ -85,33 +58,11 @@ def generation_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return position_ids.masked_fill(attention_mask == 0, 0)
 
 
-def layer_attention_type(layer: nn.Module) -> str:
-    return getattr(layer, "attention_type", "full_attention")
-
-
-def attention_masks(config, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                    layers: nn.ModuleList) -> dict:
-    """The 4D masks (or None where the attention kernel is causal by itself) by layer attention type, made as the
-    model's own forward makes them; sliding-window layers (Qwen2, Mistral-style) get theirs."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    arguments = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
-                     position_ids=position_ids)
-    masks = {"full_attention": create_causal_mask(**arguments)}
-    if any(layer_attention_type(layer) == "sliding_attention" for layer in layers):
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments)
-    return masks
-
-
 def stage_module(model: nn.Module, stage: int, bounds: list[tuple[int, int]]) -> nn.Module:
     """This stage's part of a Llama-family transformers causal LM (model.model.embed_tokens, .layers, .norm,
     .rotary_emb and model.lm_head). The model is consumed: the parts of the other stages are removed from it, so
     that once it is dropped this rank holds only its own stage's weights."""
-    decoder = getattr(model, "model", None)
-    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if decoder is None or not all(hasattr(decoder, part) for part in parts) or not hasattr(model, "lm_head"):
-        raise SpecError(f"pipeline generation needs a Llama-family causal LM (model.model.embed_tokens, layers, "
-                        f"norm, rotary_emb and model.lm_head); {type(model).__name__} is not one")
+    decoder = decoder_of(model, "pipeline generation")
     first, end = bounds[stage]
     is_first, is_last = stage == 0, stage == len(bounds) - 1
     module = DecoderStage(

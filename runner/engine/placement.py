@@ -1,12 +1,15 @@
 """The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its
-`parallelize_llama`): build (with the summed loss in its forward) -> the adapters (LoRA; QLoRA's NF4 base) -> fp8
--> the weights' dtype -> the attention (per example, for packed rows on the CPU) -> tensor parallelism ->
-activation checkpointing -> compile each block -> wrap or shard (with rank 0's weights) -> optimizer -> stepper.
+`parallelize_llama` and `pipeline_llama`): build (with the summed loss in its forward) -> the adapters (LoRA;
+QLoRA's NF4 base) -> fp8 -> the weights' dtype -> the attention (per example, for packed rows on the CPU) -> this
+rank's pipeline stages -> tensor parallelism -> activation checkpointing -> compile each block -> wrap or shard
+(with rank 0's weights; each pipeline stage on its own) -> optimizer -> stepper -> the pipeline's schedule.
 
 Why this order: the adapters come first, so that everything after sees the frozen base as it is kept (in the
 compute dtype, or NF4) and the adapters as parameters of the blocks they adapt. fp8 swaps the linear layers, so it
 comes before anything that holds on to them (checkpointed blocks, FSDP's units, DeepSpeed's partitions). The
-dtype is the weights' before sharding, so that shards, buckets and all-gathers take it. Tensor parallelism splits
+dtype is the weights' before sharding, so that shards, buckets and all-gathers take it. The pipeline cut comes
+before anything that wraps the blocks: each rank keeps only its stages' layers, and everything after sees those
+alone; FSDP then shards each stage as a root of its own, as the schedule calls it. Tensor parallelism splits
 the blocks' layers before anything wraps them: checkpointing then recomputes the split layers with their
 collectives, and FSDP shards the split parameters, as 2-D tensors, over the data-parallel dimensions of the same
 mesh. Activation checkpointing wraps each block's forward inside the block, and the strategy's wrapping then sees
@@ -24,7 +27,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ContextManager, Optional
+from functools import partial
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 from runner.config.float8 import convert_to_fp8, summarize_names
 from runner.config.hardware import Accelerator
@@ -33,7 +37,8 @@ from runner.config.model import blocks, build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
 from runner.engine.attention import attend_within_examples
-from runner.engine.loss import with_summed_loss
+from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
+from runner.parallel.pipeline import stage_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
 
 if TYPE_CHECKING:
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
 
     from runner.config.spec import RunSpec
     from runner.distributed import Ranks
+    from runner.engine.schedule import Pipeline
     from runner.parallel.dims import ParallelDims
     from runner.strategies.protocol import Stepper
 
@@ -61,6 +67,8 @@ class Placed:
     ranks: Ranks
     dims: ParallelDims
     fp8_layers: list[str] = field(default_factory=list)
+    # Under pipeline parallelism, the schedule of this rank's stages, which runs the steps and the evaluation.
+    pipeline: Optional[Pipeline] = None
 
     def autocast(self) -> ContextManager:
         """The forward's context: the runner's autocast, unless the strategy casts the forward itself."""
@@ -76,19 +84,35 @@ class Placed:
 
 def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase) -> Placed:
     dims = spec.strategy.dims(spec.hardware)
-    model, fp8_layers = placed_model(spec, ranks, device, tokenizer, dims, training=True)
+    on_layout = placed_model(spec, ranks, device, tokenizer, dims, training=True)
+    model = on_layout.model
     optimizer = build_optimizer(model, spec.optim)
-    model, stepper = spec.strategy.stepper(model, optimizer, spec, device)
-    return Placed(model, optimizer, stepper, spec, device, ranks, dims, fp8_layers)
+    pipeline = None
+    if on_layout.stages:
+        from runner.engine.schedule import build_pipeline
+
+        pipeline = build_pipeline(on_layout.stages, on_layout.stage_ids, spec, dims, ranks.rank, device,
+                                  tokenizer.pad_token_id)
+    model, stepper = spec.strategy.stepper(model, optimizer, spec, device, stages=pipeline)
+    return Placed(model, optimizer, stepper, spec, device, ranks, dims, on_layout.fp8_layers, pipeline)
+
+
+@dataclass
+class ModelOnLayout:
+    model: nn.Module  # the whole model, or this rank's part of it: its pipeline stages' layers
+    fp8_layers: list[str]
+    # Under pipeline parallelism, this rank's stages (each sharded by the strategy as a root) and their indices.
+    stages: list[nn.Module] = field(default_factory=list)
+    stage_ids: list[int] = field(default_factory=list)
 
 
 def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase,
                  dims: ParallelDims, training: bool, weights: Optional[dict[str, torch.Tensor]] = None,
-                 frozen: bool = False) -> tuple[nn.Module, list[str]]:
+                 frozen: bool = False) -> ModelOnLayout:
     """The model wrapped or sharded by its strategy on the layout `dims`, and its fp8 layers. `weights`: a whole
     state dict to load (a checkpoint's model). For inference (not `training`), no activation checkpointing, and a
     whole replica on this rank's device unless the strategy shards inference too; `frozen` (task=dpo's reference),
-    sharded as the strategy shards what it trains."""
+    sharded as the strategy shards what it trains. In training under pipeline parallelism, this rank's stages."""
     import torch
 
     strategy = spec.strategy
@@ -103,7 +127,7 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     model = build_model(spec.model, tokenizer, weights=builds_weights, dtype=base_dtype)
     if weights is not None and builds_weights:
         model.load_state_dict(weights)
-    with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
+    loss_kind = with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
     if adapted:
         log.info("adapter %s", add_adapter(model, spec.adapter, spec.precision.param_dtype.torch,
                                            spec.hardware.world_size))
@@ -114,6 +138,14 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
+    on_layout = ModelOnLayout(model, fp8_layers)
+    if training and dims.pp > 1:
+        from runner.parallel.stages import cut_into_stages
+
+        on_layout.stage_ids = stages_of(dims.pp_rank(ranks.rank), dims.pp, dims.stages_per_rank)
+        bounds = stage_bounds(model.config.num_hidden_layers, dims.pp * len(on_layout.stage_ids))
+        loss = partial(summed_loss_from_hidden, loss_kind, spec.train.loss_chunk_tokens)
+        on_layout.stages = cut_into_stages(model, on_layout.stage_ids, bounds, spec.data.packing, loss)
     if sharded and dims.tp > 1:
         parallelize_tensors(model, dims.mesh(device.type)["tp"])
     if training and strategy.activation_checkpointing:
@@ -121,10 +153,14 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     if training and spec.train.compile:
         compile_blocks(model)
     if frozen:
-        return strategy.frozen(model, spec, device, dims), fp8_layers
-    if sharded:
-        return strategy.wrap(model, spec, device, dims), fp8_layers
-    return model.to(device), fp8_layers
+        on_layout.model = strategy.frozen(model, spec, device, dims)
+    elif on_layout.stages:
+        on_layout.stages = [strategy.wrap(stage, spec, device, dims) for stage in on_layout.stages]
+    elif sharded:
+        on_layout.model = strategy.wrap(model, spec, device, dims)
+    else:
+        on_layout.model = model.to(device)
+    return on_layout
 
 
 def frozen_base(spec: RunSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:

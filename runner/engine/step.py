@@ -4,11 +4,12 @@ strategy's step), and the evaluation (the loop's, and task=evaluate's)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol
 
 from runner.distributed import all_ranks_sums
 from runner.engine.loss import loss_line
+from runner.engine.metrics import MeanLoss
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
@@ -52,6 +53,8 @@ class NextTokenLoss:
         return job.model(**micro_batch.inputs, loss_labels=micro_batch.labels) / batch.label_tokens, {}
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
+        if job.pipeline:
+            return {"eval_loss": job.pipeline.mean_loss(job.eval_batches(), job.autocast, job.counted).loss}
         return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast, job.counted).loss}
 
     def line(self, job: PreparedJob) -> str:
@@ -74,9 +77,12 @@ class StepResult:
 def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
     import torch
 
+    micro_batches = [micro_batch.to(job.device) for micro_batch in batch.micro_batches]
+    if job.pipeline:  # its schedule runs every micro batch through the stages at once
+        loss = job.pipeline.train(replace(batch, micro_batches=micro_batches), job.dp_size, job.autocast)
+        return StepResult(torch.tensor(loss), batch.tokens, job.stepper.step(), {})
     # Data-parallel strategies average gradients over the data-parallel ranks, so each rank's share is scaled by
     # dp_size to make that a sum.
-    micro_batches = [micro_batch.to(job.device) for micro_batch in batch.micro_batches]
     step_loss = torch.zeros((), device=job.device)
     metrics: dict[str, torch.Tensor] = {}
     for i, micro_batch in enumerate(micro_batches):
@@ -101,13 +107,6 @@ def evaluate(job: PreparedJob, step: int) -> dict[str, float]:
     log.info("step %d/%d | eval loss %.4f%s", step, job.spec.train.max_steps, record["eval_loss"], shown)
     job.model.train()
     return record
-
-
-@dataclass
-class MeanLoss:
-    loss: float  # over every label token of every rank's rows
-    label_tokens: int
-    tokens: int  # the rows' tokens, padding aside
 
 
 def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.device,

@@ -28,12 +28,13 @@ is a subset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Optional
 
 from runner.config.train import LossKind, loss_kind_in_effect
 from runner.memory.parameters import parameters_of
 from runner.memory.terms import FP32, Part, micro_batch_tokens
+from runner.parallel.pipeline import PipelineSchedule, stage_bounds, stages_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -72,11 +73,14 @@ def layer_activation_bytes(layer: LayerShape, seq_len: int, dtypes: ActivationDt
 
 
 def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: ActivationDtypes,
-                     checkpointing: bool, chunked_loss: bool = False, adapters: int = 0, tp: int = 1) -> int:
+                     checkpointing: bool, chunked_loss: bool = False, adapters: int = 0, tp: int = 1,
+                     layers: Optional[int] = None, head: bool = True) -> int:
     """`adapters`: bytes per token the LoRA adapters of all the layers save (runner/memory/parameters.py). `tp`:
     tensor-parallel ranks, which split every layer's activations (their heads and MLP columns, and along the
-    sequence between the blocks: the paper's section 4.2.2) and gather the head's input and the logits whole."""
+    sequence between the blocks: the paper's section 4.2.2) and gather the head's input and the logits whole.
+    `layers`, `head`: a pipeline rank's decoder layers, and whether it holds the head (all of them, and it does)."""
     layer = facts.layer
+    layers = facts.layers if layers is None else layers
     per_layer = (layer_activation_bytes(layer, seq_len, dtypes) + adapters // facts.layers) // tp
     head_input = (FP32 + dtypes.stream) * layer.hidden // tp + dtypes.compute * layer.hidden  # final norm, lm_head
     if chunked_loss:  # the label positions' hidden states, which each chunk's head recomputes from
@@ -84,10 +88,35 @@ def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: Activ
     else:  # the logits, and the loss's fp32 log-softmax
         logits = (dtypes.compute + FP32) * facts.vocab
     if checkpointing:  # each layer keeps its input; one layer at a time is recomputed in backward
-        blocks = facts.layers * dtypes.stream * layer.hidden // tp + per_layer
+        blocks = layers * dtypes.stream * layer.hidden // tp + per_layer
     else:
-        blocks = facts.layers * per_layer
-    return tokens * (blocks + head_input + logits)
+        blocks = layers * per_layer
+    return tokens * (blocks + (head_input + logits if head else 0))
+
+
+def pipeline_activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes,
+                              schedule: PipelineSchedule) -> Part:
+    """Under pipeline parallelism, the activations of the pipeline rank that holds the most: its stages' layers
+    for each microbatch in flight under the schedule (the first rank's, under 1F1B), and the last rank's head."""
+    dims = spec.strategy.dims(spec.hardware)
+    stages = dims.pp * dims.stages_per_rank
+    bounds = stage_bounds(facts.layers, stages)
+    one = activations_part(spec, facts, dtypes)
+    tokens, microbatches = micro_batch_tokens(spec), spec.train.grad_accum_steps
+    held = []
+    for rank in range(dims.pp):
+        mine = stages_of(rank, dims.pp, dims.stages_per_rank)
+        layers = sum(bounds[stage][1] - bounds[stage][0] for stage in mine)
+        per_microbatch = activation_bytes(
+            facts, tokens, spec.data.seq_len, dtypes, spec.strategy.activation_checkpointing,
+            chunked_loss(spec, facts), parameters_of(spec, facts).activation_bytes(dtypes.compute), dims.tp,
+            layers=layers, head=stages - 1 in mine)
+        held.append((schedule.in_flight(microbatches, dims.pp, rank) * per_microbatch, rank, layers))
+    most, rank, layers = max(held)
+    note = one.note.replace(f"{facts.layers} layers", f"{layers} of {facts.layers} layers (pipeline rank {rank} of "
+                                                      f"{dims.pp})", 1)
+    return replace(one, bytes=int(most), note=f"{note}; {schedule.in_flight(microbatches, dims.pp, rank):g} of "
+                                              f"{microbatches} microbatches in flight ({schedule.value})")
 
 
 def chunked_loss(spec: RunSpec, facts: ModelFacts) -> bool:

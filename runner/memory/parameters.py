@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT, nf4_fits, targets
 from runner.config.model import blocks
 from runner.memory.terms import FP32, Part, sharded_elements
+from runner.parallel.pipeline import stage_parameters, stages_of
 from runner.parallel.tensor import split_shapes
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
+    from runner.parallel.dims import ParallelDims
 
 NF4 = "NF4"
 
@@ -117,14 +119,27 @@ class Parameters:
 _PARAMETERS: dict[tuple, tuple[ModelFacts, Parameters]] = {}
 
 
+def _heaviest_pipeline_rank(facts: ModelFacts, dims: ParallelDims) -> Parameters:
+    """The parameters of the pipeline rank that holds the most: its stages' layers, and the embeddings or the head.
+    Their linear part is the layers' in proportion (the head's aside)."""
+    stages = stage_parameters(facts.model, dims.pp * dims.stages_per_rank)
+    ranks = [[shape for stage in stages_of(rank, dims.pp, dims.stages_per_rank) for shape in stages[stage]]
+             for rank in range(dims.pp)]
+    shapes = max(ranks, key=lambda held: sum(math.prod(shape) for shape in held))
+    share = sum(math.prod(shape) for shape in shapes) / max(1, sum(math.prod(shape) for shape in facts.parameter_shapes))
+    return Parameters(trained_shapes=tuple(shapes), trained_linear=int(facts.linear_parameters * share))
+
+
 def parameters_of(spec: RunSpec, facts: ModelFacts) -> Parameters:
     """What the spec's run trains of its model and what it keeps frozen; kept for the next call (the fit check's
     re-estimates ask again)."""
     adapter = spec.adapter
-    if not adapter.active:  # under tensor parallelism, each rank's parts (no adapter composes with it)
-        tp = spec.strategy.dims(spec.hardware).tp
-        shapes = facts.parameter_shapes if tp == 1 else split_shapes(facts.model, tp)
-        return Parameters(trained_shapes=tuple(shapes), trained_linear=facts.linear_parameters // tp, tp=tp)
+    if not adapter.active:  # under tensor parallelism, each rank's parts (no adapter composes with either)
+        dims = spec.strategy.dims(spec.hardware)
+        if dims.pp > 1:
+            return _heaviest_pipeline_rank(facts, dims)
+        shapes = facts.parameter_shapes if dims.tp == 1 else split_shapes(facts.model, dims.tp)
+        return Parameters(trained_shapes=tuple(shapes), trained_linear=facts.linear_parameters // dims.tp, tp=dims.tp)
     key = (id(facts), repr(adapter), spec.precision.compute_dtype, spec.hardware.world_size)
     if key not in _PARAMETERS:
         if len(_PARAMETERS) >= 16:

@@ -1,13 +1,15 @@
 """The job's layout: its processes as a device mesh with named dimensions, outermost first (torchtitan's
 `ParallelDims`, and its order):
 
+    pp             pipeline stages: each holds a slice of the layers, the activations pass from one to the next
     dp_replicate   data-parallel replicas (HYBRID_SHARD's groups, NO_SHARD's and DDP's ranks)
     dp_shard       data-parallel shards (FULL_SHARD's ranks, DeepSpeed's)
     tp             tensor-parallel ranks: each holds a part of every block, all of them run the same rows
 
 A global batch is split over the data-parallel ranks, dp_replicate x dp_shard of them (torchtitan's "batch"
-dimension). Consecutive ranks share a tensor-parallel group, so that a group sits within one node, where its
-all-gathers at every layer are fastest.
+dimension); every stage of a pipeline runs the same rows. Consecutive ranks share a tensor-parallel group, so
+that a group sits within one node, where its all-gathers at every layer are fastest; a pipeline's stages, which
+exchange only activations, may sit on different nodes.
 
 torch is imported inside the methods: the command line answers `--help` and `--cfg` without it.
 """
@@ -23,20 +25,23 @@ if TYPE_CHECKING:
 
 @dataclass
 class ParallelDims:
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    # The pipeline stages each pp rank runs (2 under an interleaved schedule: rank r runs stages r and r + pp).
+    stages_per_rank: int = 1
     _mesh: Optional[Any] = field(default=None, init=False, repr=False, compare=False)
 
-    names: ClassVar[tuple[str, ...]] = ("dp_replicate", "dp_shard", "tp")
+    names: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.dp_replicate, self.dp_shard, self.tp
+        return self.pp, self.dp_replicate, self.dp_shard, self.tp
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -45,12 +50,16 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         """A rank's place along the batch dimension: which part of each global batch it runs."""
-        return rank // self.tp
+        return rank // self.tp % self.dp_size
+
+    def pp_rank(self, rank: int) -> int:
+        """A rank's pipeline stage (its first, where it holds several)."""
+        return rank // (self.dp_size * self.tp)
 
     def counted(self, rank: int) -> bool:
         """Whether a rank's shares count in sums over the data-parallel ranks: one rank of each tensor-parallel
-        group, whose others repeat its rows and its loss."""
-        return rank % self.tp == 0
+        group, whose others repeat its rows and its loss, on the last pipeline stage, which has the loss."""
+        return rank % self.tp == 0 and self.pp_rank(rank) == self.pp - 1
 
     def mesh(self, device_type: str) -> DeviceMesh:
         """The device mesh over every process, built once (its process groups are made on the first call)."""
@@ -61,5 +70,5 @@ class ParallelDims:
         return self._mesh
 
     def describe(self) -> str:
-        shown = [(name, size) for name, size in zip(self.names, self.shape) if name != "tp" or size > 1]
+        shown = [(name, size) for name, size in zip(self.names, self.shape) if name not in ("pp", "tp") or size > 1]
         return f"mesh {' x '.join(str(size) for _, size in shown)} ({' x '.join(name for name, _ in shown)})"

@@ -14,7 +14,7 @@ from runner.memory.replicated import whole_copies
 from runner.memory.terms import Part, processes
 from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout
+from runner.strategies.protocol import CheckpointLayout, PipelineStages
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
@@ -83,8 +83,8 @@ class DDPStrategy(StrategyConfig):
             ddp.register_comm_hook(None, hook)
         return ddp
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
-                device: torch.device) -> tuple[nn.Module, TorchStepper]:
+    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
+                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
         def sync(last: bool) -> ContextManager:
             return contextlib.nullcontext() if last else model.no_sync()
 

@@ -23,7 +23,8 @@ from runner.memory.terms import (
 from runner.parallel.dims import ParallelDims
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
+from runner.strategies.protocol import (
+    CheckpointLayout, PipelineStages, StepOutcome, has_frozen_parameters, trained_state)
 
 if TYPE_CHECKING:
     import torch
@@ -137,8 +138,8 @@ class DeepSpeedStrategy(StrategyConfig):
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         return hardware.world_size if self.zero_stage == 3 else 1
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
-                device: torch.device) -> tuple[nn.Module, DeepSpeedStepper]:
+    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
+                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, DeepSpeedStepper]:
         import deepspeed
 
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec))

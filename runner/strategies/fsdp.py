@@ -12,7 +12,9 @@ of one another (world / tp_size):
 where `group` is `hybrid_shard_size`: by default the data-parallel ranks of one node, as in torch's FSDP and
 accelerate (shard within a node, replicate across nodes); on a single node that is FULL_SHARD unless a smaller group
 is given. `tp_size` > 1 splits every block over that many consecutive ranks first (runner/parallel/tensor.py), and
-FSDP then shards the split parameters: FSDP x TP, or HYBRID_SHARD x TP.
+FSDP then shards the split parameters: FSDP x TP, or HYBRID_SHARD x TP. `pp_size` > 1 cuts the layers into that
+many pipeline stages (runner/parallel/pipeline.py), each run by world / pp_size ranks that FSDP shards it over,
+and `pp_schedule` orders the micro batches through them.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ from runner.config.precision import Dtype, PrecisionConfig, grad_scaler
 from runner.config.strategy import StrategyConfig
 from runner.distributed import local
 from runner.errors import SpecError, require
-from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
+from runner.memory.activations import (
+    ActivationDtypes, activations_part, loss_gradient_bytes, pipeline_activations_part)
 from runner.memory.facts import fp8_linears, meta_model
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
 from runner.memory.terms import (
     Change, Estimate, Part, dtype_name, processes, share, sharded_elements, strategy_change)
 from runner.parallel.dims import ParallelDims
+from runner.parallel.pipeline import PipelineSchedule
 from runner.parallel.tensor import block_plan
-from runner.strategies.protocol import CheckpointLayout
+from runner.strategies.protocol import CheckpointLayout, PipelineStages
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
@@ -100,12 +104,21 @@ class FSDPStrategy(StrategyConfig):
     backward_prefetch: int = 1
     # Tensor-parallel ranks: each block's heads and MLP columns split across this many consecutive processes.
     tp_size: int = 1
+    # Pipeline stages: the decoder layers cut into this many slices, each held by world / pp_size processes.
+    pp_size: int = 1
+    # The order of a step's micro batches (train.grad_accum_steps) through the stages: GPipe, 1F1B, Interleaved1F1B
+    # (a string: an enum's member could not be named 1F1B).
+    pp_schedule: str = PipelineSchedule.ONE_F_ONE_B.value
 
     name: ClassVar[str] = "fsdp"
     distributed: ClassVar[bool] = True
     forward_cast: ClassVar[Optional[str]] = "FSDP mixed-precision policy"
     float8_all_gather: ClassVar[bool] = True
     shards_inference: ClassVar[bool] = True
+
+    @property
+    def pipeline_schedule(self) -> PipelineSchedule:
+        return PipelineSchedule(self.pp_schedule)
 
     @property
     def checkpoint_layout(self) -> CheckpointLayout:
@@ -121,11 +134,16 @@ class FSDPStrategy(StrategyConfig):
                 f"strategy.tp_size={self.tp_size} does not divide a node's {machine.nproc_per_node} processes "
                 f"{processes_given}; a tensor-parallel group exchanges activations at every layer and stays within "
                 f"a node: pick a divisor of {machine.nproc_per_node}")
-        data_parallel = machine.world_size // self.tp_size
+        require(self.pp_size >= 1 and machine.world_size % (self.pp_size * self.tp_size) == 0,
+                f"strategy.pp_size={self.pp_size} x strategy.tp_size={self.tp_size} does not divide the "
+                f"{machine.world_size} processes {processes_given}")
+        data_parallel = machine.world_size // (self.tp_size * self.pp_size)
         group = self.hybrid_group_size(machine)
         if self.sharding_strategy.hybrid:
-            ranks = f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / strategy.tp_size=" \
-                    f"{self.tp_size})" if self.tp_size > 1 else f"the {machine.world_size} processes {processes_given}"
+            split = " / ".join(f"strategy.{key}={size}" for key, size in (("pp_size", self.pp_size),
+                                                                           ("tp_size", self.tp_size)) if size > 1)
+            ranks = (f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / {split})" if split
+                     else f"the {machine.world_size} processes {processes_given}")
             require(group >= 1 and data_parallel % group == 0,
                     f"strategy.hybrid_shard_size={group} does not divide {ranks}; pick a divisor of {data_parallel}")
         else:
@@ -134,6 +152,8 @@ class FSDPStrategy(StrategyConfig):
                     f"{self.sharding_strategy.value}")
         if self.tp_size > 1:
             self._check_tensor_parallel(spec)
+        if self.pp_size > 1:
+            self._check_pipeline(spec)
         require(self.sync_module_states or not self.cpu_ram_efficient_loading,
                 "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
                 "get their weights from rank 0")
@@ -161,10 +181,43 @@ class FSDPStrategy(StrategyConfig):
                 f"train.compile=true with {tp}: torch.compile of the split blocks fails in their DTensor forward "
                 "(torch 2.13 on the CPU; untried on GPUs); set train.compile=false")
 
+    def _check_pipeline(self, spec: RunSpec) -> None:
+        """What the pipeline cannot run, refused before launch."""
+        pp, train = f"strategy.pp_size={self.pp_size}", spec.train
+        schedules = [schedule.value for schedule in PipelineSchedule]
+        require(self.pp_schedule in schedules,
+                f"strategy.pp_schedule={self.pp_schedule} is not a schedule; use one of {', '.join(schedules)}")
+        schedule = self.pipeline_schedule
+        stages = self.pp_size * schedule.stages_per_rank
+        layers = spec.model.architecture.get("num_hidden_layers")
+        require(layers is None or stages <= layers,
+                f"{pp} with strategy.pp_schedule={self.pp_schedule} cuts the model into {stages} stages, more "
+                f"than its {layers} decoder layers")
+        problem = schedule.microbatches_problem(train.grad_accum_steps, self.pp_size)
+        require(problem is None,
+                f"strategy.pp_schedule={self.pp_schedule} with {pp}: {problem}, and a step has "
+                f"{train.grad_accum_steps} (train.grad_accum_steps, the micro batches each rank runs a step); raise "
+                "train.grad_accum_steps, or use strategy.pp_schedule=GPipe")
+        for refused, why in (
+            (self.tp_size > 1, "strategy.tp_size > 1: tensor-parallel stages are not built yet; use one of the two"),
+            (spec.adapter.active, f"adapter={spec.adapter.kind.value}: the adapters are not cut into stages yet"),
+            (bool(spec.precision.fp8), "precision.fp8: float8 layers are not cut into stages yet"),
+            (spec.precision.compute_dtype is Dtype.fp16 and spec.precision.param_dtype is not Dtype.fp16,
+             "precision=fp16: the schedule runs the backward itself, without fp16's loss scaling; use bf16"),
+            (train.compile, "train.compile=true: the stages run eagerly; set train.compile=false"),
+            (self.cpu_ram_efficient_loading, "strategy.cpu_ram_efficient_loading=true: every rank builds the model "
+                                             "and keeps its stages' weights; set it to false"),
+            (self.state_dict_type is StateDictType.SHARDED, "strategy.state_dict_type=SHARDED: a pipeline writes "
+                                                            "FULL checkpoints"),
+        ):
+            require(not refused, f"{pp} with {why}")
+
     def describe(self, hardware: HardwareConfig) -> str:
         dims = self.dims(hardware)
         described = (f"fsdp {self.sharding_strategy.value}, {processes(hardware.world_size)}, {dims.describe()}, "
                      f"{self.auto_wrap_policy.value}")
+        if self.pp_size > 1:
+            described += f"; pipeline schedule {self.pp_schedule}"
         if self.sharding_strategy.hybrid and dims.dp_replicate == 1:
             same = "FULL_SHARD" if self.sharding_strategy.reshards_after_forward else "SHARD_GRAD_OP"
             described += (f"; one shard group of the node's {dims.dp_shard} data-parallel ranks is {same}: "
@@ -172,16 +225,20 @@ class FSDPStrategy(StrategyConfig):
         return described
 
     def hybrid_group_size(self, hardware: HardwareConfig) -> int:
-        return self.hybrid_shard_size or hardware.nproc_per_node // self.tp_size
+        return self.hybrid_shard_size or max(1, hardware.nproc_per_node // (self.tp_size * self.pp_size))
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
-        data_parallel, tp = hardware.world_size // self.tp_size, self.tp_size
+        pp, tp = self.pp_size, self.tp_size
+        data_parallel = hardware.world_size // (pp * tp)
         if self.sharding_strategy is ShardingStrategy.NO_SHARD:
-            return ParallelDims(dp_replicate=data_parallel, tp=tp)
-        if self.sharding_strategy.hybrid:
+            replicate, shard = data_parallel, 1
+        elif self.sharding_strategy.hybrid:
             group = self.hybrid_group_size(hardware)
-            return ParallelDims(dp_replicate=data_parallel // group, dp_shard=group, tp=tp)
-        return ParallelDims(dp_shard=data_parallel, tp=tp)
+            replicate, shard = data_parallel // group, group
+        else:
+            replicate, shard = 1, data_parallel
+        stages_per_rank = self.pipeline_schedule.stages_per_rank if pp > 1 else 1
+        return ParallelDims(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, stages_per_rank=stages_per_rank)
 
     def loads_weights(self, rank: int) -> bool:
         return rank == 0 or not self.cpu_ram_efficient_loading
@@ -218,14 +275,15 @@ class FSDPStrategy(StrategyConfig):
         dims = self.dims(hardware)
         return dims.dp_shard * dims.tp
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
-                device: torch.device) -> tuple[nn.Module, TorchStepper]:
+    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
+                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
         def sync(last: bool) -> ContextManager:
             model.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
 
         scaler = grad_scaler(spec.precision, device, sharded=True)
-        return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler, sync)
+        return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler, sync,
+                                   stages)
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
         """weights P_S.w, gradients P_S.w, states k.P_S.w, with P_S = sum over parameters of ceil(rows / S) x
@@ -257,7 +315,7 @@ class FSDPStrategy(StrategyConfig):
         if parameters.frozen:
             gather_note = gather_note.replace(dtype_name(gathered), parameters.frozen_note() + " base", 1)
         dequantized, dequantized_note = adapter_transients(parameters, precision.compute_dtype.bytes)
-        part_of = share(shards, self.tp_size)
+        part_of = share(shards, self.tp_size) + (" of a pipeline rank's stages" if self.pp_size > 1 else "")
         nproc = spec.hardware.nproc_per_node or 1
         loaders = 1 if self.cpu_ram_efficient_loading else nproc
         loss_gradient = loss_gradient_bytes(spec, facts)
@@ -266,7 +324,8 @@ class FSDPStrategy(StrategyConfig):
                          weights_note(parameters, dtype_name(w), f"{part_of} ({self.sharding_strategy.value})")),
             gradients=Part(held * w, f"{dtype_name(w)}{part_of}"),
             optimizer_states=Part(k * held * w, f"{states}, {dtype_name(w)}{part_of}"),
-            activations=activations_part(spec, facts, dtypes),
+            activations=(pipeline_activations_part(spec, facts, dtypes, self.pipeline_schedule) if self.pp_size > 1
+                         else activations_part(spec, facts, dtypes)),
             backward_start=Part(all_gathered + loss_gradient + largest_trained * (gathered + reduce) + dequantized,
                                 f"{gather_note}; the loss gradient; a unit's reduce-scatter{dequantized_note}"),
             # The root unit's gradients are reduced last, its parameters still gathered.

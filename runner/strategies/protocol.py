@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, ContextManager, Optional, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +81,29 @@ class Stepper(Protocol):
         ...
 
 
+class PipelineStages(Protocol):
+    """The pipeline stages a model's parameters are spread over, beyond the strategy's own shards
+    (runner/engine/schedule.py): what a stepper asks to take the gradients' norm and to write or export whole
+    state."""
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of the whole model's gradients, from this rank's (each parameter's shards combined)."""
+        ...
+
+    def whole_model_names(self) -> dict[str, str]:
+        """This rank's parameters that the whole model's state names otherwise, by their names here (the last
+        stage's end of tied embeddings, which the whole model knows by the first stage's name)."""
+        ...
+
+    def keeps_whole(self) -> bool:
+        """Whether this rank keeps its stage's whole state to pass to rank 0 (one rank of each stage does)."""
+        ...
+
+    def to_rank0(self, value: Any) -> Optional[list[Any]]:
+        """Each stage's `value` (that of the rank that keeps its whole state), on rank 0; None elsewhere."""
+        ...
+
+
 class Strategy(Protocol):
     """A strategy option's schema. Its fields are the option's keys; `activation_checkpointing` is every one's."""
 
@@ -134,9 +157,10 @@ class Strategy(Protocol):
         """How many shards `frozen` splits a model's weights into (1: whole on every rank)."""
         ...
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
-                device: torch.device) -> tuple[nn.Module, Stepper]:
-        """The model as the loop calls it, and its stepper."""
+    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
+                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, Stepper]:
+        """The model as the loop calls it, and its stepper; `stages`: the pipeline stages the model is spread over,
+        where it is (this rank's `model` then holds its own stages' parameters)."""
         ...
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:

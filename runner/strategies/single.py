@@ -12,7 +12,7 @@ from runner.memory.replicated import whole_copies
 from runner.memory.terms import processes
 from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout
+from runner.strategies.protocol import CheckpointLayout, PipelineStages
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
@@ -64,8 +64,8 @@ class SingleStrategy(StrategyConfig):
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model.to(device)
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec,
-                device: torch.device) -> tuple[nn.Module, TorchStepper]:
+    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
+                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
         scaler = grad_scaler(spec.precision, device, sharded=False)
         return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler)
 

@@ -15,11 +15,12 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
-from runner.distributed import cpu_copy, local, process_group_up
-from runner.files import save_tensors, write_json
-from runner.strategies.protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
+from runner.distributed import cpu_copy, local, process_group_up, whole_on_cpu
+from runner.files import read_tensors, save_tensors, write_json
+from runner.strategies.protocol import (
+    CheckpointLayout, PipelineStages, StepOutcome, has_frozen_parameters, trained_state)
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,8 @@ class TorchStepper:
     scaler: Optional[torch.amp.GradScaler] = None
     # Around each micro batch: the strategy's way of skipping the gradient sync before the last one.
     sync: Callable[[bool], ContextManager] = no_sync_needed
+    # The pipeline stages the model is spread over, if it is: this rank's model holds its stages' parameters.
+    stages: Optional[PipelineStages] = None
 
     def micro_batch(self, last: bool) -> ContextManager:
         return self.sync(last)
@@ -52,9 +55,12 @@ class TorchStepper:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the shards' partial norms, combined
-            norm = norm.full_tensor()
+        if self.stages:
+            norm = self.stages.grad_norm([p.grad for p in params])
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the shards' partial norms, combined
+                norm = norm.full_tensor()
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, norm)
         if self.scaler:
@@ -85,10 +91,13 @@ class TorchStepper:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         sharded = self.layout is CheckpointLayout.SHARDED
-        # Both calls are collectives; with full_state_dict, only rank 0 gets the (CPU) result.
-        options = self.options(full_state_dict=not sharded, cpu_offload=not sharded)
-        model_state = self.trained(get_model_state_dict(self.model, options=options))
-        optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.stages:
+            model_state, optimizer_state = self._whole_across_stages(optimizer=True)
+        else:
+            # Both calls are collectives; with full_state_dict, only rank 0 gets the (CPU) result.
+            options = self.options(full_state_dict=not sharded, cpu_offload=not sharded)
+            model_state = self.trained(get_model_state_dict(self.model, options=options))
+            optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         model_file, optimizer_file = _files(sharded, rank)
         if sharded or rank == 0:
             save_tensors(directory / model_file, {k: local(v) for k, v in model_state.items()})
@@ -129,18 +138,24 @@ class TorchStepper:
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
 
     def _load_whole(self, directory: Path, rank: int) -> None:
-        """Rank 0 reads the whole state and broadcasts it into whatever sharding this run uses."""
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        """Rank 0 reads the whole state and broadcasts it into whatever sharding this run uses; under a pipeline,
+        each rank reads its own stages' entries."""
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
         distributed = process_group_up()
-        options = self.options(full_state_dict=True, broadcast_from_rank0=distributed)
-        reads = rank == 0 or not distributed
+        options = self.options(full_state_dict=True, broadcast_from_rank0=distributed and not self.stages)
+        own = set(self.trained(get_model_state_dict(self.model, options=self.options()))) if self.stages else None
+        local_names = {whole: here for here, whole in self.stages.whole_model_names().items()} if self.stages else {}
+        reads = rank == 0 or not distributed or self.stages
         model_file, optimizer_file = _files(False, rank)
-        model_state = load_file(directory / model_file) if reads else {}
+        model_state = read_tensors(directory / model_file, own) if reads else {}
+        wanted = own | set(local_names) if self.stages else None
         optimizer_state = {
-            "state": _unflatten_optimizer(load_file(directory / optimizer_file)) if reads else {},
-            "param_groups": json.loads((directory / "optimizer.json").read_text()),
+            "state": {local_names.get(name, name): values for name, values in _unflatten_optimizer(
+                read_tensors(directory / optimizer_file, wanted, _parameter_name)).items()} if reads else {},
+            "param_groups": [{**group, "params": [local_names.get(name, name) for name in group["params"]]}
+                             for group in json.loads((directory / "optimizer.json").read_text())],
         }
         set_model_state_dict(self.model, model_state, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
@@ -148,17 +163,55 @@ class TorchStepper:
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if not process_group_up():
             return None  # one process: the model's own weights are whole
+        if self.stages:
+            return self._whole_across_stages(optimizer=False)[0]
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = self.trained(get_model_state_dict(self.model, options=self.options(full_state_dict=True,
                                                                                    cpu_offload=True)))
         return {name: cpu_copy(tensor) for name, tensor in state.items()}
 
+    def _whole_across_stages(self, optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The whole model (and optimizer) state of every pipeline stage, on rank 0 (empty elsewhere): each tensor's
+        shards gathered one at a time and kept on the CPU by one rank of each stage, which passes them on."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        keep, elsewhere = self.stages.keeps_whole(), self.stages.whole_model_names()
+        model_state = whole_on_cpu(self.trained(get_model_state_dict(self.model, options=self.options())), keep)
+        optimizer_state = {"state": {}, "param_groups": []}
+        if not optimizer:  # an export names a tied parameter once, as save_pretrained does
+            model_state = {name: tensor for name, tensor in model_state.items() if name not in elsewhere}
+        else:  # (a parameter the whole model names otherwise has its state from the stage that names it)
+            sharded = get_optimizer_state_dict(self.model, self.optimizer, options=self.options())
+            optimizer_state = {
+                "state": {name: values for name, values in _unflatten_optimizer(
+                    whole_on_cpu(_flatten_optimizer(sharded["state"]), keep)).items() if name not in elsewhere},
+                "param_groups": [{**group, "params": [name for name in group["params"] if name not in elsewhere]}
+                                 for group in sharded["param_groups"]]}
+        every_stage = self.stages.to_rank0((model_state, optimizer_state))
+        if every_stage is None:
+            return {}, optimizer_state
+        merged_model, merged_optimizer = {}, {"state": {}, "param_groups": []}
+        for stage_model, stage_optimizer in every_stage:
+            merged_model.update(stage_model)
+            merged_optimizer["state"].update(stage_optimizer["state"])
+            groups = merged_optimizer["param_groups"] or [{**group, "params": []}
+                                                          for group in stage_optimizer["param_groups"]]
+            for group, stage_group in zip(groups, stage_optimizer["param_groups"]):
+                group["params"] += stage_group["params"]
+            merged_optimizer["param_groups"] = groups
+        return merged_model, merged_optimizer
+
 
 def _files(sharded: bool, rank: int) -> tuple[str, str]:
     if sharded:
         return f"model-rank{rank}.safetensors", f"optimizer-rank{rank}.safetensors"
     return "model.safetensors", "optimizer.safetensors"
+
+
+def _parameter_name(key: str) -> str:
+    """The parameter a flat optimizer-state key belongs to (state/<parameter>/<name>)."""
+    return key.removeprefix("state/").rsplit("/", 1)[0]
 
 
 def _flatten_optimizer(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -64,6 +64,9 @@ class DpoTask(TaskConfig):
         require(spec.data.format is DataFormat.preference,
                 f"task=dpo trains on preference pairs, and data.format={spec.data.format.value} has none; set "
                 "data.format=preference (records with a prompt, a chosen and a rejected response)")
+        stages = spec.strategy.dims(spec.hardware).pp
+        require(stages == 1, f"task=dpo with {stages} pipeline stages (strategy.pp_size): the preference loss of a "
+                             "pair's two rows is not computed through a pipeline yet; use strategy.pp_size=1")
         require(self.beta > 0, f"task.beta={self.beta} must be > 0")
         require(0 <= self.label_smoothing < 0.5, f"task.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         require(self.loss in SMOOTHED or not self.label_smoothing,
@@ -117,8 +120,8 @@ class DpoTask(TaskConfig):
             if spec.adapter.active:
                 reference = AdaptersOff()
             elif not (self.precompute_reference and cached.exists()):
-                model, _ = placed_model(spec, job.ranks, job.device, job.tokenizer, job.dims, training=False,
-                                        frozen=True)
+                model = placed_model(spec, job.ranks, job.device, job.tokenizer, job.dims, training=False,
+                                        frozen=True).model
                 model.eval()  # (DeepSpeed's engine returns None)
                 reference = FrozenCopy(model)
             if self.precompute_reference:

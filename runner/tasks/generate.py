@@ -78,7 +78,7 @@ class GenerateTask(InferenceTaskConfig):
         spec = self.with_trained_model(spec)
         check_causal_lm(spec.model)
         if self.pipeline_stages > 1:
-            from runner.engine.pipeline import stage_bounds
+            from runner.parallel.pipeline import stage_bounds
 
             stage_bounds(facts_of(spec.model).layers, self.pipeline_stages, self.split_points or None)
         return inference_answer(spec, self, **self.load(prompts))
@@ -124,7 +124,8 @@ class GenerateTask(InferenceTaskConfig):
         loaded = time.perf_counter()
         try:
             if self.pipeline_stages > 1:
-                from runner.engine.pipeline import pipeline_generate, stage_bounds
+                from runner.engine.pipeline import pipeline_generate
+                from runner.parallel.pipeline import stage_bounds
                 from runner.engine.placement import device_of
 
                 bounds = stage_bounds(model.model.config.num_hidden_layers, self.pipeline_stages,
