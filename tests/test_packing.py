@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (QUICK, killed_and_resumed, resolved_spec, run_cli, run_dirs, run_in_workers, step_losses,
+from helpers import (QUICK, killed_and_resumed, logged, resolved_spec, run_cli, run_dirs, run_in_workers, step_losses,
                      train_in_workers)
 from runner.config.data import DataConfig, DataFormat
 from runner.data.batches import collate
@@ -298,6 +298,11 @@ def test_packed_training_has_the_losses_of_one_process_under_every_strategy(pair
     train_in_workers(specs, dirs)
     for name, run_dir in zip(PACKED_VARIANTS, dirs):
         assert step_losses(run_dir) == pytest.approx(reference, rel=1e-4), name
+    # Two pipeline stages: the rows' positions pass from the first to the second with the hidden states.
+    pipelined = resolved_spec([*packed_run(pairs), "hardware.nproc_per_node=2", "train.grad_accum_steps=4",
+                               "strategy=fsdp", "strategy.pp_size=2"])
+    train_in_workers([pipelined], [tmp_path / "pp 2"])
+    assert step_losses(tmp_path / "pp 2") == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]
 
 
@@ -391,3 +396,19 @@ def test_a_step_issues_no_collective_of_its_own(pairs, tmp_path):
     """The label count that divides the loss comes with the rows: before the forward, no rank waits for another."""
     spec = resolved_spec([*packed_run(pairs), "strategy=ddp", "hardware.nproc_per_node=2"])
     assert run_in_workers(_collectives_in_steps, spec, str(tmp_path), nproc=2) == [0, 0]
+
+
+@pytest.mark.distributed
+def test_padded_rows_through_a_pipeline_have_the_losses_of_one_process(pairs, tmp_path):
+    """Instruction rows padded to their micro batch's longest (and, in the pipeline, to seq_len, with an attention
+    mask that hides the padding): 2 pipeline stages train and evaluate as one process does."""
+    padded = [*BASE, "data=instruction_files", f"data.files={pairs}", "data.seq_len=256", "data.packing=false",
+              "train.eval_every=4", "train.eval_batches=3", "train.grad_accum_steps=4"]
+    (tmp_path / "single").mkdir()
+    train(prepare_job(resolved_spec(padded), tmp_path / "single"))
+    train_in_workers([resolved_spec([*padded, "hardware.nproc_per_node=2", "strategy=fsdp", "strategy.pp_size=2"])],
+                     [tmp_path / "pp 2"])
+    assert step_losses(tmp_path / "pp 2") == pytest.approx(step_losses(tmp_path / "single"), rel=1e-4)
+    evaluated, expected = logged(tmp_path / "pp 2", "eval_loss"), logged(tmp_path / "single", "eval_loss")
+    assert list(evaluated) == list(expected) == [0, 4, 8]
+    assert list(evaluated.values()) == pytest.approx(list(expected.values()), rel=1e-4)

@@ -103,3 +103,30 @@ def test_the_estimate_counts_a_pipeline_rank_s_stages_and_its_microbatches_in_fl
     assert staged["Interleaved1F1B"].activations.bytes == pytest.approx(1.25 * one_f_one_b.activations.bytes,
                                                                         rel=1e-6)
     assert "16 of 32 layers (pipeline rank 0 of 2)" in one_f_one_b.activations.note
+
+
+def test_a_pipeline_pads_each_micro_batch_to_one_shape_without_changing_its_loss():
+    """Micro batches go through the stages as [micro_batch_size, seq_len]: the padding gets the label IGNORE and the
+    attention mask's 0 (padded rows) or a segment of its own (packed rows), and an eval batch with fewer rows gets
+    copies of its first row without labels."""
+    from runner.data.batches import MicroBatch
+    from runner.data.rows import IGNORE
+    from runner.engine.schedule import Pipeline
+
+    pipeline = Pipeline(None, first=True, last=True, rows=3, length=6, pad_token_id=0, pp_group=None,
+                        leads_stage=True)
+    padded = MicroBatch({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
+                         "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},
+                        torch.tensor([[IGNORE, 6, 7], [IGNORE, 9, IGNORE]]), tokens=5, label_tokens=3)
+    input_ids, labels, positions, mask = pipeline._stacked([padded])
+    assert input_ids.tolist() == [[5, 6, 7, 0, 0, 0], [8, 9, 0, 0, 0, 0], [5, 6, 7, 0, 0, 0]]
+    assert labels.tolist() == [[IGNORE, 6, 7] + [IGNORE] * 3, [IGNORE, 9] + [IGNORE] * 4, [IGNORE] * 6]
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert positions.tolist() == [list(range(6))] * 3
+    packed = MicroBatch({"input_ids": torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]]),
+                         "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3], [0, 1, 2, 3]])},
+                        torch.tensor([[IGNORE, 6, IGNORE, 8], [IGNORE, 2, 3, 4], [IGNORE, 9, 9, 9]]), 12, 8)
+    input_ids, labels, positions, mask = pipeline._stacked([packed])
+    assert positions.tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]]
+    assert mask.tolist() == [[1] * 6] * 3
+    assert labels[:, 4:].eq(IGNORE).all()

@@ -125,8 +125,11 @@ def _heaviest_pipeline_rank(facts: ModelFacts, dims: ParallelDims) -> Parameters
     stages = stage_parameters(facts.model, dims.pp * dims.stages_per_rank)
     ranks = [[shape for stage in stages_of(rank, dims.pp, dims.stages_per_rank) for shape in stages[stage]]
              for rank in range(dims.pp)]
-    shapes = max(ranks, key=lambda held: sum(math.prod(shape) for shape in held))
-    share = sum(math.prod(shape) for shape in shapes) / max(1, sum(math.prod(shape) for shape in facts.parameter_shapes))
+    def elements(shapes: list[tuple[int, ...]]) -> int:
+        return sum(math.prod(shape) for shape in shapes)
+
+    shapes = max(ranks, key=elements)
+    share = elements(shapes) / max(1, elements(facts.parameter_shapes))
     return Parameters(trained_shapes=tuple(shapes), trained_linear=int(facts.linear_parameters * share))
 
 
