@@ -121,30 +121,44 @@ def wait_until(condition: Callable[[], T], what: str, job: Optional[Started] = N
 
 
 def hold_at_step(job: Started, cwd: Path, step: int, timeout: float = 300) -> tuple[Path, int]:
-    """Lets the run under `cwd` (in a session of its own) go on a slice at a time until it has logged `step`, and
-    returns with its whole process group stopped there (SIGSTOP), so that what the test does next reaches it mid-run
-    whatever the machine's speed: the run directory and the last step logged. `resume` it, or kill it.
+    """Returns once the run under `cwd`, started with `stop_at_step=step`, has stopped itself right after logging
+    `step`, every process of its group stopped (SIGSTOP): what the test does next reaches it mid-run whatever the
+    machine's speed, and however little of the CPU the test gets. The run directory and the last step logged;
+    `resume` the run, or kill it."""
+    assert job.stop_at_step == step, f"start the run with stop_at_step={step}"
+    wait_until(lambda: group_stopped(job.pid), f"the run to stop itself after step {step}", job, timeout)
+    run_dir = next(d for d in run_dirs(cwd) if last_step(d) >= step)
+    return run_dir, last_step(run_dir)
 
-    The run is stopped while the test reads what it has logged, and goes on only between two looks: a test that gets
-    little of the CPU (a loaded machine) cannot look away while a quick run goes past the step and ends."""
-    deadline = time.monotonic() + timeout
-    wait_until(lambda: os.getpgid(job.pid) == job.pid, "the run's session of its own", job)
-    while True:
+
+def group_stopped(group: int) -> bool:
+    """Whether every live process of a process group is stopped (state T in /proc/<pid>/stat)."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            os.killpg(job.pid, signal.SIGSTOP)
-        except ProcessLookupError:  # its group is gone: it has ended
-            job.wait(60)
-        run_dir = next((d for d in run_dirs(cwd) if last_step(d) >= step), None)
-        if run_dir is not None and job.poll() is None:
-            return run_dir, last_step(run_dir)
-        if job.poll() is not None:
-            raise AssertionError(f"the run ended ({job.returncode}) before it was held at step {step} in {cwd}: "
-                                 f"{job.stderr()[-2000:]}")
-        if time.monotonic() > deadline:
-            job.resume()
-            raise AssertionError(f"waited {timeout:.0f} s for step {step} in {cwd}")
-        job.resume()
-        time.sleep(0.01)
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # a process that ended meanwhile
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            states.append(fields[0])
+    return bool(states) and all(state in "Tt" for state in states)
+
+
+def _stop_after_logging(step: int) -> None:
+    """In a started run's process, before the run: once rank 0 has logged `step`, it stops the run's whole process
+    group (SIGSTOP). The workers are forked from this process, and inherit it; rank 0 alone stops the group, once,
+    so that no other rank stops it again after the test has let it go on."""
+    from runner.engine import loop
+
+    log = loop._log
+
+    def logged_then_stopped(job, at, record):
+        logged = log(job, at, record)
+        if at == step and job.ranks.rank == 0:
+            os.killpg(os.getpgid(0), signal.SIGSTOP)
+        return logged
+
+    loop._log = logged_then_stopped
 
 
 # ---- the `run` command
@@ -155,8 +169,9 @@ class Started:
     its standard output and error once it has ended."""
 
     def __init__(self, process: multiprocessing.process.BaseProcess, output: Path, errors: Path,
-                 new_session: bool) -> None:
+                 new_session: bool, stop_at_step: Optional[int] = None) -> None:
         self._process, self._output, self._errors, self._group = process, output, errors, new_session
+        self.stop_at_step = stop_at_step
 
     @property
     def pid(self) -> int:
@@ -218,18 +233,21 @@ def run_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, fresh: 
     return subprocess.CompletedProcess(["run", *args], job.returncode, stdout, stderr)
 
 
-def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_session: bool = False) -> Started:
+def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_session: bool = False,
+              stop_at_step: Optional[int] = None) -> Started:
     """`run <args>` started in `cwd` and left running; `new_session`: in a session and process group of its own, as
-    `setsid run ...` starts it (signal the group with os.killpg)."""
+    `setsid run ...` starts it (signal the group with os.killpg). `stop_at_step`: the run stops itself, in a session
+    of its own, once it has logged that step (train.log_every=1): hold_at_step waits for it."""
+    new_session = new_session or stop_at_step is not None
     cwd.mkdir(parents=True, exist_ok=True)
     a_second_of_its_own(cwd)
     output_dir = Path(tempfile.mkdtemp(prefix="output-", dir=_outputs()))
     output, errors = output_dir / "stdout", output_dir / "stderr"
     process = warm_processes().Process(target=_run_command, name="run",
                                        args=(list(args), str(cwd), environment(env), str(output), str(errors),
-                                             new_session))
+                                             new_session, stop_at_step))
     process.start()
-    return Started(process, output, errors, new_session)
+    return Started(process, output, errors, new_session, stop_at_step)
 
 
 def a_second_of_its_own(cwd: Path) -> None:
@@ -283,11 +301,14 @@ def _end_started_runs() -> None:
         process.join(10)
 
 
-def _run_command(args: list[str], cwd: str, env: dict[str, str], output: str, errors: str, new_session: bool) -> None:
+def _run_command(args: list[str], cwd: str, env: dict[str, str], output: str, errors: str, new_session: bool,
+                 stop_at_step: Optional[int]) -> None:
     """In the forked process: `python -m runner <args>`, as a new interpreter would run it, to its exit."""
     _as_a_main_process()
     if new_session:
         os.setsid()
+    if stop_at_step is not None:
+        _stop_after_logging(stop_at_step)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # what the forkserver printed stays its own
     for fd, path in ((1, output), (2, errors)):
@@ -372,7 +393,7 @@ def uninterrupted_losses(args: list[str], tmp_path_factory) -> dict[int, float]:
 
 def kill_at_step(args: list[str], cwd: Path, step: int) -> Path:
     """Starts `run`, and kills it and its workers with SIGKILL once it has logged `step`; its run directory."""
-    job = start_cli(*args, cwd=cwd, new_session=True)
+    job = start_cli(*args, cwd=cwd, stop_at_step=step)
     try:
         run_dir, _ = hold_at_step(job, cwd, step)
     finally:

@@ -139,7 +139,7 @@ def test_sharded_checkpoint_on_another_process_count_is_refused(tmp_path):
                          ids=["single", "ddp"])
 def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninterrupted, uninterrupted_ddp,
                                                                tmp_path):
-    job = start_cli(*ARGS, *strategy, "train.checkpoint_every=100", cwd=tmp_path, new_session=True)
+    job = start_cli(*ARGS, *strategy, "train.checkpoint_every=100", cwd=tmp_path, stop_at_step=4)
     try:
         run_dir, _ = hold_at_step(job, tmp_path, 4)
         job.send_signal(signal.SIGTERM)  # to the run process, as `kill <pid>` sends it; it arrives mid-step
