@@ -113,7 +113,7 @@ def test_a_pipeline_pads_each_micro_batch_to_one_shape_without_changing_its_loss
     from runner.data.rows import IGNORE
     from runner.engine.schedule import Pipeline
 
-    pipeline = Pipeline(None, first=True, last=True, rows=3, length=6, pad_token_id=0, pp_group=None,
+    pipeline = Pipeline(None, first=True, last=True, microbatches=1, rows=3, length=6, pad_token_id=0, pp_group=None,
                         leads_stage=True)
     padded = MicroBatch({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
                          "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},

@@ -132,7 +132,6 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
     """Tokenizes the data of the spec that `run <overrides>` would compose into the token store, where its runs
     will read it: on a CPU or login node, before a GPU job starts."""
     from runner.cli.app import validated
-    from runner.config.data import DataFormat
     from runner.config.model import build_tokenizer
     from runner.data.splits import token_splits
     from runner.data.store import size_on_disk

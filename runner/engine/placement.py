@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, ContextManager, Optional
+from typing import TYPE_CHECKING, ContextManager, Optional
 
 from runner.config.float8 import convert_to_fp8, summarize_names
 from runner.config.hardware import Accelerator

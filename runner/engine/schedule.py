@@ -16,7 +16,7 @@ every stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Optional
 
 import torch
@@ -43,6 +43,7 @@ class Pipeline:
     schedule: Any  # a torch.distributed.pipelining schedule over this rank's stages
     first: bool  # whether this rank runs the first stage, which takes the tokens
     last: bool  # whether it runs the last, which returns the loss
+    microbatches: int  # a step's: train.grad_accum_steps
     rows: int  # micro_batch_size
     length: int  # seq_len
     pad_token_id: int
@@ -51,7 +52,7 @@ class Pipeline:
     # The tied embeddings' parameter on the first and last stages, and the group of the two ranks holding it.
     tied: Optional[nn.Parameter] = None
     tied_group: Any = None
-    scale: float = field(default=1.0)  # what the schedule's loss multiplies each micro batch's summed loss by
+    scale: float = 1.0  # what the schedule's loss multiplies each micro batch's summed loss by
 
     def train(self, batch: GlobalBatch, dp_size: int, autocast: Callable[[], ContextManager]) -> float:
         """Forward and backward of every micro batch of the step; this rank's share of the step's mean loss (the
@@ -71,8 +72,7 @@ class Pipeline:
         worth of micro batches at a time (the last group filled with copies that have no labels)."""
         self.scale = 1.0
         batches = list(batches)
-        microbatches = self.schedule._n_microbatches
-        loss_sum = 0.0
+        microbatches, loss_sum = self.microbatches, 0.0
         with torch.no_grad(), autocast():
             for start in range(0, len(batches), microbatches):
                 group = batches[start:start + microbatches]
@@ -172,14 +172,14 @@ def build_pipeline(stages: list[TrainingStage], stage_ids: list[int], spec: RunS
         pipeline_stages.append(PipelineStage(module, index, count, device, input_args=inputs, output_args=outputs,
                                              group=pp_group))
     origin = dims.dp_rank(rank) == 0 and rank % dims.tp == 0
-    pipeline = Pipeline(None, first=0 in stage_ids, last=count - 1 in stage_ids, rows=rows, length=length,
-                        pad_token_id=pad_token_id, pp_group=pp_group, leads_stage=origin)
+    pipeline = Pipeline(None, first=0 in stage_ids, last=count - 1 in stage_ids, microbatches=train.grad_accum_steps,
+                        rows=rows, length=length, pad_token_id=pad_token_id, pp_group=pp_group, leads_stage=origin)
 
     def loss(summed: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
         return summed * pipeline.scale
 
     schedule = strategy.pipeline_schedule
-    options = dict(n_microbatches=train.grad_accum_steps, loss_fn=loss, scale_grads=False)
+    options = dict(n_microbatches=pipeline.microbatches, loss_fn=loss, scale_grads=False)
     if schedule is PipelineSchedule.Interleaved1F1B:
         pipeline.schedule = ScheduleInterleaved1F1B(pipeline_stages, **options)
     else:

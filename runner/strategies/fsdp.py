@@ -381,7 +381,6 @@ def switch_to_fsdp() -> Change:
 def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
     """Parameters all-gathered and computed in compute_dtype (the fp32 shards stay the master weights), gradients
     reduced in reduce_dtype."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     low = precision.compute_dtype is not Dtype.fp32 and precision.param_dtype is Dtype.fp32
