@@ -63,9 +63,10 @@ BAD_INPUTS = {
                                     "strategy.pp_schedule=ZeroBubble"],
                                    "strategy.pp_schedule=ZeroBubble is not a schedule; use one of GPipe, 1F1B, "
                                    "Interleaved1F1B"),
-    "pipeline and tensor parallelism together": (
+    "pipeline and tensor parallelism with a sequence that tp does not divide": (
         ["strategy=fsdp", "strategy.pp_size=2", "strategy.tp_size=2", "hardware.nproc_per_node=4",
-         "train.grad_accum_steps=2"], "strategy.pp_size=2 with strategy.tp_size > 1"),
+         "train.grad_accum_steps=2", "data.seq_len=127"],
+        "strategy.pp_size=2 with strategy.tp_size=2: data.seq_len=127 must be a multiple of it"),
     "preference training through a pipeline": (
         ["task=dpo", "data=preference_files", f"data.files={TRL_PAIRS}", "strategy=fsdp", "strategy.pp_size=2",
          "hardware.nproc_per_node=2", "train.grad_accum_steps=2"],

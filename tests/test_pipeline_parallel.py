@@ -1,8 +1,9 @@
 """Pipeline parallelism composed with FSDP (strategy.pp_size, strategy.pp_schedule): the same math as one process.
 
 With the same seed, data order and global batch, in fp32, the per-step losses of one process and of each layout
-agree within 1e-5 relative over 10 optimizer steps: pp 2 under each schedule, and FSDP 2 x pp 2. The tiny model's
-embeddings are tied to its LM head: the first stage holds one end and the last the other, their gradients summed.
+agree within 1e-5 relative over 10 optimizer steps: pp 2 under each schedule, FSDP 2 x pp 2, pp 2 x tp 2 and FSDP 2
+x pp 2 x tp 2 (8 processes). The tiny model's embeddings are tied to its LM head: the first stage holds one end and
+the last the other, their gradients summed.
 """
 
 import pytest
@@ -23,6 +24,9 @@ LAYOUTS = {
     "pp 2, 1F1B": (2, [*PP, "train.grad_accum_steps=4", "strategy.pp_schedule=1F1B"]),
     "pp 2, Interleaved1F1B": (2, [*PP, "train.grad_accum_steps=4", "strategy.pp_schedule=Interleaved1F1B"]),
     "fsdp 2 x pp 2": (4, [*PP, "train.grad_accum_steps=2"]),
+    # Each stage's blocks split over 2 ranks; the stages pass on each rank's half of the sequence.
+    "pp 2 x tp 2": (4, [*PP, "strategy.tp_size=2", "train.grad_accum_steps=4"]),
+    "fsdp 2 x pp 2 x tp 2": (8, [*PP, "strategy.tp_size=2", "train.grad_accum_steps=2"]),
 }
 
 
@@ -83,7 +87,7 @@ def test_the_estimate_counts_a_pipeline_rank_s_stages_and_its_microbatches_in_fl
     """Llama-3-8B on 8 H100s, 4 micro batches a step: fsdp 4 x pp 2 holds the parameters of the heavier pipeline
     rank (16 layers and the embeddings) in 4 shards, about what fsdp 8 holds; its activations are those of its
     layers for each microbatch in flight: 2 under 1F1B (about fsdp 8's one microbatch of every layer), all 4 under
-    GPipe, and 2 x 1.25 under Interleaved1F1B."""
+    GPipe, and 2 x 1.25 under Interleaved1F1B. With tp 2 inside the stages, half of them."""
     from runner.memory.facts import facts_of
     from runner.memory.terms import estimate
 
@@ -103,6 +107,10 @@ def test_the_estimate_counts_a_pipeline_rank_s_stages_and_its_microbatches_in_fl
     assert staged["Interleaved1F1B"].activations.bytes == pytest.approx(1.25 * one_f_one_b.activations.bytes,
                                                                         rel=1e-6)
     assert "16 of 32 layers (pipeline rank 0 of 2)" in one_f_one_b.activations.note
+    # fsdp 2 x pp 2 x tp 2: the same eighth of the weights, each block's activations split over the tp ranks
+    split = estimate(resolved_spec([*overrides, "strategy.pp_size=2", "strategy.tp_size=2"]), facts)
+    assert split.weights.bytes == pytest.approx(whole.weights.bytes, rel=0.02)
+    assert split.activations.bytes == pytest.approx(one_f_one_b.activations.bytes / 2, rel=0.02)
 
 
 def test_a_pipeline_pads_each_micro_batch_to_one_shape_without_changing_its_loss():

@@ -145,7 +145,8 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         on_layout.stage_ids = stages_of(dims.pp_rank(ranks.rank), dims.pp, dims.stages_per_rank)
         bounds = stage_bounds(model.config.num_hidden_layers, dims.pp * len(on_layout.stage_ids))
         loss = partial(summed_loss_from_hidden, loss_kind, spec.train.loss_chunk_tokens)
-        on_layout.stages = cut_into_stages(model, on_layout.stage_ids, bounds, spec.data.packing, loss)
+        tp_mesh = dims.mesh(device.type)["tp"] if dims.tp > 1 else None
+        on_layout.stages = cut_into_stages(model, on_layout.stage_ids, bounds, spec.data.packing, loss, tp_mesh)
     if sharded and dims.tp > 1:
         parallelize_tensors(model, dims.mesh(device.type)["tp"])
     if training and strategy.activation_checkpointing:

@@ -162,7 +162,8 @@ def build_pipeline(stages: list[TrainingStage], stage_ids: list[int], spec: RunS
     mesh = dims.mesh(device.type)
     pp_group = mesh.get_group("pp")
     rows, length, count = train.micro_batch_size, spec.data.seq_len, dims.pp * len(stage_ids)
-    hidden = _example(rows, length, stages[0].config.hidden_size, dtype=spec.precision.compute_dtype.torch,
+    # (under tensor parallelism, each rank's part of the sequence)
+    hidden = _example(rows, length // dims.tp, stages[0].config.hidden_size, dtype=spec.precision.compute_dtype.torch,
                       requires_grad=True)
     passed_on = (hidden, *(_example(rows, length) for _ in range(3)))
     pipeline_stages = []

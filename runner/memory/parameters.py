@@ -120,17 +120,19 @@ _PARAMETERS: dict[tuple, tuple[ModelFacts, Parameters]] = {}
 
 
 def _heaviest_pipeline_rank(facts: ModelFacts, dims: ParallelDims) -> Parameters:
-    """The parameters of the pipeline rank that holds the most: its stages' layers, and the embeddings or the head.
-    Their linear part is the layers' in proportion (the head's aside)."""
-    stages = stage_parameters(facts.model, dims.pp * dims.stages_per_rank)
+    """The parameters of the pipeline rank that holds the most: its stages' layers, and the embeddings or the head
+    (a tensor-parallel rank's parts of them). Their linear part is the model's in proportion."""
+    split = facts.parameter_shapes if dims.tp == 1 else split_shapes(facts.model, dims.tp)
+    stages = stage_parameters(facts.model, dims.pp * dims.stages_per_rank, split)
     ranks = [[shape for stage in stages_of(rank, dims.pp, dims.stages_per_rank) for shape in stages[stage]]
              for rank in range(dims.pp)]
     def elements(shapes: list[tuple[int, ...]]) -> int:
         return sum(math.prod(shape) for shape in shapes)
 
     shapes = max(ranks, key=elements)
-    share = elements(shapes) / max(1, elements(facts.parameter_shapes))
-    return Parameters(trained_shapes=tuple(shapes), trained_linear=int(facts.linear_parameters * share))
+    share = elements(shapes) / max(1, elements(split))
+    return Parameters(trained_shapes=tuple(shapes), trained_linear=int(facts.linear_parameters * share) // dims.tp,
+                      tp=dims.tp)
 
 
 def parameters_of(spec: RunSpec, facts: ModelFacts) -> Parameters:

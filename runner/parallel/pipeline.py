@@ -74,13 +74,14 @@ def stage_bounds(num_layers: int, stages: int, split_points: Optional[list[int]]
     return list(zip(starts, [*starts[1:], num_layers]))
 
 
-def stage_parameters(model, stages: int) -> list[list[tuple[int, ...]]]:
-    """The shapes of each stage's parameters (a transformers causal LM, on the meta device): its decoder layers',
-    the embeddings on the first stage and the final norm and head on the last; tied embeddings on both."""
+def stage_parameters(model, stages: int, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """The shapes of each stage's parameters (a transformers causal LM, on the meta device; `shapes` in the order of
+    its parameters: whole, or a tensor-parallel rank's parts): its decoder layers', the embeddings on the first
+    stage and the final norm and head on the last; tied embeddings on both."""
     bounds = stage_bounds(model.config.num_hidden_layers, stages)
     last = stages - 1
     held: list[list[tuple[int, ...]]] = [[] for _ in range(stages)]
-    for name, parameter in model.named_parameters():
+    for (name, _), shape in zip(model.named_parameters(), shapes):
         if name.startswith("model.layers."):
             layer = int(name.split(".")[2])
             owners = [stage for stage, (first, end) in enumerate(bounds) if first <= layer < end]
@@ -89,7 +90,7 @@ def stage_parameters(model, stages: int) -> list[list[tuple[int, ...]]]:
         else:
             owners = [last] if name.startswith(("model.norm.", "lm_head.")) else [0]
         for stage in owners:
-            held[stage].append(tuple(parameter.shape))
+            held[stage].append(tuple(shape))
     return held
 
 

@@ -14,12 +14,15 @@ without gradients), so that the last stage computes the summed loss inside its f
 from __future__ import annotations
 
 from inspect import signature
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
 from runner.errors import SpecError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # The last stage's loss: (the LM head, the final hidden states, the labels) -> the summed loss
 HeadLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -73,9 +76,12 @@ class TrainingStage(nn.Module):
     """One stage of the model in training. The first takes (input_ids, labels, position_ids, attention_mask), the
     others (hidden_states, labels, position_ids, attention_mask); each passes on the hidden states with the rest,
     and the last returns the summed loss of its rows (shape [1]). Packed rows (`packed`) attend by their positions,
-    as the whole model's forward is given them, with no attention mask."""
+    as the whole model's forward is given them, with no attention mask. Under tensor parallelism (`tp_mesh`) the
+    hidden states between blocks are sequence-sharded DTensors: a stage passes on its rank's part of the sequence,
+    and the next stage's rank with the same tensor-parallel place takes it up as that part again."""
 
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool, packed: bool, loss: HeadLoss):
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool, packed: bool, loss: HeadLoss,
+                 tp_mesh: Optional[DeviceMesh] = None):
         super().__init__()
         decoder = model.model
         # Attribute names as in the model, so that FSDP's units and the parameters keep the model's names.
@@ -88,27 +94,36 @@ class TrainingStage(nn.Module):
             self.model.norm = decoder.norm
             self.lm_head = model.lm_head
         self.config, self.first, self.last, self.packed, self.loss = model.config, first, last, packed, loss
+        self.tp_mesh = tp_mesh
         self._no_split_modules = model._no_split_modules  # FSDP's wrap policy names the blocks from it
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor):
-        hidden = self.model.embed_tokens(inputs) if self.first else inputs
+        if self.first:
+            hidden = self.model.embed_tokens(inputs)
+        elif self.tp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
+        else:
+            hidden = inputs
         hidden = run_layers(self.config, list(self.model.layers.values()), self.model.rotary_emb, hidden,
                             None if self.packed else attention_mask, position_ids)
         if not self.last:  # (copies: FSDP's backward hooks cannot sit on views of the inputs)
+            hidden = hidden.to_local() if self.tp_mesh is not None else hidden
             return hidden, labels.clone(), position_ids.clone(), attention_mask.clone()
         return torch.stack([self.loss(self.lm_head, self.model.norm(hidden), labels)])
 
 
 def cut_into_stages(model: nn.Module, stages: list[int], bounds: list[tuple[int, int]], packed: bool,
-                    loss: HeadLoss) -> list[TrainingStage]:
+                    loss: HeadLoss, tp_mesh: Optional[DeviceMesh] = None) -> list[TrainingStage]:
     """This rank's stages of `model`, whose other layers (and embeddings or head, where another rank holds them)
     are dropped from it: the model keeps only this rank's weights, under their own names."""
     decoder = decoder_of(model, "strategy.pp_size > 1")
     held = {index for stage in stages for index in range(*bounds[stage])}
     decoder.layers = nn.ModuleDict({str(index): layer for index, layer in enumerate(decoder.layers) if index in held})
     last = len(bounds) - 1
-    modules = [TrainingStage(model, range(*bounds[stage]), stage == 0, stage == last, packed, loss)
+    modules = [TrainingStage(model, range(*bounds[stage]), stage == 0, stage == last, packed, loss, tp_mesh)
                for stage in stages]
     if 0 not in stages:
         decoder.embed_tokens = None

@@ -71,18 +71,17 @@ def parallelize_tensors(model: nn.Module, mesh: DeviceMesh) -> None:
         })
         for name in {layer.rpartition(".")[0] for layer in plan}:
             block.get_submodule(name).register_forward_pre_hook(_whole_sequence, with_kwargs=True)
-    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    # A pipeline stage holds the embeddings (the first), the final norm and head (the last), or neither.
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    final_norm = next((module for module in model.base_model.children() if _is_norm(module)), None)
     names = {module: name for name, module in model.named_modules()}
-    final_norm = next(module for module in model.base_model.children() if _is_norm(module))
-    parallelize_module(model, mesh, {
-        names[model.get_input_embeddings()]: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                             use_local_output=False),
-        names[final_norm]: SequenceParallel(),
-        names[model.get_output_embeddings()]: ColwiseParallel(output_layouts=Replicate()),
-    })
-    final_norm.register_forward_hook(lambda module, inputs, output: output.full_tensor())
-    if tied:  # both ends split by vocabulary rows alike: one parameter again, as the model had it
-        model.tie_weights()
+    ends = {embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+            final_norm: SequenceParallel(), head: ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh, {names[module]: style for module, style in ends.items() if module is not None})
+    if final_norm is not None:
+        final_norm.register_forward_hook(lambda module, inputs, output: output.full_tensor())
+    if embeddings is not None and head is not None and model.config.tie_word_embeddings:
+        model.tie_weights()  # both ends split by vocabulary rows alike: one parameter again, as the model had it
 
 
 def _is_norm(module: nn.Module) -> bool:

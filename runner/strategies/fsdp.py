@@ -199,7 +199,9 @@ class FSDPStrategy(StrategyConfig):
                 f"{train.grad_accum_steps} (train.grad_accum_steps, the micro batches each rank runs a step); raise "
                 "train.grad_accum_steps, or use strategy.pp_schedule=GPipe")
         for refused, why in (
-            (self.tp_size > 1, "strategy.tp_size > 1: tensor-parallel stages are not built yet; use one of the two"),
+            (spec.data.seq_len % self.tp_size != 0, f"strategy.tp_size={self.tp_size}: data.seq_len="
+                                                    f"{spec.data.seq_len} must be a multiple of it (the stages pass on "
+                                                    "each tensor-parallel rank's equal part of the sequence)"),
             (spec.adapter.active, f"adapter={spec.adapter.kind.value}: the adapters are not cut into stages yet"),
             (bool(spec.precision.fp8), "precision.fp8: float8 layers are not cut into stages yet"),
             (spec.precision.compute_dtype is Dtype.fp16 and spec.precision.param_dtype is not Dtype.fp16,
