@@ -138,3 +138,26 @@ def test_a_pipeline_pads_each_micro_batch_to_one_shape_without_changing_its_loss
     assert positions.tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]]
     assert mask.tolist() == [[1] * 6] * 3
     assert labels[:, 4:].eq(IGNORE).all()
+
+
+def test_stages_are_balanced_by_the_parameters_they_hold():
+    """The first stage holds the embeddings and the last the head (Llama-3-8B's: 0.53B parameters each, about 2.4
+    of its 0.22B layers): they take fewer layers, and the stage that holds the most holds less than under an even
+    split by layers. The tiny model's ends weigh little: its split is the even one."""
+    import math
+
+    from helpers import composed
+    from runner.memory.facts import meta_model
+    from runner.parallel.pipeline import balanced_bounds, stage_bounds, stage_parameters
+
+    model = meta_model(composed(["model=llama3_8b"]).model)
+    shapes = [tuple(parameter.shape) for parameter in model.parameters()]
+
+    def largest(bounds):
+        return max(sum(math.prod(shape) for shape in held) for held in stage_parameters(model, bounds, shapes))
+
+    balanced = balanced_bounds(model, 4)
+    assert [end - start for start, end in balanced] == [7, 9, 9, 7]
+    assert largest(balanced) < 0.91 * largest(stage_bounds(32, 4))  # 2.05B against 2.27B parameters
+    tiny = meta_model(composed([]).model)
+    assert balanced_bounds(tiny, 2) == stage_bounds(4, 2) and balanced_bounds(tiny, 4) == stage_bounds(4, 4)

@@ -38,7 +38,7 @@ from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
 from runner.engine.attention import attend_within_examples
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
-from runner.parallel.pipeline import stage_bounds, stages_of
+from runner.parallel.pipeline import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         from runner.parallel.stages import cut_into_stages
 
         on_layout.stage_ids = stages_of(dims.pp_rank(ranks.rank), dims.pp, dims.stages_per_rank)
-        bounds = stage_bounds(model.config.num_hidden_layers, dims.pp * len(on_layout.stage_ids))
+        bounds = balanced_bounds(model, dims.pp * len(on_layout.stage_ids))
         loss = partial(summed_loss_from_hidden, loss_kind, spec.train.loss_chunk_tokens)
         tp_mesh = dims.mesh(device.type)["tp"] if dims.tp > 1 else None
         on_layout.stages = cut_into_stages(model, on_layout.stage_ids, bounds, spec.data.packing, loss, tp_mesh)

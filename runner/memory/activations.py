@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Optional
 from runner.config.train import LossKind, loss_kind_in_effect
 from runner.memory.parameters import parameters_of
 from runner.memory.terms import FP32, Part, micro_batch_tokens
-from runner.parallel.pipeline import PipelineSchedule, stage_bounds, stages_of
+from runner.parallel.pipeline import PipelineSchedule, balanced_bounds, stages_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -100,7 +100,7 @@ def pipeline_activations_part(spec: RunSpec, facts: ModelFacts, dtypes: Activati
     for each microbatch in flight under the schedule (the first rank's, under 1F1B), and the last rank's head."""
     dims = spec.strategy.dims(spec.hardware)
     stages = dims.pp * dims.stages_per_rank
-    bounds = stage_bounds(facts.layers, stages)
+    bounds = balanced_bounds(facts.model, stages)
     one = activations_part(spec, facts, dtypes)
     tokens, microbatches = micro_batch_tokens(spec), spec.train.grad_accum_steps
     held = []

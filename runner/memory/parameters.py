@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT, nf4_fits, targets
 from runner.config.model import blocks
 from runner.memory.terms import FP32, Part, sharded_elements
-from runner.parallel.pipeline import stage_parameters, stages_of
+from runner.parallel.pipeline import balanced_bounds, stage_parameters, stages_of
 from runner.parallel.tensor import split_shapes
 
 if TYPE_CHECKING:
@@ -123,7 +123,8 @@ def _heaviest_pipeline_rank(facts: ModelFacts, dims: ParallelDims) -> Parameters
     """The parameters of the pipeline rank that holds the most: its stages' layers, and the embeddings or the head
     (a tensor-parallel rank's parts of them). Their linear part is the model's in proportion."""
     split = facts.parameter_shapes if dims.tp == 1 else split_shapes(facts.model, dims.tp)
-    stages = stage_parameters(facts.model, dims.pp * dims.stages_per_rank, split)
+    bounds = balanced_bounds(facts.model, dims.pp * dims.stages_per_rank)
+    stages = stage_parameters(facts.model, bounds, split)
     ranks = [[shape for stage in stages_of(rank, dims.pp, dims.stages_per_rank) for shape in stages[stage]]
              for rank in range(dims.pp)]
     def elements(shapes: list[tuple[int, ...]]) -> int:

@@ -14,6 +14,7 @@ rank's micro batches (train.grad_accum_steps of them) are the pipeline's microba
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from typing import Optional
 
@@ -74,24 +75,77 @@ def stage_bounds(num_layers: int, stages: int, split_points: Optional[list[int]]
     return list(zip(starts, [*starts[1:], num_layers]))
 
 
-def stage_parameters(model, stages: int, shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+def balanced_bounds(model, stages: int) -> list[tuple[int, ...]]:
+    """[first, end) decoder-layer indices of each training stage (a transformers causal LM), balanced by the
+    parameters each stage holds: the first stage's embeddings and the last's head count as the layers they weigh.
+    The stage holding the most holds as little as it can, and among such splits the stages are the most even (the
+    least sum of squares)."""
+    layers = model.config.num_hidden_layers
+    require(stages <= layers, f"{stages} pipeline stages need at least {stages} decoder layers; the model has "
+                              f"{layers}")
+    cost, first_extra, last_extra = [0] * layers, 0, 0
+    for name, parameter in model.named_parameters():
+        part = _part(name, model.config.tie_word_embeddings)
+        if isinstance(part, int):
+            cost[part] += parameter.numel()
+        first_extra += parameter.numel() if part in ("first", "both") else 0
+        last_extra += parameter.numel() if part in ("last", "both") else 0
+    prefix = [0]
+    for value in cost:
+        prefix.append(prefix[-1] + value)
+
+    def stage_cost(stage: int, start: int, end: int) -> int:
+        return (prefix[end] - prefix[start] + (first_extra if stage == 0 else 0)
+                + (last_extra if stage == stages - 1 else 0))
+
+    # best[s][i]: over splits of the first i layers into s + 1 stages, the least (largest stage, sum of squares),
+    # and where the last of them starts.
+    unreachable = (math.inf, math.inf, 0)
+    best = [[(stage_cost(0, 0, i), stage_cost(0, 0, i) ** 2, 0) if i else unreachable for i in range(layers + 1)]]
+    for stage in range(1, stages):
+        row = []
+        for end in range(layers + 1):
+            splits = []
+            for start in range(stage, end):
+                largest, squares, _ = best[stage - 1][start]
+                cost = stage_cost(stage, start, end)
+                splits.append((max(largest, cost), squares + cost ** 2, start))
+            row.append(min(splits, default=unreachable))
+        best.append(row)
+    bounds, end = [], layers
+    for stage in range(stages - 1, -1, -1):
+        start = best[stage][end][2]
+        bounds.append((start, end))
+        end = start
+    return bounds[::-1]
+
+
+def stage_parameters(model, bounds: list[tuple[int, int]],
+                     shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
     """The shapes of each stage's parameters (a transformers causal LM, on the meta device; `shapes` in the order of
     its parameters: whole, or a tensor-parallel rank's parts): its decoder layers', the embeddings on the first
     stage and the final norm and head on the last; tied embeddings on both."""
-    bounds = stage_bounds(model.config.num_hidden_layers, stages)
-    last = stages - 1
-    held: list[list[tuple[int, ...]]] = [[] for _ in range(stages)]
+    last = len(bounds) - 1
+    held: list[list[tuple[int, ...]]] = [[] for _ in bounds]
     for (name, _), shape in zip(model.named_parameters(), shapes):
-        if name.startswith("model.layers."):
-            layer = int(name.split(".")[2])
-            owners = [stage for stage, (first, end) in enumerate(bounds) if first <= layer < end]
-        elif name.startswith("model.embed_tokens."):
-            owners = [0, last] if model.config.tie_word_embeddings else [0]
+        part = _part(name, model.config.tie_word_embeddings)
+        if isinstance(part, int):
+            owners = [stage for stage, (first, end) in enumerate(bounds) if first <= part < end]
         else:
-            owners = [last] if name.startswith(("model.norm.", "lm_head.")) else [0]
+            owners = {"first": [0], "last": [last], "both": [0, last]}[part]
         for stage in owners:
             held[stage].append(tuple(shape))
     return held
+
+
+def _part(name: str, tied: bool):
+    """Where a parameter sits in a pipeline: its decoder layer's index, or the first stage (the embeddings and
+    anything outside the layers), the last (the final norm and head), or both (tied embeddings)."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2])
+    if name.startswith("model.embed_tokens."):
+        return "both" if tied else "first"
+    return "last" if name.startswith(("model.norm.", "lm_head.")) else "first"
 
 
 def stages_of(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
