@@ -120,12 +120,13 @@ def wait_until(condition: Callable[[], T], what: str, job: Optional[Started] = N
         time.sleep(every)
 
 
-def hold_at_step(job: Started, cwd: Path, step: int, timeout: float = 300) -> tuple[Path, int]:
-    """Returns once the run under `cwd`, started with `stop_at_step=step`, has stopped itself right after logging
-    `step`, every process of its group stopped (SIGSTOP): what the test does next reaches it mid-run whatever the
+def hold_at_step(job: Started, cwd: Path, timeout: float = 300) -> tuple[Path, int]:
+    """Returns once the run under `cwd`, started with `stop_at_step`, has stopped itself right after logging that
+    step, every process of its group stopped (SIGSTOP): what the test does next reaches it mid-run whatever the
     machine's speed, and however little of the CPU the test gets. The run directory and the last step logged;
     `resume` the run, or kill it."""
-    assert job.stop_at_step == step, f"start the run with stop_at_step={step}"
+    step = job.stop_at_step
+    assert step is not None, "start the run with stop_at_step"
     wait_until(lambda: group_stopped(job.pid), f"the run to stop itself after step {step}", job, timeout)
     run_dir = next(d for d in run_dirs(cwd) if last_step(d) >= step)
     return run_dir, last_step(run_dir)
@@ -395,7 +396,7 @@ def kill_at_step(args: list[str], cwd: Path, step: int) -> Path:
     """Starts `run`, and kills it and its workers with SIGKILL once it has logged `step`; its run directory."""
     job = start_cli(*args, cwd=cwd, stop_at_step=step)
     try:
-        run_dir, _ = hold_at_step(job, cwd, step)
+        run_dir, _ = hold_at_step(job, cwd)
     finally:
         job.kill()
     return run_dir

@@ -141,7 +141,7 @@ def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninter
                                                                tmp_path):
     job = start_cli(*ARGS, *strategy, "train.checkpoint_every=100", cwd=tmp_path, stop_at_step=4)
     try:
-        run_dir, _ = hold_at_step(job, tmp_path, 4)
+        run_dir, _ = hold_at_step(job, tmp_path)
         job.send_signal(signal.SIGTERM)  # to the run process, as `kill <pid>` sends it; it arrives mid-step
         if strategy:
             # The run passes it on to its workers (torch elastic's shutdown). They stay stopped until each has it,

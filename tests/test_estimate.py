@@ -101,14 +101,17 @@ def test_precisions_change_what_is_counted_as_documented():
 
 def test_estimates_of_8b_and_70b_answer_without_weights():
     """The models are built on the meta device: the estimate's peak memory is not the weights' (8B in bf16 is 15
-    GiB, 70B 131 GiB), measured as the process's peak resident memory from a reset (Linux's clear_refs, 5)."""
+    GiB, 70B 131 GiB), measured as the process's peak resident memory (the runner's own reading) from a reset
+    (Linux's clear_refs, 5), which sets the peak to what the process holds now."""
+    from runner.engine.metrics import peak_resident_kib
+
     for name, parameters in (("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496)):
         spec = composed([f"model={name}", "hardware=8xh100_80gb", "strategy=fsdp", "precision=bf16"])
         model_facts._FACTS.clear()
         Path("/proc/self/clear_refs").write_text("5")
-        before = resident_gib("VmRSS")
+        before = peak_resident_kib()
         text = report(spec)
-        assert resident_gib("VmHWM") - before < 1, name
+        assert (peak_resident_kib() - before) / 2**20 < 1, name
         assert f"({parameters:,} parameters)" in text
         assert all(p.device.type == "meta" for p in meta_model(spec.model).parameters())
 
@@ -341,9 +344,3 @@ def test_hybrid_shard_groups_the_processes_of_a_node_as_torch_and_accelerate_do(
     in_fours = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=4"])
     assert in_fours.strategy.dims(in_fours.hardware).shape == (1, 2, 4, 1)
     assert estimate(in_fours, facts_of(in_fours.model)).peak > estimate(full, facts_of(full.model)).peak
-
-
-def resident_gib(field: str) -> float:
-    """This process's resident memory (VmRSS) or its peak since the last reset (VmHWM), from /proc/self/status."""
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(f"{field}:"))
-    return int(line.split()[1]) / 2**20

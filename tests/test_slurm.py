@@ -213,7 +213,7 @@ def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stop
         stopped_at = [int(step) for step in re.findall(r"stopped by SIG\w+ after step (\d+)", text)]
         # Run here once the job has ended, as far as it went: the two do not share the two cores.
         uninterrupted = start_cli("hardware=cpu", *job, cwd=tmp_path / "here", stop_at_step=stopped_at[-1])
-        here, _ = hold_at_step(uninterrupted, tmp_path / "here", stopped_at[-1])
+        here, _ = hold_at_step(uninterrupted, tmp_path / "here")
     finally:
         for process in (submitted, uninterrupted):
             if process is not None:
