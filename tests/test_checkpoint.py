@@ -1,5 +1,6 @@
 """Checkpoints and resume: a job killed at any step continues exactly where it stopped."""
 
+import json
 import os
 import random
 import re
@@ -90,17 +91,17 @@ def _fsdp_checkpoint_files(ranks, spec, run_dir):
 @pytest.mark.distributed
 @pytest.mark.parametrize("state_dict_type,files", [
     ("FULL", {"model.safetensors", "optimizer.safetensors"}),
-    ("SHARDED", {"model-rank0.safetensors", "model-rank1.safetensors", "optimizer-rank0.safetensors",
-                 "optimizer-rank1.safetensors"}),
+    ("SHARDED", {f"{state}/shard-0000{rank}-model-00001-of-00001.safetensors" for state in ("model", "optimizer")
+                 for rank in (1, 2)}),
 ])
 def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, files, tmp_path):
     spec = resolved_spec([*ARGS, "train.max_steps=2", "strategy=fsdp", "hardware.nproc_per_node=2",
                           f"strategy.state_dict_type={state_dict_type}", "train.save_model=false"])
     run_in_workers(_fsdp_checkpoint_files, spec, str(tmp_path), nproc=2)
     [checkpoint] = (tmp_path / "checkpoints").glob("step_*")
-    written = {p.name for p in checkpoint.glob("*.safetensors") if not p.name.startswith("rng")}
+    written = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*.safetensors") if "rng" not in p.name}
     assert written == files
-    assert {p.suffix for p in checkpoint.iterdir()} == {".safetensors", ".json"}  # nothing to unpickle
+    assert {p.suffix for p in checkpoint.rglob("*") if p.is_file()} == {".safetensors", ".json"}  # nothing to unpickle
 
 
 @pytest.mark.distributed
@@ -124,14 +125,21 @@ def test_multi_process_kill_and_resume(strategy, resume_on, tolerance, uninterru
         assert resumed[step] == pytest.approx(loss, rel=tolerance, abs=0)
 
 
-@pytest.mark.distributed
-def test_sharded_checkpoint_on_another_process_count_is_refused(tmp_path):
-    args = [*ARGS, "strategy=fsdp", "hardware.nproc_per_node=2", "train.grad_accum_steps=1",
-            "strategy.state_dict_type=SHARDED", "train.max_steps=3"]
-    assert run_cli(*args, cwd=tmp_path).returncode == 0
-    result = run_cli("resume=auto", "hardware.nproc_per_node=1", "train.max_steps=6", cwd=tmp_path)
-    assert result.returncode == 2
-    assert "holds 2 ranks' shards (sharded) and this run has 1 processes" in result.stderr
+@pytest.mark.parametrize("layout,file,refusal", [
+    ("engine", "zero.safetensors", "holds 2 ranks' shards (engine) and this run has 1 processes"),
+    ("sharded", "model-rank0.safetensors", "holds SHARDED files of an earlier runner"),
+], ids=["deepspeed's own, on another process count", "sharded, written before DCP"])
+def test_a_checkpoint_that_cannot_move_is_refused_before_launch(layout, file, refusal, tmp_path):
+    from runner.errors import SpecError
+
+    checkpoint = tmp_path / "checkpoints" / "step_00000003"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / file).write_bytes(b"")
+    (checkpoint / "meta.json").write_text(json.dumps(
+        {"step": 3, "world_size": 2, "layout": layout, "strategy": "deepspeed" if layout == "engine" else "fsdp"}))
+    strategy = "strategy=deepspeed" if layout == "engine" else "strategy=fsdp"
+    with pytest.raises(SpecError, match=re.escape(refusal)):
+        resolved_spec([*ARGS, strategy, f"resume={checkpoint}", "train.max_steps=6"])
 
 
 @pytest.mark.signals

@@ -54,19 +54,23 @@ def test_same_losses_as_one_process(layout, reference, tmp_path):
 
 
 @pytest.mark.distributed
-def test_checkpoints_and_the_model_move_between_a_pipeline_and_one_process(reference, tmp_path):
-    """Saved under fsdp 2 x pp 2 at step 5 (FULL: every stage's whole model and optimizer state, gathered on rank
-    0), resumed in one process; and one process's checkpoint resumed under pp 2: the same losses from step 6 on.
-    The model the pipeline exports is the one process's."""
+@pytest.mark.parametrize("state_dict_type", ["FULL", "SHARDED"])
+def test_checkpoints_and_the_model_move_between_a_pipeline_and_one_process(state_dict_type, reference, tmp_path):
+    """Saved under fsdp 2 x pp 2 at step 5, resumed in one process, and under pp 2 from one process's checkpoint
+    (FULL: every stage's whole state, gathered on rank 0) or from the same one (SHARDED: each rank's shards, the
+    tied head's under the embeddings' name): the same losses from step 6 on. The model the pipeline exports is the
+    one process's."""
     from safetensors.torch import load_file
 
     saved = tmp_path / "fsdp 2 x pp 2"
     nproc, overrides = LAYOUTS["fsdp 2 x pp 2"]
-    spec = resolved_spec([*BASE, f"hardware.nproc_per_node={nproc}", *overrides, "train.checkpoint_every=5",
+    written = f"strategy.state_dict_type={state_dict_type}"
+    spec = resolved_spec([*BASE, f"hardware.nproc_per_node={nproc}", *overrides, written, "train.checkpoint_every=5",
                           "train.save_model=true"])
-    in_pipeline = resolved_spec([*BASE, "hardware.nproc_per_node=2", *LAYOUTS["pp 2, GPipe"][1],
-                                 f"resume={reference / 'checkpoints' / 'step_00000005'}"])
     train_in_workers([spec], [saved], nproc=nproc)
+    source = saved if state_dict_type == "SHARDED" else reference
+    in_pipeline = resolved_spec([*BASE, "hardware.nproc_per_node=2", *LAYOUTS["pp 2, GPipe"][1],
+                                 f"resume={source / 'checkpoints' / 'step_00000005'}"])
     train_in_workers([in_pipeline], [tmp_path / "pp 2"], nproc=2)
     in_one = resolved_spec([*BASE, f"resume={saved / 'checkpoints' / 'step_00000005'}", "train.grad_accum_steps=4"])
     (tmp_path / "single").mkdir()

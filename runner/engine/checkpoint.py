@@ -121,22 +121,18 @@ def check_resumable(spec: RunSpec) -> None:
     require(meta_file.is_file(), f"resume={spec.resume} is not a complete checkpoint")
     written = json.loads(meta_file.read_text())
     layout, strategy = CheckpointLayout(written["layout"]), spec.strategy
+    require(not (Path(spec.resume) / "model-rank0.safetensors").is_file(),
+            f"the checkpoint {spec.resume} holds SHARDED files of an earlier runner (model-rank<N>.safetensors), "
+            "which this one does not read; continue it with the runner that wrote it")
     if not layout.portable:
         require(written["world_size"] == spec.hardware.world_size,
                 f"the checkpoint {spec.resume} holds {written['world_size']} ranks' shards ({layout.value}) and this "
                 f"run has {spec.hardware.world_size} processes; resume on {written['world_size']}, or write FULL "
-                "checkpoints (strategy.state_dict_type=FULL), which resume on any number")
-        mesh = list(strategy.dims(spec.hardware).shape)
-        # (checkpoints written before the mesh was recorded: its world size; before pipelines: no pp dimension)
-        saved = written.get("mesh", mesh)
-        saved = [1, *saved] if len(saved) == len(mesh) - 1 else saved
-        require(saved == mesh,
-                f"the checkpoint {spec.resume} holds the shards of mesh {' x '.join(map(str, saved))} and this "
-                f"run's is {' x '.join(map(str, mesh))} (pp x dp_replicate x dp_shard x tp); resume on the same "
-                "layout, or write FULL checkpoints (strategy.state_dict_type=FULL), which resume on any layout")
+                "or SHARDED checkpoints (strategy.state_dict_type), which resume on any number")
     require(written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
             f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "
-            f"strategy={strategy.name}; only FULL checkpoints move between strategies, to those that read them")
+            f"strategy={strategy.name}; only FULL and SHARDED checkpoints move between strategies, to those that "
+            "read them")
     streamed = (Path(spec.resume) / "stream-rank0.json").exists()
     require(streamed == spec.data.streaming,
             f"the checkpoint {spec.resume} was written by a run {'with' if streamed else 'without'} data.streaming, "

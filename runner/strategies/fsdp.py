@@ -96,8 +96,8 @@ class FSDPStrategy(StrategyConfig):
     # Only rank 0 loads (or initialises) the weights; the others start on the meta device and receive them.
     cpu_ram_efficient_loading: bool = False
     sync_module_states: bool = True
-    # Checkpoints: FULL gathers the whole model and optimizer state on rank 0 (and resumes on any number of
-    # processes); SHARDED has each rank write its own shards (faster, and resumes on the same number only).
+    # Checkpoints: FULL gathers the whole model and optimizer state on rank 0; SHARDED has each rank write its own
+    # shards (faster, no whole copy in any process). Both resume on any layout.
     state_dict_type: StateDictType = StateDictType.FULL
     # How many following blocks' all-gathers to issue early in forward, and preceding ones in backward.
     forward_prefetch: int = 0
@@ -209,8 +209,6 @@ class FSDPStrategy(StrategyConfig):
             (train.compile, "train.compile=true: the stages run eagerly; set train.compile=false"),
             (self.cpu_ram_efficient_loading, "strategy.cpu_ram_efficient_loading=true: every rank builds the model "
                                              "and keeps its stages' weights; set it to false"),
-            (self.state_dict_type is StateDictType.SHARDED, "strategy.state_dict_type=SHARDED: a pipeline writes "
-                                                            "FULL checkpoints"),
         ):
             require(not refused, f"{pp} with {why}")
 

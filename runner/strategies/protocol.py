@@ -27,21 +27,22 @@ if TYPE_CHECKING:
 class CheckpointLayout(str, Enum):
     """How a checkpoint's model and optimizer state are written (runner/engine/checkpoint.py)."""
 
-    # The whole model and optimizer, gathered on rank 0: resumes on any number of processes, under any strategy
-    # whose stepper reads it (all but an engine of its own).
+    # The whole model and optimizer, gathered on rank 0.
     FULL = "full"
-    # Each rank's own shards: resumes on the same number of processes, under the same strategy.
+    # Each rank's own shards, which torch.distributed.checkpoint reshards on load.
     SHARDED = "sharded"
     # The engine's own checkpoint (DeepSpeed's): the same number of processes and strategy.
     ENGINE = "engine"
 
     @property
     def portable(self) -> bool:
-        return self is CheckpointLayout.FULL
+        """Whether it resumes on any number of processes and any layout, under any strategy whose stepper reads it
+        (all but an engine of its own)."""
+        return self is not CheckpointLayout.ENGINE
 
     def reads(self, written: CheckpointLayout) -> bool:
         """Whether a stepper that writes this layout can resume from a checkpoint written in another: torch's
-        state dicts load a FULL checkpoint into any sharding; an engine reads its own only."""
+        state dicts load a FULL or SHARDED checkpoint into any sharding; an engine reads its own only."""
         return written is self or (written.portable and self is not CheckpointLayout.ENGINE)
 
 

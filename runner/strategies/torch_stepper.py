@@ -5,7 +5,8 @@ A checkpoint holds tensors in safetensors and everything else in JSON: loading u
 with a frozen base (adapter=lora, qlora) it holds the trained parameters only: the base is rebuilt as it was.
 
     FULL      model.safetensors, optimizer.safetensors (the whole state, written by rank 0)
-    SHARDED   model-rank<N>.safetensors, optimizer-rank<N>.safetensors (each rank's own shards)
+    SHARDED   model/, optimizer/ (each rank's own shards, written by torch.distributed.checkpoint in safetensors
+              with their offsets: read back into any other sharding, which DCP reshards on load)
     both      optimizer.json (the param groups), stepper.json (fp16's loss scale)
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
@@ -90,52 +92,61 @@ class TorchStepper:
     def save(self, directory: Path, rank: int) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        sharded = self.layout is CheckpointLayout.SHARDED
-        if self.stages:
-            model_state, optimizer_state = self._whole_across_stages(optimizer=True)
-        else:
-            # Both calls are collectives; with full_state_dict, only rank 0 gets the (CPU) result.
-            options = self.options(full_state_dict=not sharded, cpu_offload=not sharded)
-            model_state = self.trained(get_model_state_dict(self.model, options=options))
+        if self.layout is CheckpointLayout.SHARDED:
+            options = self.options()
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        model_file, optimizer_file = _files(sharded, rank)
-        if sharded or rank == 0:
-            save_tensors(directory / model_file, {k: local(v) for k, v in model_state.items()})
-            flat = _flatten_optimizer(optimizer_state["state"])
-            save_tensors(directory / optimizer_file, {k: local(v) for k, v in flat.items()})
+            model_state = self.trained(get_model_state_dict(self.model, options=options))
+            _write_shards(directory / "model", self._as_whole_model(model_state))
+            _write_shards(directory / "optimizer", self._as_whole_model(_flatten_optimizer(optimizer_state["state"])))
+        else:
+            if self.stages:
+                model_state, optimizer_state = self._whole_across_stages(optimizer=True)
+            else:
+                # Both calls are collectives; with full_state_dict, only rank 0 gets the (CPU) result.
+                options = self.options(full_state_dict=True, cpu_offload=True)
+                model_state = self.trained(get_model_state_dict(self.model, options=options))
+                optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+            if rank == 0:
+                save_tensors(directory / "model.safetensors", {k: local(v) for k, v in model_state.items()})
+                flat = _flatten_optimizer(optimizer_state["state"])
+                save_tensors(directory / "optimizer.safetensors", {k: local(v) for k, v in flat.items()})
         if rank == 0:
             write_json(directory / "optimizer.json", optimizer_state["param_groups"])
             write_json(directory / "stepper.json", {"loss_scaler": self.scaler.state_dict()} if self.scaler else {})
 
     def load(self, directory: Path, rank: int, written: CheckpointLayout) -> None:
         if written is CheckpointLayout.SHARDED:
-            self._load_shards(directory, rank)
+            self._load_shards(directory)
         else:
             self._load_whole(directory, rank)
         own = json.loads((directory / "stepper.json").read_text())
         if self.scaler and "loss_scaler" in own:
             self.scaler.load_state_dict(own["loss_scaler"])
 
-    def _load_shards(self, directory: Path, rank: int) -> None:
-        """The current state dicts give the shards' layout; the files fill in their values."""
-        import torch
-        from safetensors.torch import load_file
+    def _load_shards(self, directory: Path) -> None:
+        """The current state dicts give this run's sharding; DCP reads each rank's part of them from whichever
+        shards of the written ones hold it."""
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
 
         options = self.options()
         model_state = self.trained(get_model_state_dict(self.model, options=options))
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        model_file, optimizer_file = _files(True, rank)
-        with torch.no_grad():
-            for name, value in load_file(directory / model_file).items():
-                local(model_state[name]).copy_(value)
-            flat = _flatten_optimizer(optimizer_state["state"])
-            for name, value in load_file(directory / optimizer_file).items():
-                local(flat[name]).copy_(value)
-        optimizer_state["param_groups"] = json.loads((directory / "optimizer.json").read_text())
+        _read_shards(directory / "model", self._as_whole_model(model_state))
+        _read_shards(directory / "optimizer", self._as_whole_model(_flatten_optimizer(optimizer_state["state"])))
+        optimizer_state["param_groups"] = _saved_settings(optimizer_state["param_groups"], directory)
         set_model_state_dict(self.model, model_state, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
+
+    def _as_whole_model(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of this rank's stages under the whole model's names (a tied head: the embeddings'), so that
+        shards move between pipeline layouts and one process."""
+        names = self.stages.whole_model_names() if self.stages else {}
+        renamed = {}
+        for key, tensor in state.items():
+            name = _parameter_name(key) if key.startswith("state/") else key
+            renamed[key.replace(name, names.get(name, name), 1)] = tensor
+        return renamed
 
     def _load_whole(self, directory: Path, rank: int) -> None:
         """Rank 0 reads the whole state and broadcasts it into whatever sharding this run uses; under a pipeline,
@@ -148,12 +159,11 @@ class TorchStepper:
         own = set(self.trained(get_model_state_dict(self.model, options=self.options()))) if self.stages else None
         local_names = {whole: here for here, whole in self.stages.whole_model_names().items()} if self.stages else {}
         reads = rank == 0 or not distributed or self.stages
-        model_file, optimizer_file = _files(False, rank)
-        model_state = read_tensors(directory / model_file, own) if reads else {}
+        model_state = read_tensors(directory / "model.safetensors", own) if reads else {}
         wanted = own | set(local_names) if self.stages else None
         optimizer_state = {
             "state": {local_names.get(name, name): values for name, values in _unflatten_optimizer(
-                read_tensors(directory / optimizer_file, wanted, _parameter_name)).items()} if reads else {},
+                read_tensors(directory / "optimizer.safetensors", wanted, _parameter_name)).items()} if reads else {},
             "param_groups": [{**group, "params": [local_names.get(name, name) for name in group["params"]]}
                              for group in json.loads((directory / "optimizer.json").read_text())],
         }
@@ -203,10 +213,50 @@ class TorchStepper:
         return merged_model, merged_optimizer
 
 
-def _files(sharded: bool, rank: int) -> tuple[str, str]:
-    if sharded:
-        return f"model-rank{rank}.safetensors", f"optimizer-rank{rank}.safetensors"
-    return "model.safetensors", "optimizer.safetensors"
+def _write_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """Each rank's shards of `state` (a collective), in safetensors files that record each shard's offsets."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_about_one_process():
+        writer = dcp.HuggingFaceStorageWriter(str(directory), save_distributed=True)
+        dcp.save(_named_once(state), storage_writer=writer, no_dist=not process_group_up())
+
+
+def _read_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """Fills `state`'s tensors (this run's shards of them) in place from shards written under any layout."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_about_one_process():
+        dcp.load(_named_once(state), storage_reader=dcp.HuggingFaceStorageReader(str(directory)),
+                 no_dist=not process_group_up())
+
+
+@contextlib.contextmanager
+def _quiet_about_one_process():
+    """DCP warns that it assumes one process whenever it is told so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _named_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor under its first name: a tied weight (an LM head sharing the embeddings) is written and read once,
+    as safetensors refuses one memory under two names."""
+    seen, named = set(), {}
+    for name, tensor in state.items():
+        part = local(tensor)
+        where = (part.untyped_storage().data_ptr(), part.storage_offset()) if part.numel() else name
+        if where not in seen:
+            seen.add(where)
+            named[name] = tensor
+    return named
+
+
+def _saved_settings(groups: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
+    """This run's param groups (its own parameters) with the settings the checkpoint's groups had."""
+    saved = json.loads((directory / "optimizer.json").read_text())
+    return [{**group, **{key: value for key, value in settings.items() if key != "params"}}
+            for group, settings in zip(groups, saved)]
 
 
 def _parameter_name(key: str) -> str:

@@ -95,7 +95,7 @@ def state_dict_type(value: Any, file: dict) -> tuple[Settings, str]:
     name = named(value, STATE_DICT_TYPES)
     if name == "LOCAL_STATE_DICT":
         return {"strategy.state_dict_type": StateDictType.SHARDED.value}, (
-            "each rank writes its own shards and resumes on the same number of processes, as LOCAL_STATE_DICT")
+            "each rank writes its own shards, as LOCAL_STATE_DICT, and they resume on any layout")
     return {"strategy.state_dict_type": name.removesuffix("_STATE_DICT")}, ""
 
 
