@@ -42,9 +42,6 @@ BAD_INPUTS = {
                                        "adapter=lora"], "adapter=lora with strategy.tp_size=2"),
     "compiled blocks under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
                                                   "train.compile=true"], "train.compile=true with strategy.tp_size=2"),
-    "rank 0's loading under tensor parallelism": (
-        ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
-         "strategy.cpu_ram_efficient_loading=true"], "strategy.cpu_ram_efficient_loading=true with strategy.tp_size=2"),
     "pipeline parallelism under deepspeed": (["strategy=deepspeed", "strategy.pp_size=2", "hardware.nproc_per_node=2"],
                                              "strategy.pp_size is a key of strategy=fsdp, not of strategy=deepspeed"),
     "pipeline stages that do not divide the processes": (

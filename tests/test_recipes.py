@@ -28,14 +28,15 @@ def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
     """What `model.pretrained` points at, as far as validation reads it: the config.json of the published model
     (the architecture the model group of the same name describes)."""
     model = Path(spec.model.pretrained).name.lower().replace("meta-", "").replace("-", "")
-    name = {"llama38b": "llama3_8b", "llama38binstruct": "llama3_8b", "llama370b": "llama3_70b"}[model]
+    name = {"llama38b": "llama3_8b", "llama38binstruct": "llama3_8b", "llama370b": "llama3_70b",
+            "llama3.170b": "llama3_1_70b"}[model]
     architecture = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())["architecture"]
     (tmp / "config.json").write_text(json.dumps(architecture))
     return tmp
 
 
 PARAMETERS = {"meta-llama/Meta-Llama-3-8B": 8_030_261_248, "meta-llama/Meta-Llama-3-8B-Instruct": 8_030_261_248,
-              "meta-llama/Meta-Llama-3-70B": 70_553_706_496}
+              "meta-llama/Meta-Llama-3-70B": 70_553_706_496, "meta-llama/Llama-3.1-70B": 70_553_706_496}
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
@@ -53,6 +54,21 @@ def test_gpu_recipe_validates_and_fits_its_hardware(recipe, tmp_path):
     trained = replace(spec, task=planned.task)  # the recipe's task (train, dpo), as the launch checks it
     check_fit(trained)  # the check every launch runs: raises if it does not fit
     assert fit(trained, estimate(trained, facts_of(spec.model))).fits
+
+
+def test_the_70b_recipe_splits_its_blocks_because_fsdp_alone_would_not_fit(tmp_path):
+    """Its 64k-token sequences' activations exceed an H100 under FSDP alone, offloaded and checkpointed as it is:
+    the fit check, asked without the split, proposes it first."""
+    from runner.errors import SpecError
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "2 + 2 =", "response": " 4"}\n')
+    recipe = "recipe=llama3_1_70b_fsdp_tp_8xh100"
+    checkpoint = local_checkpoint(tmp_path, composed([recipe]))
+    spec = validate(composed([recipe, f"model.pretrained={checkpoint}", f"data.files={pairs}", "task=estimate",
+                              "strategy.tp_size=1"]))
+    with pytest.raises(SpecError, match=r"it fits with: strategy\.tp_size=2 \("):
+        check_fit(replace(spec, task=composed([recipe]).task))
 
 
 def test_recipes_set_what_their_names_say():

@@ -19,8 +19,10 @@ TP = ["strategy=fsdp", "strategy.tp_size=2"]
 LAYOUTS = {
     "tp 2": (2, [*TP, "train.grad_accum_steps=4"]),
     "fsdp 2 x tp 2": (4, [*TP, "train.grad_accum_steps=2"]),
-    "hybrid 2 x 1 x tp 2": (4, [*TP, "train.grad_accum_steps=2", "strategy.sharding_strategy=HYBRID_SHARD",
-                                "strategy.hybrid_shard_size=1"]),
+    # Rank 0 alone builds the weights; the other ranks lay the model out on the meta device and receive their parts.
+    "hybrid 2 x 1 x tp 2, rank 0 loads": (4, [*TP, "train.grad_accum_steps=2", "strategy.hybrid_shard_size=1",
+                                              "strategy.sharding_strategy=HYBRID_SHARD",
+                                              "strategy.cpu_ram_efficient_loading=true"]),
     # The whole logits' loss, and each block recomputed in backward with its collectives.
     "tp 2, full logits, activation checkpointing": (2, [*TP, "train.grad_accum_steps=4", "train.loss=full",
                                                         "strategy.activation_checkpointing=true"]),

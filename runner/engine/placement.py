@@ -15,12 +15,14 @@ collectives, and FSDP shards the split parameters, as 2-D tensors, over the data
 mesh. Activation checkpointing wraps each block's forward inside the block, and the strategy's wrapping then sees
 the checkpointed blocks.
 Compiling replaces each block's forward with its compiled version, in place: the strategy's hooks and the
-checkpointing around it stay eager, and the blocks keep their class and parameter names, which FSDP's wrap
-policy and every checkpoint read. FSDP shards unit by unit, the blocks first. The optimizer takes the parameters
-as the strategy left them (FSDP's DTensor shards; the adapters only, when the base is frozen), and DeepSpeed's
-engine takes model and optimizer together, in the stepper. An inference task (evaluate, generate) takes the same
-path up to the wrap, without activation checkpointing, optimizer or stepper: no gradient or optimizer state is
-ever allocated.
+checkpointing around it stay eager, and the blocks keep their class and parameter names, which FSDP's wrap policy
+and every checkpoint read. FSDP shards unit by unit, the blocks first. Where rank 0 alone builds the weights
+(cpu_ram_efficient_loading), it sets them aside whole before the split, and every rank lays the model out on the
+meta device: the split and the shards take their shapes from it, and the wrap fills them with rank 0's values. The
+optimizer takes the parameters as the strategy left them (FSDP's DTensor shards; the adapters only, when the base
+is frozen), and DeepSpeed's engine takes model and optimizer together, in the stepper. An inference task (evaluate,
+generate) takes the same path up to the wrap, without activation checkpointing, optimizer or stepper: no gradient
+or optimizer state is ever allocated.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from runner.engine.attention import attend_within_examples
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
 from runner.parallel.pipeline import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
+from runner.strategies.protocol import WholeWeights
 
 if TYPE_CHECKING:
     import torch
@@ -138,6 +141,13 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
+    whole = None
+    if sharded and not all(strategy.loads_weights(rank) for rank in range(ranks.world_size)):
+        # Rank 0 sets its weights aside whole, and every rank lays the model out on the meta device: the split and
+        # the shards take their shapes from it, and the wrap fills them with rank 0's values.
+        whole = set_aside(model, ranks.rank)
+        model = model.to("meta")
+        model.tie_weights()  # moving to meta unties the LM head from the embeddings; the other ranks have them tied
     on_layout = ModelOnLayout(model, fp8_layers)
     if training and dims.pp > 1:
         from runner.parallel.stages import cut_into_stages
@@ -154,14 +164,22 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     if training and spec.train.compile:
         compile_blocks(model)
     if frozen:
-        on_layout.model = strategy.frozen(model, spec, device, dims)
+        on_layout.model = strategy.frozen(model, spec, device, dims, whole)
     elif on_layout.stages:
         on_layout.stages = [strategy.wrap(stage, spec, device, dims) for stage in on_layout.stages]
     elif sharded:
-        on_layout.model = strategy.wrap(model, spec, device, dims)
+        on_layout.model = strategy.wrap(model, spec, device, dims, whole)
     else:
         on_layout.model = model.to(device)
     return on_layout
+
+
+def set_aside(model: nn.Module, rank: int) -> WholeWeights:
+    """Rank 0's state dict, and its buffers: those outside the state dict (rotary frequencies) would come back
+    empty from the meta device."""
+    if rank != 0:
+        return WholeWeights({}, {})
+    return WholeWeights(model.state_dict(), {name: buffer.clone() for name, buffer in model.named_buffers()})
 
 
 def frozen_base(spec: RunSpec, tokenizer: PreTrainedTokenizerBase) -> nn.Module:

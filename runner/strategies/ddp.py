@@ -14,7 +14,7 @@ from runner.memory.replicated import whole_copies
 from runner.memory.terms import Part, processes
 from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout, PipelineStages
+from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
@@ -60,13 +60,15 @@ class DDPStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return True
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+               whole: Optional[WholeWeights] = None) -> nn.Module:
         return model.to(device)  # no gradients to reduce: a replica as it is
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         return 1
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+             whole: Optional[WholeWeights] = None) -> nn.Module:
         """DDP's constructor broadcasts rank 0's parameters and buffers to the other ranks; a frozen base (which
         every rank builds the same, and QLoRA's NF4 tensors cannot be broadcast) is left alone."""
         from torch.nn.parallel import DistributedDataParallel

@@ -24,7 +24,7 @@ from runner.parallel.dims import ParallelDims
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import (
-    CheckpointLayout, PipelineStages, StepOutcome, has_frozen_parameters, trained_state)
+    CheckpointLayout, PipelineStages, StepOutcome, WholeWeights, has_frozen_parameters, trained_state)
 
 if TYPE_CHECKING:
     import torch
@@ -120,12 +120,14 @@ class DeepSpeedStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return True
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+             whole: Optional[WholeWeights] = None) -> nn.Module:
         """Nothing yet: DeepSpeed's engine takes model and optimizer together (`stepper`), moves the module to the
         device and broadcasts rank 0's weights."""
         return model
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+               whole: Optional[WholeWeights] = None) -> nn.Module:
         """ZeRO-3: an engine of its own, without optimizer, which partitions the weights as the trained model's are
         and gathers them layer by layer in the forward (as TRL places its reference); otherwise a replica."""
         if self.zero_stage < 3:

@@ -38,7 +38,7 @@ from runner.memory.terms import (
 from runner.parallel.dims import ParallelDims
 from runner.parallel.pipeline import PipelineSchedule
 from runner.parallel.tensor import block_plan
-from runner.strategies.protocol import CheckpointLayout, PipelineStages
+from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
@@ -174,9 +174,6 @@ class FSDPStrategy(StrategyConfig):
         require(not spec.precision.fp8,
                 f"precision.fp8 with {tp}: torchao's float8 linear layers are not split across tensor-parallel "
                 "ranks; use precision=bf16, or strategy.tp_size=1")
-        require(not self.cpu_ram_efficient_loading,
-                f"strategy.cpu_ram_efficient_loading=true with {tp}: every rank splits its own copy of the weights; "
-                "set strategy.cpu_ram_efficient_loading=false")
         require(not spec.train.compile,
                 f"train.compile=true with {tp}: torch.compile of the split blocks fails in their DTensor forward "
                 "(torch 2.13 on the CPU; untried on GPUs); set train.compile=false")
@@ -243,17 +240,13 @@ class FSDPStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return rank == 0 or not self.cpu_ram_efficient_loading
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+             whole: Optional[WholeWeights] = None) -> nn.Module:
         """`fully_shard` on each unit, then on the root, over the mesh's data-parallel dimensions; rank 0's weights
         in every shard."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-        if self.cpu_ram_efficient_loading:
-            # Only rank 0 holds weights: keep them aside, shard an empty copy everywhere, then broadcast into shards.
-            weights = _set_aside(model)
-            model = model.to("meta")
-            model.tie_weights()  # moving to meta unties the LM head from the embeddings; the other ranks have them tied
-        elif self.sync_module_states:
+        if whole is None and self.sync_module_states:
             _broadcast_from_rank0(model, dims.mesh(device.type))
         mesh = dims.mesh(device.type)["dp_replicate", "dp_shard"]
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.offload_params else OffloadPolicy()
@@ -264,12 +257,13 @@ class FSDPStrategy(StrategyConfig):
             fully_shard(unit, **options)
         fully_shard(model, **options)
         set_prefetch(units, self)
-        if self.cpu_ram_efficient_loading:
-            _load_set_aside(model, weights, "cpu" if self.offload_params else device)
+        if whole is not None:  # the model was laid out on the meta device; rank 0's weights go into its shards
+            _load_whole(model, whole, "cpu" if self.offload_params else device)
         return model
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
-        return self.wrap(model, spec, device, dims)
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+               whole: Optional[WholeWeights] = None) -> nn.Module:
+        return self.wrap(model, spec, device, dims, whole)
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         dims = self.dims(hardware)
@@ -358,7 +352,9 @@ class FSDPStrategy(StrategyConfig):
 
     def _tensor_parallel_changes(self, spec: RunSpec) -> list[Change]:
         """Splitting each block over 2, 4 or 8 of a node's processes, where the model's heads allow: it divides the
-        activations too, which no sharding does. Its collectives at every layer cost more the more ranks share them."""
+        activations too, which no sharding does. Its collectives at every layer cost more the more ranks share them.
+        (Pipeline stages are no such change: with FSDP over the other ranks, each rank holds the same share of
+        weights, gradients and states, and under 1F1B the first stage keeps as many layers' activations in flight.)"""
         if self.tp_size > 1:
             return []
         model, nproc = meta_model(spec.model), spec.hardware.nproc_per_node or 1
@@ -401,28 +397,17 @@ def _broadcast_from_rank0(model: nn.Module, mesh: DeviceMesh) -> None:
                 dist.broadcast(local(tensor), group=mesh.get_group(dimension), group_src=0)
 
 
-def _set_aside(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Rank 0's state dict, and its buffers: those outside the state dict (rotary frequencies) would come back
-    empty from the meta device."""
-    import torch.distributed as dist
-
-    if dist.get_rank() != 0:
-        return {}, {}
-    return model.state_dict(), {name: buffer.clone() for name, buffer in model.named_buffers()}
-
-
-def _load_set_aside(model: nn.Module, weights: tuple[dict[str, Any], dict[str, Any]], device: Any) -> None:
+def _load_whole(model: nn.Module, whole: WholeWeights, device: Any) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    full_state, buffers = weights
     model.to_empty(device=device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, whole.state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            if name in buffers:
-                buffer.copy_(buffers[name])
+            if name in whole.buffers:
+                buffer.copy_(whole.buffers[name])
             dist.broadcast(buffer, src=0)
 
 

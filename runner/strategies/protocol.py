@@ -47,6 +47,14 @@ class CheckpointLayout(str, Enum):
 
 
 @dataclass
+class WholeWeights:
+    """Rank 0's whole state dict and buffers, kept aside while the model is laid out on the meta device."""
+
+    state: dict[str, Any]
+    buffers: dict[str, Any]
+
+
+@dataclass
 class StepOutcome:
     grad_norm: float
     # False when fp16's loss scale overflowed and the update was skipped (the schedule then waits too).
@@ -144,12 +152,15 @@ class Strategy(Protocol):
         """Whether this rank builds the model with its weights, or on the meta device to receive rank 0's."""
         ...
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+             whole: Optional[WholeWeights] = None) -> nn.Module:
         """The model on its device(s), wrapped or sharded over the data-parallel dimensions of `dims`' mesh, with
-        rank 0's weights on every rank."""
+        rank 0's weights on every rank. `whole`: where only rank 0 loads weights (`loads_weights`), the model is on
+        the meta device and these are rank 0's (empty elsewhere)."""
         ...
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+               whole: Optional[WholeWeights] = None) -> nn.Module:
         """A model that only runs forward beside the trained one (task=dpo's reference), sharded as the trained
         one's weights are: whole, or in the same shards (FSDP's units, ZeRO-3's partitions)."""
         ...

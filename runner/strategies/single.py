@@ -12,7 +12,7 @@ from runner.memory.replicated import whole_copies
 from runner.memory.terms import processes
 from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout, PipelineStages
+from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
@@ -55,13 +55,15 @@ class SingleStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return True
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+               whole: Optional[WholeWeights] = None) -> nn.Module:
         return model.to(device)  # no gradients to reduce: a replica as it is
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         return 1
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims) -> nn.Module:
+    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
+             whole: Optional[WholeWeights] = None) -> nn.Module:
         return model.to(device)
 
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
