@@ -41,10 +41,6 @@ REFUSED = {
     "huggingface__accelerate__docs__source__concept_guides__sequence_parallelism.md__block4.yaml":
         "the runner has no sequence parallelism",
     **dict.fromkeys([
-        "huggingface__accelerate__examples__torch_native_parallelism__configs__cp.yaml",
-        "huggingface__trl__examples__accelerate_configs__context_parallel_2gpu.yaml",
-    ], "the runner has no context parallelism"),
-    **dict.fromkeys([
         "huggingface__trl__docs__source__distributing_training.md__block7.yaml",
         "huggingface__trl__examples__accelerate_configs__alst_ulysses_4gpu.yaml",
     ], "DeepSpeed's sequence parallelism (ALST, Ulysses) is not in the runner"),
@@ -151,7 +147,7 @@ def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
                           "main_process_ip: 10.0.0.1\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n")
         spec = checked_recipe(recipe_of(source, "hybrid")[0])
         assert to_plain(spec)["strategy"]["hybrid_shard_size"] is None
-        assert spec.strategy.dims(spec.hardware).shape == (1, *mesh, 1)
+        assert spec.strategy.dims(spec.hardware).shape == (1, *mesh, 1, 1)
 
 
 def test_transformer_engines_scaling_goes_back_to_accelerate_and_returns():
@@ -170,10 +166,27 @@ def test_accelerates_tensor_parallel_hsdp_example_is_the_same_mesh_here_and_back
     register(RECIPES_DIR)
     name = "huggingface__accelerate__examples__torch_native_parallelism__configs__tp_hsdp.yaml"
     spec = checked_recipe(recipe_of(CORPUS / name, "tp_hsdp")[0])
-    assert spec.strategy.dims(spec.hardware).shape == (1, 2, 2, 2)
+    assert spec.strategy.dims(spec.hardware).shape == (1, 2, 2, 1, 2)
     text, _ = accelerate_file(spec)
     assert yaml.safe_load(text)["parallelism_config"] == yaml.safe_load((CORPUS / name).read_text())[
         "parallelism_config"]
     assert {key: value for key, value in convert(yaml.safe_load(text))[0].items() if key.startswith("strategy")} \
         .items() >= {"strategy.sharding_strategy": "HYBRID_SHARD", "strategy.hybrid_shard_size": 2,
                      "strategy.tp_size": 2}.items()
+
+
+@pytest.mark.parametrize("name,cp", [
+    ("huggingface__accelerate__examples__torch_native_parallelism__configs__cp.yaml", 8),
+    ("huggingface__trl__examples__accelerate_configs__context_parallel_2gpu.yaml", 2),
+])
+def test_context_parallel_examples_split_each_sequence_here_and_back(name, cp):
+    """accelerate's and TRL's context-parallel files: every process one slice of each sequence (strategy.cp_size),
+    no data-parallel split, and the same sizes written back."""
+    register(RECIPES_DIR)
+    spec = checked_recipe(recipe_of(CORPUS / name, "cp")[0])
+    assert spec.strategy.cp_size == cp and spec.strategy.dims(spec.hardware).shape == (1, 1, 1, cp, 1)
+    text, _ = accelerate_file(spec)
+    written = yaml.safe_load(text)["parallelism_config"]
+    assert {key: written[key] for key in written if key.endswith("_size")} == {
+        key: value for key, value in yaml.safe_load((CORPUS / name).read_text())["parallelism_config"].items()
+        if key.endswith("_size")}

@@ -42,6 +42,9 @@ BAD_INPUTS = {
                                        "adapter=lora"], "adapter=lora with strategy.tp_size=2"),
     "compiled blocks under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
                                                   "train.compile=true"], "train.compile=true with strategy.tp_size=2"),
+    "context parallelism on the CPU": (["strategy=fsdp", "strategy.cp_size=2", "hardware.nproc_per_node=2"],
+                                       "strategy.cp_size=2 needs CUDA GPUs: torch's context parallelism runs the "
+                                       "attention's ring on CUDA's flash"),
     "pipeline parallelism under deepspeed": (["strategy=deepspeed", "strategy.pp_size=2", "hardware.nproc_per_node=2"],
                                              "strategy.pp_size is a key of strategy=fsdp, not of strategy=deepspeed"),
     "pipeline stages that do not divide the processes": (

@@ -24,6 +24,8 @@ class MicroBatch:
     label_tokens: int  # its predicted labels: every label but each row's (and packed segment's) first, not IGNORE
     # The rows' indices in the token store, where they say (preference pairs: what a precomputed reference reads).
     store_rows: Optional[list[int]] = None
+    # Whether `labels` are each position's target already (context parallelism shifts them before the split).
+    labels_shifted: bool = False
 
     def to(self, device: torch.device) -> MicroBatch:
         return replace(self, inputs={k: v.to(device) for k, v in self.inputs.items()}, labels=self.labels.to(device))

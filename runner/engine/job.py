@@ -25,6 +25,7 @@ from runner.errors import SpecError
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PreTrainedTokenizerBase
 
     from runner.config.precision import PrecisionInEffect
@@ -80,9 +81,14 @@ class PreparedJob:
 
     @property
     def counted(self) -> bool:
-        """Whether this rank's shares count in sums over the ranks (a tensor-parallel group's other ranks repeat
-        them)."""
+        """Whether this rank's shares count in sums over the ranks (a tensor- or context-parallel group's other
+        ranks repeat them)."""
         return self.dims.counted(self.ranks.rank)
+
+    @property
+    def context_parallel_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh of this rank's context-parallel group, which splits every sequence; None without one."""
+        return self.dims.mesh(self.device.type)["cp"] if self.dims.cp > 1 else None
 
     def parameter_count(self) -> int:
         """The whole model's parameters, however they are sharded, or spread over a pipeline's stages (every rank

@@ -30,13 +30,16 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
     kind = loss_kind_in_effect(requested, model.config.model_type)
     own_forward = model.forward
 
-    def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, **kwargs):
+    def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, labels_shifted: bool = False,
+                **kwargs):
         if loss_labels is None:
             return own_forward(*args, **kwargs)
         if kind is LossKind.full:
-            return summed_cross_entropy(own_forward(*args, use_cache=False, **kwargs).logits, loss_labels, per_row)
+            logits = own_forward(*args, use_cache=False, **kwargs).logits
+            return summed_cross_entropy(logits, loss_labels, per_row, labels_shifted)
         hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
-        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, per_row)
+        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, per_row,
+                                            labels_shifted)
 
     model.forward = forward
     return kind
@@ -51,26 +54,35 @@ def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, 
     return chunked_summed_cross_entropy(hidden, head, labels, chunk_tokens)
 
 
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False) -> torch.Tensor:
-    """Summed next-token cross entropy over the whole batch's logits (or each row's). The labels are shifted (the
-    last position gets IGNORE) rather than the logits, whose slice would be a copy of the largest activation."""
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target: the next position's label (the last position gets IGNORE)."""
     import torch.nn.functional as F
 
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False,
+                         labels_shifted: bool = False) -> torch.Tensor:
+    """Summed next-token cross entropy over the whole batch's logits (or each row's). The labels are shifted (the
+    last position gets IGNORE) rather than the logits, whose slice would be a copy of the largest activation;
+    `labels_shifted`: they were, before context parallelism split the sequences."""
+    import torch.nn.functional as F
+
+    targets = labels if labels_shifted else shifted(labels)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
                              reduction="none" if per_row else "sum")
     return losses.view(targets.shape).sum(1) if per_row else losses
 
 
 def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                                 chunk_tokens: int, per_row: bool = False) -> torch.Tensor:
+                                 chunk_tokens: int, per_row: bool = False, labels_shifted: bool = False
+                                 ) -> torch.Tensor:
     """The same sum from the last hidden states: the head runs on the positions that predict a label, chunk by
     chunk; under autograd each chunk keeps only its input, and backward recomputes its logits one chunk at a time."""
     import torch
-    import torch.nn.functional as F
     from torch.utils.checkpoint import checkpoint
 
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE).to(hidden.device)
+    targets = (labels if labels_shifted else shifted(labels)).to(hidden.device)
     predicting = targets.flatten() != IGNORE
     rows = torch.arange(targets.shape[0], device=hidden.device).repeat_interleave(targets.shape[1])[predicting]
     hidden, targets = hidden.flatten(0, 1)[predicting], targets.flatten()[predicting]

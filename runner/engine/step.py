@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, Protocol
 
 from runner.distributed import all_ranks_sums
 from runner.engine.loss import loss_line
 from runner.engine.metrics import MeanLoss
+from runner.parallel.context import split_sequences
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from runner.data.batches import GlobalBatch, MicroBatch
     from runner.engine.job import PreparedJob
@@ -50,12 +52,14 @@ class NextTokenLoss:
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return job.model(**micro_batch.inputs, loss_labels=micro_batch.labels) / batch.label_tokens, {}
+        return job.model(**micro_batch.inputs, loss_labels=micro_batch.labels,
+                         labels_shifted=micro_batch.labels_shifted) / batch.label_tokens, {}
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
         if job.pipeline:
             return {"eval_loss": job.pipeline.mean_loss(job.eval_batches(), job.autocast, job.counted).loss}
-        return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast, job.counted).loss}
+        return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast, job.counted,
+                                       job.context_parallel_mesh).loss}
 
     def line(self, job: PreparedJob) -> str:
         return f"next-token cross entropy, {loss_line(job.spec.train, unwrapped(job.model).config.model_type)}"
@@ -82,13 +86,16 @@ def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
         loss = job.pipeline.train(replace(batch, micro_batches=micro_batches), job.dp_size, job.autocast)
         return StepResult(torch.tensor(loss), batch.tokens, job.stepper.step(), {})
     # Data-parallel strategies average gradients over the data-parallel ranks, so each rank's share is scaled by
-    # dp_size to make that a sum.
+    # dp_size to make that a sum. Under context parallelism a rank runs slices of its rows, whose losses its group
+    # sums (runner/parallel/context.py).
     step_loss = torch.zeros((), device=job.device)
     metrics: dict[str, torch.Tensor] = {}
-    for i, micro_batch in enumerate(micro_batches):
-        with job.stepper.micro_batch(last=i == len(micro_batches) - 1):
+    for i, whole_micro_batch in enumerate(micro_batches):
+        with job.stepper.micro_batch(last=i == len(micro_batches) - 1), \
+                split_sequences(job.context_parallel_mesh, whole_micro_batch) as (micro_batch, whole_loss):
             with job.autocast():
                 loss, shares = objective_of(job).loss(job, micro_batch, batch)
+            loss = whole_loss(loss)
             job.stepper.backward(loss * job.dp_size)
         step_loss += loss.detach()
         for name, share in shares.items():
@@ -110,9 +117,11 @@ def evaluate(job: PreparedJob, step: int) -> dict[str, float]:
 
 
 def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.device,
-              autocast: Callable[[], ContextManager], counted: bool = True) -> MeanLoss:
+              autocast: Callable[[], ContextManager], counted: bool = True,
+              context_parallel_mesh: Optional[DeviceMesh] = None) -> MeanLoss:
     """The model's mean next-token loss over this rank's batches and every other data-parallel rank's, without
-    gradients (`counted`: whether this rank's batches count, or its tensor-parallel group's first rank's)."""
+    gradients (`counted`: whether this rank's batches count, or its tensor- or context-parallel group's first
+    rank's)."""
     import torch
 
     loss_sum = torch.zeros((), device=device)
@@ -120,9 +129,10 @@ def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.dev
     with torch.no_grad():
         for batch in batches:
             batch = batch.to(device)
-            with autocast():
+            with split_sequences(context_parallel_mesh, batch) as (sliced, whole_loss), autocast():
                 # (to `device`: under a device map the head may sit on another device than the inputs)
-                loss_sum += model(**batch.inputs, loss_labels=batch.labels).to(device)
+                loss_sum += whole_loss(model(**sliced.inputs, loss_labels=sliced.labels,
+                                             labels_shifted=sliced.labels_shifted)).to(device)
             label_tokens += batch.label_tokens
             tokens += batch.tokens
     total_loss, total_labels, total_tokens = all_ranks_sums([loss_sum.item(), label_tokens, tokens], counted)

@@ -141,8 +141,10 @@ def activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes)
     rows = "packed rows" if spec.data.packing else "rows"
     parameters = parameters_of(spec, facts)
     adapters = parameters.activation_bytes(dtypes.compute)
-    tp = spec.strategy.dims(spec.hardware).tp
+    dims = spec.strategy.dims(spec.hardware)
+    tp = dims.tp
     split = f", split {tp} ways (tensor and sequence parallel)" if tp > 1 else ""
+    split += f", a 1/{dims.cp} slice of each sequence (context parallel)" if dims.cp > 1 else ""
     note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers{split}, "
             f"{attention}, {'activation checkpointing' if checkpointing else 'no checkpointing'}; "
             f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}"

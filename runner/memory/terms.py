@@ -99,7 +99,8 @@ def strategy_change(override: str, cost: float, **keys: Any) -> Change:
 
 
 def micro_batch_tokens(spec: RunSpec) -> int:
-    return spec.train.micro_batch_size * spec.data.seq_len
+    """The tokens of a micro batch that one rank runs: under context parallelism, its slice of every sequence."""
+    return spec.train.micro_batch_size * spec.data.seq_len // spec.strategy.dims(spec.hardware).cp
 
 
 def dtype_name(size: int) -> str:

@@ -4,10 +4,12 @@
     pp             pipeline stages: each holds a slice of the layers, the activations pass from one to the next
     dp_replicate   data-parallel replicas (HYBRID_SHARD's groups, NO_SHARD's and DDP's ranks)
     dp_shard       data-parallel shards (FULL_SHARD's ranks, DeepSpeed's)
+    cp             context-parallel ranks: each runs a slice of every sequence of its rows (FSDP shards over
+                   dp_shard x cp, as torchtitan's dp_shard_cp)
     tp             tensor-parallel ranks: each holds a part of every block, all of them run the same rows
 
 A global batch is split over the data-parallel ranks, dp_replicate x dp_shard of them (torchtitan's "batch"
-dimension); every stage of a pipeline runs the same rows. Consecutive ranks share a tensor-parallel group, so
+dimension); every stage of a pipeline, and every rank of a context-parallel group, runs the same rows. Consecutive ranks share a tensor-parallel group, so
 that a group sits within one node, where its all-gathers at every layer are fastest; a pipeline's stages, which
 exchange only activations, may sit on different nodes.
 
@@ -28,20 +30,21 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     # The pipeline stages each pp rank runs (2 under an interleaved schedule: rank r runs stages r and r + pp).
     stages_per_rank: int = 1
     _mesh: Optional[Any] = field(default=None, init=False, repr=False, compare=False)
 
-    names: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
+    names: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.pp, self.dp_replicate, self.dp_shard, self.tp
+        return self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp_size(self) -> int:
@@ -50,16 +53,17 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         """A rank's place along the batch dimension: which part of each global batch it runs."""
-        return rank // self.tp % self.dp_size
+        return rank // (self.cp * self.tp) % self.dp_size
 
     def pp_rank(self, rank: int) -> int:
         """A rank's pipeline stage (its first, where it holds several)."""
-        return rank // (self.dp_size * self.tp)
+        return rank // (self.dp_size * self.cp * self.tp)
 
     def counted(self, rank: int) -> bool:
-        """Whether a rank's shares count in sums over the data-parallel ranks: one rank of each tensor-parallel
-        group, whose others repeat its rows and its loss, on the last pipeline stage, which has the loss."""
-        return rank % self.tp == 0 and self.pp_rank(rank) == self.pp - 1
+        """Whether a rank's shares count in sums over the data-parallel ranks: one rank of each tensor- and
+        context-parallel group, whose others repeat its rows and its loss (a context-parallel group sums its
+        slices' losses first), on the last pipeline stage, which has the loss."""
+        return rank % (self.cp * self.tp) == 0 and self.pp_rank(rank) == self.pp - 1
 
     def mesh(self, device_type: str) -> DeviceMesh:
         """The device mesh over every process, built once (its process groups are made on the first call)."""
@@ -67,8 +71,17 @@ class ParallelDims:
             from torch.distributed.device_mesh import init_device_mesh
 
             self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+            if self.cp > 1:
+                self._mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return self._mesh
 
+    def sharding_mesh(self, device_type: str) -> DeviceMesh:
+        """The dimensions FSDP shards and replicates over: dp_replicate x dp_shard, with cp folded into the
+        shards (each context-parallel rank computes gradients of every parameter, for its slices)."""
+        mesh = self.mesh(device_type)
+        return mesh["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
+
     def describe(self) -> str:
-        shown = [(name, size) for name, size in zip(self.names, self.shape) if name not in ("pp", "tp") or size > 1]
+        shown = [(name, size) for name, size in zip(self.names, self.shape)
+                 if name not in ("pp", "cp", "tp") or size > 1]
         return f"mesh {' x '.join(str(size) for _, size in shown)} ({' x '.join(name for name, _ in shown)})"

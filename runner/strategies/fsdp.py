@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, List, Optional
 
+from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype, PrecisionConfig, grad_scaler
 from runner.config.strategy import StrategyConfig
 from runner.distributed import local
@@ -109,6 +110,9 @@ class FSDPStrategy(StrategyConfig):
     # The order of a step's micro batches (train.grad_accum_steps) through the stages: GPipe, 1F1B, Interleaved1F1B
     # (a string: an enum's member could not be named 1F1B).
     pp_schedule: str = PipelineSchedule.ONE_F_ONE_B.value
+    # Context-parallel ranks: each sequence split into this many slices, the attention run as a ring among them
+    # (torch's context parallelism; CUDA only).
+    cp_size: int = 1
 
     name: ClassVar[str] = "fsdp"
     distributed: ClassVar[bool] = True
@@ -134,14 +138,15 @@ class FSDPStrategy(StrategyConfig):
                 f"strategy.tp_size={self.tp_size} does not divide a node's {machine.nproc_per_node} processes "
                 f"{processes_given}; a tensor-parallel group exchanges activations at every layer and stays within "
                 f"a node: pick a divisor of {machine.nproc_per_node}")
-        require(self.pp_size >= 1 and machine.world_size % (self.pp_size * self.tp_size) == 0,
-                f"strategy.pp_size={self.pp_size} x strategy.tp_size={self.tp_size} does not divide the "
-                f"{machine.world_size} processes {processes_given}")
-        data_parallel = machine.world_size // (self.tp_size * self.pp_size)
+        model_parallel = self.pp_size * self.cp_size * self.tp_size
+        require(self.pp_size >= 1 and self.cp_size >= 1 and machine.world_size % model_parallel == 0,
+                f"strategy.pp_size={self.pp_size} x strategy.cp_size={self.cp_size} x strategy.tp_size={self.tp_size} "
+                f"does not divide the {machine.world_size} processes {processes_given}")
+        data_parallel = machine.world_size // model_parallel
         group = self.hybrid_group_size(machine)
         if self.sharding_strategy.hybrid:
-            split = " / ".join(f"strategy.{key}={size}" for key, size in (("pp_size", self.pp_size),
-                                                                           ("tp_size", self.tp_size)) if size > 1)
+            split = " / ".join(f"strategy.{key}={size}" for key, size in (
+                ("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size)) if size > 1)
             ranks = (f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / {split})" if split
                      else f"the {machine.world_size} processes {processes_given}")
             require(group >= 1 and data_parallel % group == 0,
@@ -154,6 +159,8 @@ class FSDPStrategy(StrategyConfig):
             self._check_tensor_parallel(spec)
         if self.pp_size > 1:
             self._check_pipeline(spec)
+        if self.cp_size > 1:
+            self._check_context_parallel(spec)
         require(self.sync_module_states or not self.cpu_ram_efficient_loading,
                 "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
                 "get their weights from rank 0")
@@ -209,6 +216,25 @@ class FSDPStrategy(StrategyConfig):
         ):
             require(not refused, f"{pp} with {why}")
 
+    def _check_context_parallel(self, spec: RunSpec) -> None:
+        """Where torch's ring attention cannot run, and what it is not composed with yet, refused before launch."""
+        cp = f"strategy.cp_size={self.cp_size}"
+        require(spec.hardware.accelerator is Accelerator.cuda,
+                f"{cp} needs CUDA GPUs: torch's context parallelism runs the attention's ring on CUDA's flash, "
+                f"memory-efficient and cuDNN kernels only (torch 2.13), and this run's accelerator is "
+                f"{spec.hardware.accelerator.value}")
+        for refused, why in (
+            (spec.data.seq_len % (2 * self.cp_size) != 0,
+             f"data.seq_len={spec.data.seq_len}: it must be a multiple of 2 x {self.cp_size} (each rank takes a slice "
+             "from each end of every sequence, which balances the causal attention's work)"),
+            (spec.data.packing, "data.packing=true: packed rows need a mask between their examples, and the ring "
+                                "attends causally over the whole row; set data.packing=false"),
+            (self.pp_size > 1, f"strategy.pp_size={self.pp_size}: not composed yet"),
+            (self.tp_size > 1, f"strategy.tp_size={self.tp_size}: not composed yet"),
+            (spec.train.compile, "train.compile=true: the ring attention runs eagerly; set train.compile=false"),
+        ):
+            require(not refused, f"{cp} with {why}")
+
     def describe(self, hardware: HardwareConfig) -> str:
         dims = self.dims(hardware)
         described = (f"fsdp {self.sharding_strategy.value}, {processes(hardware.world_size)}, {dims.describe()}, "
@@ -222,11 +248,11 @@ class FSDPStrategy(StrategyConfig):
         return described
 
     def hybrid_group_size(self, hardware: HardwareConfig) -> int:
-        return self.hybrid_shard_size or max(1, hardware.nproc_per_node // (self.tp_size * self.pp_size))
+        return self.hybrid_shard_size or max(1, hardware.nproc_per_node // (self.tp_size * self.pp_size * self.cp_size))
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
-        pp, tp = self.pp_size, self.tp_size
-        data_parallel = hardware.world_size // (pp * tp)
+        pp, cp, tp = self.pp_size, self.cp_size, self.tp_size
+        data_parallel = hardware.world_size // (pp * cp * tp)
         if self.sharding_strategy is ShardingStrategy.NO_SHARD:
             replicate, shard = data_parallel, 1
         elif self.sharding_strategy.hybrid:
@@ -235,7 +261,8 @@ class FSDPStrategy(StrategyConfig):
         else:
             replicate, shard = 1, data_parallel
         stages_per_rank = self.pipeline_schedule.stages_per_rank if pp > 1 else 1
-        return ParallelDims(pp=pp, dp_replicate=replicate, dp_shard=shard, tp=tp, stages_per_rank=stages_per_rank)
+        return ParallelDims(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp,
+                            stages_per_rank=stages_per_rank)
 
     def loads_weights(self, rank: int) -> bool:
         return rank == 0 or not self.cpu_ram_efficient_loading
@@ -248,7 +275,7 @@ class FSDPStrategy(StrategyConfig):
 
         if whole is None and self.sync_module_states:
             _broadcast_from_rank0(model, dims.mesh(device.type))
-        mesh = dims.mesh(device.type)["dp_replicate", "dp_shard"]
+        mesh = dims.sharding_mesh(device.type)
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.offload_params else OffloadPolicy()
         options = {"mesh": mesh, "reshard_after_forward": self.sharding_strategy.reshards_after_forward,
                    "mp_policy": mixed_precision_policy(spec.precision), "offload_policy": offload}
@@ -267,7 +294,7 @@ class FSDPStrategy(StrategyConfig):
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         dims = self.dims(hardware)
-        return dims.dp_shard * dims.tp
+        return dims.dp_shard * dims.cp * dims.tp
 
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
                 stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
@@ -286,7 +313,8 @@ class FSDPStrategy(StrategyConfig):
         With an adapter P is the adapters' parameters, and the frozen base is sharded alike in its stored dtypes
         (NF4 included: torchao's NF4 shards and all-gathers as NF4)."""
         precision, parameters = spec.precision, parameters_of(spec, facts)
-        shards = self.dims(spec.hardware).dp_shard
+        dims = self.dims(spec.hardware)
+        shards = dims.dp_shard * dims.cp  # FSDP shards over the context-parallel ranks too
         w = precision.param_dtype.bytes
         gathered = min(w, precision.compute_dtype.bytes)  # FSDP's mixed-precision policy gathers in compute dtype
         reduce = precision.reduce_dtype.bytes
@@ -393,7 +421,7 @@ def _broadcast_from_rank0(model: nn.Module, mesh: DeviceMesh) -> None:
 
     with torch.no_grad():
         for tensor in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
-            for dimension in ("dp_shard", "dp_replicate"):
+            for dimension in ("cp", "dp_shard", "dp_replicate"):
                 dist.broadcast(local(tensor), group=mesh.get_group(dimension), group_src=0)
 
 

@@ -103,32 +103,32 @@ def dynamo(value: Any, file: dict) -> tuple[Settings, str]:
     return {}, "no meaning here: the runner does not torch.compile the model; the same run trains uncompiled"
 
 
-UNSUPPORTED_PARALLELISM = {"cp_size": "context", "sp_size": "sequence"}
-
-
 def parallelism(value: Any, file: dict) -> tuple[Settings, str]:
-    """accelerate's ParallelismConfig: the data-parallel sizes are FSDP's hybrid mesh and tp_size its tensor-parallel
-    dimension (strategy.tp_size); context and sequence parallelism are refused."""
+    """accelerate's ParallelismConfig: the data-parallel sizes are FSDP's hybrid mesh, tp_size and cp_size its
+    tensor- and context-parallel dimensions (strategy.tp_size, strategy.cp_size); sequence parallelism (sp_size,
+    DeepSpeed's Ulysses) is refused."""
     if not value:
         return {}, "no meaning here: empty"
     if not isinstance(value, dict):
         raise ValueError("must be a mapping of keys")
     sizes = {key.removeprefix("parallelism_config_"): size for key, size in value.items() if key.endswith("_size")}
-    for key, kind in UNSUPPORTED_PARALLELISM.items():
-        if count(sizes.get(key, 1), 1) > 1:
-            raise ValueError(f"{key}: {sizes[key]}: the runner has no {kind} parallelism")
+    if count(sizes.get("sp_size", 1), 1) > 1:
+        raise ValueError(f"sp_size: {sizes['sp_size']}: the runner has no sequence parallelism (DeepSpeed's Ulysses); "
+                         "strategy=fsdp strategy.cp_size splits sequences over GPUs")
     replicate, shard = count(sizes.get("dp_replicate_size", 1), 1), count(sizes.get("dp_shard_size", 1), 1)
-    tp = count(sizes.get("tp_size", 1), 1)
-    if replicate == 1 and tp == 1:
+    cp, tp = count(sizes.get("cp_size", 1), 1), count(sizes.get("tp_size", 1), 1)
+    if replicate == 1 and cp == 1 and tp == 1:
         return {}, "no meaning here: one replicate group, so sharding follows fsdp_config"
     if file["distributed_type"] != "FSDP":
-        raise ValueError("dp_replicate_size and tp_size > 1 lay out FSDP's mesh; they need distributed_type FSDP")
-    settings: Settings = {"strategy.tp_size": tp} if tp > 1 else {}
+        raise ValueError("dp_replicate_size, cp_size and tp_size > 1 lay out FSDP's mesh; they need distributed_type "
+                         "FSDP")
+    settings: Settings = {f"strategy.{name}_size": size for name, size in (("cp", cp), ("tp", tp)) if size > 1}
     if replicate > 1:
         reshards = (file.get("fsdp_config") or {}).get("fsdp_reshard_after_forward", True) is not False
         settings.update({"strategy.sharding_strategy": fsdp2_sharding(file, reshards),
                          "strategy.hybrid_shard_size": shard})
-    shown = [(name, size) for name, size in (("dp_replicate", replicate), ("dp_shard", shard), ("tp", tp))]
+    shown = [(name, size) for name, size in (("dp_replicate", replicate), ("dp_shard", shard), ("cp", cp), ("tp", tp))
+             if name not in ("cp", "tp") or size > 1]
     return settings, (f"mesh {' x '.join(str(size) for _, size in shown)} "
                       f"({' x '.join(name for name, _ in shown)})")
 

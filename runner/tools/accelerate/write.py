@@ -112,12 +112,12 @@ def fsdp_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) -> dict
     for key in ("forward_prefetch", "backward_prefetch"):
         if getattr(strategy, key) > 1:
             notes.append(f"strategy.{key}={getattr(strategy, key)}: FSDP1 prefetches one block; the file says so")
-    if strategy.tp_size > 1:
+    if strategy.tp_size > 1 or strategy.cp_size > 1:
         dims = strategy.dims(hardware)
         return {"fsdp_config": section, "parallelism_config": {
             "parallelism_config_dp_replicate_size": dims.dp_replicate,
             "parallelism_config_dp_shard_size": dims.dp_shard, "parallelism_config_tp_size": dims.tp,
-            "parallelism_config_cp_size": 1}}
+            "parallelism_config_cp_size": dims.cp}}
     if strategy.sharding_strategy.hybrid and strategy.hybrid_group_size(hardware) != hardware.nproc_per_node:
         notes.append(f"strategy.sharding_strategy={strategy.sharding_strategy.value} shards within groups of "
                      f"{strategy.hybrid_group_size(hardware)} processes; accelerate's within each node")
