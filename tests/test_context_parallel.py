@@ -16,6 +16,9 @@ from runner.parallel.dims import ParallelDims
 
 
 def _slices(ranks, dims):
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
     from runner.data.batches import MicroBatch
     from runner.data.rows import IGNORE
     from runner.parallel.context import split_sequences
@@ -28,8 +31,15 @@ def _slices(ranks, dims):
         local = torch.tensor(float(ranks.rank + 1), requires_grad=True)
         total = whole_loss(local)
         total.backward()
+    # What the model makes of the slice's positions and mask: transformers' own mask for SDPA, None when it calls
+    # SDPA causal and unmasked (a jump in positions without a mask would read as two packed sequences).
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+                         intermediate_size=16, vocab_size=16, attn_implementation="sdpa")
+    mask = create_causal_mask(config, torch.zeros(1, 4, 8), sliced.inputs["attention_mask"], None,
+                              position_ids=sliced.inputs["position_ids"])
     return {"inputs": sorted(sliced.inputs), "ids": sliced.inputs["input_ids"].tolist(),
-            "positions": sliced.inputs["position_ids"].tolist(), "targets": sliced.labels.tolist(),
+            "causal_unmasked": mask is None, "positions": sliced.inputs["position_ids"].tolist(),
+            "targets": sliced.labels.tolist(),
             "shifted": sliced.labels_shifted, "total": total.item(), "gradient": local.grad.item(),
             "whole_batch_untouched": ids.tolist() == [list(range(8))]}
 
@@ -38,15 +48,18 @@ def _slices(ranks, dims):
 def test_each_rank_gets_a_slice_from_each_end_with_its_positions_and_shifted_targets():
     """Sequence 0..7 over cp 2: rank 0 runs positions 0, 1, 6, 7 and rank 1 positions 2..5 (the causal work
     balanced); the targets are the next tokens, shifted before the split (a slice's last position predicts the next
-    slice's first token); no attention mask goes in. The group's loss is the sum of its slices', on each rank, and
-    each slice's gradient is that of the sum (every rank's backward adds one)."""
+    slice's first token); the mask masks nothing, and transformers calls SDPA causal and unmasked. The group's loss
+    is the sum of its slices', on each rank, and each slice's gradient is that of the sum (every rank's backward
+    adds one)."""
     from runner.data.rows import IGNORE
 
     places = run_in_workers(_slices, ParallelDims(cp=2), nproc=2)
     assert [place["positions"] for place in places] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
     assert [place["ids"] for place in places] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
     assert [place["targets"] for place in places] == [[[IGNORE, 2, 7, IGNORE]], [[3, 4, 5, 6]]]
-    assert all(place["inputs"] == ["input_ids", "position_ids"] and place["shifted"] for place in places)
+    assert all(place["inputs"] == ["attention_mask", "input_ids", "position_ids"] and place["shifted"]
+               for place in places)
+    assert all(place["causal_unmasked"] for place in places)
     assert [place["total"] for place in places] == [3.0, 3.0]
     assert [place["gradient"] for place in places] == [2.0, 2.0]
     assert all(place["whole_batch_untouched"] for place in places)

@@ -31,6 +31,13 @@ class MicroBatch:
         return replace(self, inputs={k: v.to(device) for k, v in self.inputs.items()}, labels=self.labels.to(device))
 
 
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """Each position's target: the next position's label (the last position gets IGNORE)."""
+    import torch.nn.functional as F
+
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
 @dataclass
 class GlobalBatch:
     """This rank's micro batches of one optimizer step, and the counts of the whole global batch (every rank's),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from runner.data.batches import shifted
 from runner.data.rows import IGNORE
 from runner.config.train import LossKind, loss_kind_in_effect
 
@@ -52,13 +53,6 @@ def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, 
     if kind is LossKind.full:
         return summed_cross_entropy(head(hidden), labels)
     return chunked_summed_cross_entropy(hidden, head, labels, chunk_tokens)
-
-
-def shifted(labels: torch.Tensor) -> torch.Tensor:
-    """Each position's target: the next position's label (the last position gets IGNORE)."""
-    import torch.nn.functional as F
-
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
 
 
 def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False,
