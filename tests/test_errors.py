@@ -49,7 +49,7 @@ BAD_INPUTS = {
                                              "strategy.pp_size is a key of strategy=fsdp, not of strategy=deepspeed"),
     "pipeline stages that do not divide the processes": (
         ["strategy=fsdp", "strategy.pp_size=2", "hardware.nproc_per_node=3"],
-        "strategy.pp_size=2 x strategy.tp_size=1 does not divide the 3 processes"),
+        "strategy.pp_size=2 does not divide the 3 processes"),
     "more pipeline stages than layers": (
         ["strategy=fsdp", "strategy.pp_size=2", "strategy.pp_schedule=Interleaved1F1B", "hardware.nproc_per_node=2",
          "model.architecture.num_hidden_layers=3", "train.grad_accum_steps=2"],

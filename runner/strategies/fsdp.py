@@ -139,9 +139,10 @@ class FSDPStrategy(StrategyConfig):
                 f"{processes_given}; a tensor-parallel group exchanges activations at every layer and stays within "
                 f"a node: pick a divisor of {machine.nproc_per_node}")
         model_parallel = self.pp_size * self.cp_size * self.tp_size
+        sizes = " x ".join(f"strategy.{key}={size}" for key, size in (
+            ("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size)) if size != 1)
         require(self.pp_size >= 1 and self.cp_size >= 1 and machine.world_size % model_parallel == 0,
-                f"strategy.pp_size={self.pp_size} x strategy.cp_size={self.cp_size} x strategy.tp_size={self.tp_size} "
-                f"does not divide the {machine.world_size} processes {processes_given}")
+                f"{sizes} does not divide the {machine.world_size} processes {processes_given}")
         data_parallel = machine.world_size // model_parallel
         group = self.hybrid_group_size(machine)
         if self.sharding_strategy.hybrid:
