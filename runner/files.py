@@ -1,21 +1,25 @@
 """Writing files: the run directory's JSON (atomically where a reader may look while it is written) and tensors
-in safetensors, so that nothing the runner reads back is ever unpickled; the recipes the runner's commands write;
+in safetensors, whole or each rank's shards (torch.distributed.checkpoint's safetensors format, which records each
+shard's offsets), so that nothing the runner reads back is ever unpickled; the recipes the runner's commands write;
 the spec's local paths made absolute."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from runner.distributed import cpu_copy
+from runner.distributed import cpu_copy, local, process_group_up
 from runner.errors import SpecError
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 
 def write_json(path: Path, value: Any) -> None:
@@ -64,6 +68,55 @@ def read_tensors(path: Path, wanted: Optional[set[str]] = None,
 
     with safe_open(path, "pt") as tensors:
         return {key: tensors.get_tensor(key) for key in tensors.keys() if wanted is None or name_of(key) in wanted}
+
+
+def write_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """Each rank's shards of `state` (a collective), in safetensors files that record each shard's offsets."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_about_one_process():
+        writer = dcp.HuggingFaceStorageWriter(str(directory), save_distributed=True)
+        dcp.save(_named_once(state), storage_writer=writer, no_dist=not process_group_up())
+
+
+def read_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
+    """Fills `state`'s tensors (this process's shards of them, or whole ones) in place from shards written under
+    any layout."""
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_about_one_process():
+        dcp.load(_named_once(state), storage_reader=dcp.HuggingFaceStorageReader(str(directory)),
+                 no_dist=not process_group_up())
+
+
+def read_model_shards(model: nn.Module, directory: Path) -> None:
+    """A model's weights, however it is wrapped or sharded here, from shards written under any layout."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    read_shards(directory, state)
+    set_model_state_dict(model, state)
+
+
+@contextlib.contextmanager
+def _quiet_about_one_process():
+    """DCP warns that it assumes one process whenever it is told so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _named_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor under its first name: a tied weight (an LM head sharing the embeddings) is written and read once,
+    as safetensors refuses one memory under two names."""
+    seen, named = set(), {}
+    for name, tensor in state.items():
+        part = local(tensor)
+        where = (part.untyped_storage().data_ptr(), part.storage_offset()) if part.numel() else name
+        if where not in seen:
+            seen.add(where)
+            named[name] = tensor
+    return named
 
 
 def new_recipe(name: str, retry: str) -> Path:

@@ -71,6 +71,20 @@ def test_evaluate_sums_exactly_across_ranks(trained, strategy):
     assert abs(two["eval_loss"] - one["eval_loss"]) < 1e-5
 
 
+@pytest.mark.distributed
+def test_evaluate_reads_a_sharded_checkpoint_into_any_layout(tmp_path):
+    """recipe=cpu_fsdp writes SHARDED checkpoints (two ranks' shards): its last one, evaluated in one process and
+    by fsdp on two, gives the run's last eval loss."""
+    assert run_cli("recipe=cpu_fsdp", cwd=tmp_path).returncode == 0
+    (run_dir,) = run_dirs(tmp_path)
+    final = json.loads((run_dir / "summary.json").read_text())["eval_loss"]
+    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert (checkpoint / "model").is_dir() and not (checkpoint / "model.safetensors").exists()
+    for layout in ([], ["strategy=fsdp", "hardware.nproc_per_node=2"]):
+        eval_dir, _ = task(tmp_path, "task=evaluate", f"task.trained={checkpoint}", *layout)
+        assert abs(json.loads((eval_dir / "eval.json").read_text())["eval_loss"] - final) < 1e-5, layout
+
+
 GREEDY = ["task=generate", "task.prompts=prompts.txt", "task.max_new_tokens=12", "task.batch_size=2"]
 
 

@@ -103,7 +103,7 @@ class InferenceTaskConfig(TaskConfig):
 @dataclass(frozen=True)
 class TrainedModel:
     """Where an inference task's weights are: a saved model's directory (save_pretrained, with its tokenizer), or
-    a FULL checkpoint's model.safetensors; the run whose spec.yaml they come with."""
+    a checkpoint's model.safetensors (FULL) or model/ (SHARDED); the run whose spec.yaml they come with."""
 
     model_dir: Optional[Path] = None
     checkpoint: Optional[Path] = None
@@ -120,10 +120,11 @@ def trained_model(value: str) -> TrainedModel:
         require(meta.get("adapter", "none") == "none",
                 f"{key} is a checkpoint of an adapter={meta.get('adapter')} run, which holds the adapters only: "
                 "give the run directory, whose model/merged/ is saved with adapter.merge=true")
-        require(layout == "full",
-                f"{key} is a checkpoint of {layout} layout (each rank's shards or DeepSpeed's own): evaluate its "
-                "run's model/ instead, or write FULL checkpoints (strategy.state_dict_type=FULL)")
-        require((path / "model.safetensors").is_file(), f"{key} is a checkpoint without model.safetensors")
+        require(layout in ("full", "sharded"),
+                f"{key} is a checkpoint in {layout} layout (DeepSpeed's own): evaluate its run's model/ instead, or "
+                "write FULL or SHARDED checkpoints (strategy=fsdp strategy.state_dict_type)")
+        require((path / "model.safetensors").is_file() or (path / "model").is_dir(),
+                f"{key} is a checkpoint without model.safetensors or model/ (shards)")
         return TrainedModel(checkpoint=path, run_dir=path.parent.parent)
     if (path / "spec.yaml").is_file():
         if (path / "model" / "adapter_config.json").is_file():

@@ -18,6 +18,7 @@ from runner.engine.generation import Batch, Decoding, up_to_eos
 from runner.engine.metrics import ProgressBar
 from runner.engine.loss import with_summed_loss
 from runner.engine.placement import device_of, placed_model
+from runner.files import read_model_shards
 
 if TYPE_CHECKING:
     import torch
@@ -83,13 +84,17 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         input_device = torch.device("cuda", first) if isinstance(first, int) else torch.device("cpu")
         return InferenceModel(model, tokenizer, input_device, cast_forward,
                               placement_lines(model, device_map, offload_dir, limits), own_offload_dir)
+    # A checkpoint's whole weights are loaded as the model is built; its shards (SHARDED) into the model as placed.
+    shards = trained.checkpoint / "model" if trained.checkpoint is not None else None
     weights = None
-    if trained.checkpoint is not None:
+    if trained.checkpoint is not None and not shards.is_dir():
         from safetensors.torch import load_file
 
         weights = load_file(trained.checkpoint / "model.safetensors")
     model = placed_model(spec, ranks, device, tokenizer, spec.strategy.dims(spec.hardware), training=False,
-                            weights=weights).model
+                         weights=weights).model
+    if shards is not None and shards.is_dir():
+        read_model_shards(model, shards)
     # Frozen: autocast would otherwise keep a low-precision copy of every weight that requires grad.
     model.eval().requires_grad_(False)
     return InferenceModel(model, tokenizer, device, cast_forward)

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 from runner.distributed import cpu_copy, local, process_group_up, whole_on_cpu
-from runner.files import read_tensors, save_tensors, write_json
+from runner.files import read_shards, read_tensors, save_tensors, write_json, write_shards
 from runner.strategies.protocol import (
     CheckpointLayout, PipelineStages, StepOutcome, has_frozen_parameters, trained_state)
 
@@ -96,8 +95,8 @@ class TorchStepper:
             options = self.options()
             optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
             model_state = self.trained(get_model_state_dict(self.model, options=options))
-            _write_shards(directory / "model", self._as_whole_model(model_state))
-            _write_shards(directory / "optimizer", self._as_whole_model(_flatten_optimizer(optimizer_state["state"])))
+            write_shards(directory / "model", self._as_whole_model(model_state))
+            write_shards(directory / "optimizer", self._as_whole_model(_flatten_optimizer(optimizer_state["state"])))
         else:
             if self.stages:
                 model_state, optimizer_state = self._whole_across_stages(optimizer=True)
@@ -132,8 +131,8 @@ class TorchStepper:
         options = self.options()
         model_state = self.trained(get_model_state_dict(self.model, options=options))
         optimizer_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        _read_shards(directory / "model", self._as_whole_model(model_state))
-        _read_shards(directory / "optimizer", self._as_whole_model(_flatten_optimizer(optimizer_state["state"])))
+        read_shards(directory / "model", self._as_whole_model(model_state))
+        read_shards(directory / "optimizer", self._as_whole_model(_flatten_optimizer(optimizer_state["state"])))
         optimizer_state["param_groups"] = _saved_settings(optimizer_state["param_groups"], directory)
         set_model_state_dict(self.model, model_state, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
@@ -211,45 +210,6 @@ class TorchStepper:
                 group["params"] += stage_group["params"]
             merged_optimizer["param_groups"] = groups
         return merged_model, merged_optimizer
-
-
-def _write_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
-    """Each rank's shards of `state` (a collective), in safetensors files that record each shard's offsets."""
-    import torch.distributed.checkpoint as dcp
-
-    with _quiet_about_one_process():
-        writer = dcp.HuggingFaceStorageWriter(str(directory), save_distributed=True)
-        dcp.save(_named_once(state), storage_writer=writer, no_dist=not process_group_up())
-
-
-def _read_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
-    """Fills `state`'s tensors (this run's shards of them) in place from shards written under any layout."""
-    import torch.distributed.checkpoint as dcp
-
-    with _quiet_about_one_process():
-        dcp.load(_named_once(state), storage_reader=dcp.HuggingFaceStorageReader(str(directory)),
-                 no_dist=not process_group_up())
-
-
-@contextlib.contextmanager
-def _quiet_about_one_process():
-    """DCP warns that it assumes one process whenever it is told so."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def _named_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor under its first name: a tied weight (an LM head sharing the embeddings) is written and read once,
-    as safetensors refuses one memory under two names."""
-    seen, named = set(), {}
-    for name, tensor in state.items():
-        part = local(tensor)
-        where = (part.untyped_storage().data_ptr(), part.storage_offset()) if part.numel() else name
-        if where not in seen:
-            seen.add(where)
-            named[name] = tensor
-    return named
 
 
 def _saved_settings(groups: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
