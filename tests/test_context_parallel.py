@@ -6,6 +6,7 @@ its slices' losses and its gradient, the estimate, and the refusals. bench/conte
 losses with one process's on a machine with two GPUs or more.
 """
 
+import copy
 import re
 
 import pytest
@@ -16,9 +17,6 @@ from runner.parallel.dims import ParallelDims
 
 
 def _slices(ranks, dims):
-    from transformers import LlamaConfig
-    from transformers.masking_utils import create_causal_mask
-
     from runner.data.batches import MicroBatch
     from runner.data.rows import IGNORE
     from runner.parallel.context import split_sequences
@@ -31,14 +29,8 @@ def _slices(ranks, dims):
         local = torch.tensor(float(ranks.rank + 1), requires_grad=True)
         total = whole_loss(local)
         total.backward()
-    # What the model makes of the slice's positions and mask: transformers' own mask for SDPA, None when it calls
-    # SDPA causal and unmasked (a jump in positions without a mask would read as two packed sequences).
-    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
-                         intermediate_size=16, vocab_size=16, attn_implementation="sdpa")
-    mask = create_causal_mask(config, torch.zeros(1, 4, 8), sliced.inputs["attention_mask"], None,
-                              position_ids=sliced.inputs["position_ids"])
     return {"inputs": sorted(sliced.inputs), "ids": sliced.inputs["input_ids"].tolist(),
-            "causal_unmasked": mask is None, "positions": sliced.inputs["position_ids"].tolist(),
+            "positions": sliced.inputs["position_ids"].tolist(),
             "targets": sliced.labels.tolist(),
             "shifted": sliced.labels_shifted, "total": total.item(), "gradient": local.grad.item(),
             "whole_batch_untouched": ids.tolist() == [list(range(8))]}
@@ -48,21 +40,48 @@ def _slices(ranks, dims):
 def test_each_rank_gets_a_slice_from_each_end_with_its_positions_and_shifted_targets():
     """Sequence 0..7 over cp 2: rank 0 runs positions 0, 1, 6, 7 and rank 1 positions 2..5 (the causal work
     balanced); the targets are the next tokens, shifted before the split (a slice's last position predicts the next
-    slice's first token); the mask masks nothing, and transformers calls SDPA causal and unmasked. The group's loss
-    is the sum of its slices', on each rank, and each slice's gradient is that of the sum (every rank's backward
-    adds one)."""
+    slice's first token); no attention mask goes in. The group's loss is the sum of its slices', on each rank, and
+    each slice's gradient is that of the sum (every rank's backward adds one)."""
     from runner.data.rows import IGNORE
 
     places = run_in_workers(_slices, ParallelDims(cp=2), nproc=2)
     assert [place["positions"] for place in places] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
     assert [place["ids"] for place in places] == [[[0, 1, 6, 7]], [[2, 3, 4, 5]]]
     assert [place["targets"] for place in places] == [[[IGNORE, 2, 7, IGNORE]], [[3, 4, 5, 6]]]
-    assert all(place["inputs"] == ["attention_mask", "input_ids", "position_ids"] and place["shifted"]
-               for place in places)
-    assert all(place["causal_unmasked"] for place in places)
+    assert all(place["inputs"] == ["input_ids", "position_ids"] and place["shifted"] for place in places)
     assert [place["total"] for place in places] == [3.0, 3.0]
     assert [place["gradient"] for place in places] == [2.0, 2.0]
     assert all(place["whole_batch_untouched"] for place in places)
+
+
+def test_the_attention_the_ring_takes_is_the_models_own_on_whole_rows():
+    """Under context parallelism the model attends with causal sdpa, no mask, its key-value heads repeated (the call
+    torch's ring takes). On whole rows, in one process, it gives transformers' own sdpa's logits and gradients,
+    grouped heads included; and on a slice's positions (0, 1, 6, 7) it builds no mask, where transformers' own
+    would read two packed sequences."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.masking_utils import create_causal_mask
+
+    from runner.engine.attention import attend_as_the_ring_takes_it
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    own = LlamaForCausalLM(config)
+    ring = LlamaForCausalLM(copy.deepcopy(config))
+    ring.load_state_dict(own.state_dict())
+    attend_as_the_ring_takes_it(ring)
+    assert (own.config._attn_implementation, ring.config._attn_implementation) == ("sdpa", "runner_causal_unmasked")
+    ids = torch.randint(0, 64, (2, 16))
+    outputs = [model(input_ids=ids, labels=ids) for model in (own, ring)]
+    for output in outputs:
+        output.loss.backward()
+    torch.testing.assert_close(outputs[1].logits, outputs[0].logits)
+    for (name, mine), (_, theirs) in zip(ring.named_parameters(), own.named_parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, msg=name)
+    positions = torch.tensor([[0, 1, 6, 7]])
+    assert create_causal_mask(ring.config, torch.zeros(1, 4, 32), None, None, position_ids=positions) is None
+    assert create_causal_mask(own.config, torch.zeros(1, 4, 32), None, None, position_ids=positions) is not None
 
 
 def _context_places(ranks, dims):

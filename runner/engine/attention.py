@@ -1,10 +1,15 @@
-"""Variable-length attention for packed rows where no kernel does it: each example of a row attends causally to
-itself alone, one example at a time.
+"""The attention functions the runner gives transformers' models where their own would not do.
 
-On GPUs, flash attention's variable-length kernel and flex attention's block mask skip the attention between a
-row's examples; sdpa with transformers' block-diagonal mask computes it and masks it out. On the CPU flex attention
-has no backward, and the block-diagonal mask costs the whole row's (seq_len x seq_len) attention however short the
-examples are: one causal sdpa per example costs the sum of their squares instead, with no mask to build.
+Packed rows where no kernel does variable-length attention: each example of a row attends causally to itself
+alone, one example at a time. On GPUs, flash attention's variable-length kernel and flex attention's block mask
+skip the attention between a row's examples; sdpa with transformers' block-diagonal mask computes it and masks it
+out. On the CPU flex attention has no backward, and the block-diagonal mask costs the whole row's (seq_len x
+seq_len) attention however short the examples are: one causal sdpa per example costs the sum of their squares
+instead, with no mask to build.
+
+Context parallelism: causal sdpa with no mask and the key-value heads repeated to the query heads, the call that
+torch's ring takes (as torchtitan's attention makes it). transformers' own would read a slice's jump in positions
+(0, 1, 6, 7) as packed sequences and build a mask, and pass grouped heads to sdpa on CUDA.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 NAME = "runner_packed_examples"
+RING_NAME = "runner_causal_unmasked"
 
 
 def attend_within_examples(model: nn.Module) -> None:
@@ -31,8 +37,31 @@ def attend_within_examples(model: nn.Module) -> None:
     model.set_attn_implementation(NAME)
 
 
+def attend_as_the_ring_takes_it(model: nn.Module) -> None:
+    """Makes the model's attention causal sdpa without a mask, its key-value heads repeated (context parallelism:
+    runner/parallel/context.py swaps that sdpa for torch's ring)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(RING_NAME, causal_unmasked_attention)
+    AttentionMaskInterface.register(RING_NAME, no_mask)
+    model.set_attn_implementation(RING_NAME)
+
+
 def no_mask(*args, **kwargs) -> None:
-    return None  # the examples' bounds come from the position ids, in per_example_attention
+    return None  # packed rows: the examples' bounds come from the position ids; the ring: causal over the row
+
+
+def causal_unmasked_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                              scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function interface, as per_example_attention's, over the whole row."""
+    import torch.nn.functional as F
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)
+    return output.transpose(1, 2).contiguous(), None
 
 
 def per_example_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

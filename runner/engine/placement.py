@@ -1,8 +1,9 @@
-"""The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its
-`parallelize_llama` and `pipeline_llama`): build (with the summed loss in its forward) -> the adapters (LoRA;
-QLoRA's NF4 base) -> fp8 -> the weights' dtype -> the attention (per example, for packed rows on the CPU) -> this
-rank's pipeline stages -> tensor parallelism -> activation checkpointing -> compile each block -> wrap or shard
-(with rank 0's weights; each pipeline stage on its own) -> optimizer -> stepper -> the pipeline's schedule.
+"""The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its `parallelize_llama`
+and `pipeline_llama`): build (with the summed loss in its forward) -> the adapters (LoRA; QLoRA's NF4 base) -> fp8
+-> the weights' dtype -> the attention (per example, for packed rows on the CPU; causal and unmasked under context
+parallelism) -> this rank's pipeline stages -> tensor parallelism -> activation checkpointing -> compile each block
+-> wrap or shard (with rank 0's weights; each pipeline stage on its own) -> optimizer -> stepper -> the pipeline's
+schedule.
 
 Why this order: the adapters come first, so that everything after sees the frozen base as it is kept (in the
 compute dtype, or NF4) and the adapters as parameters of the blocks they adapt. fp8 swaps the linear layers, so it
@@ -39,7 +40,7 @@ from runner.config.adapter import add_adapter
 from runner.config.model import blocks, build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
-from runner.engine.attention import attend_within_examples
+from runner.engine.attention import attend_as_the_ring_takes_it, attend_within_examples
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
 from runner.parallel.pipeline import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
@@ -142,6 +143,8 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
+    if training and dims.cp > 1:
+        attend_as_the_ring_takes_it(model)
     whole = None
     if sharded and not all(strategy.loads_weights(rank) for rank in range(ranks.world_size)):
         # Rank 0 sets its weights aside whole, and every rank lays the model out on the meta device: the split and

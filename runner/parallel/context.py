@@ -5,9 +5,9 @@ Around each micro batch's forward and backward, `split_sequences`:
 - shifts the labels to each position's target first, since a slice's last position predicts the next slice's
   first token;
 - gives the positions explicitly, so that each slice's rotary embeddings are those of its place in the sequence;
-- masks no token: padding is on the right, and a causal ring attends to no later position, so no real token sees
-  it (its targets are IGNORE). The mask of ones also keeps transformers from reading a slice's jump in positions
-  as packed sequences: with it, the model calls SDPA causal and unmasked, which is what the ring runs;
+- drops the attention mask: padding is on the right, and a causal ring attends to no later position, so no real
+  token sees it (its targets are IGNORE). The model's attention is causal sdpa without a mask, the call the ring
+  takes (runner/engine/attention.py, set at placement);
 - splits input ids, positions and targets in place, each rank taking a slice from each end of the sequence, which
   balances the causal attention's work (torch's head-tail load balancer);
 - swaps SDPA for the ring inside the block: only the flash, memory-efficient and cuDNN kernels have one (CUDA);
@@ -51,6 +51,6 @@ def split_sequences(mesh: Optional[DeviceMesh], micro_batch: MicroBatch) -> Iter
     ring_kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     with sdpa_kernel(ring_kernels), context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
                                                      no_restore_buffers=set(buffers)):
-        inputs = {"input_ids": input_ids, "position_ids": positions, "attention_mask": torch.ones_like(input_ids)}
-        sliced = replace(micro_batch, inputs=inputs, labels=targets, labels_shifted=True)
+        sliced = replace(micro_batch, inputs={"input_ids": input_ids, "position_ids": positions}, labels=targets,
+                         labels_shifted=True)
         yield sliced, lambda loss: distributed.all_reduce(loss, group=mesh.get_group())
