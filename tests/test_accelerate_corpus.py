@@ -38,15 +38,10 @@ REFUSED = {
     "huggingface__accelerate__tests__test_configs__invalid_keys.yaml": "unknown key invalid_key",
     "huggingface__diffusers__examples__dreambooth__README_flux2.md__block11.yaml":
         "fsdp_auto_wrap_policy: TRANSFOMER_BASED_WRAP cannot be converted",  # a typo accelerate refuses too
-    "huggingface__accelerate__docs__source__concept_guides__sequence_parallelism.md__block4.yaml":
-        "the runner has no sequence parallelism",
-    **dict.fromkeys([
-        "huggingface__trl__docs__source__distributing_training.md__block7.yaml",
-        "huggingface__trl__examples__accelerate_configs__alst_ulysses_4gpu.yaml",
-    ], "DeepSpeed's sequence parallelism (ALST, Ulysses) is not in the runner"),
     # The DeepSpeed JSON each names is not where the file says (a doc author's home directory, or beside the
     # original file): the run would not find it either.
     **dict.fromkeys([
+        "huggingface__accelerate__docs__source__concept_guides__sequence_parallelism.md__block4.yaml",
         "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block10.yaml",
         "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block13.yaml",
         "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block19.yaml",
@@ -190,3 +185,23 @@ def test_context_parallel_examples_split_each_sequence_here_and_back(name, cp):
     assert {key: written[key] for key in written if key.endswith("_size")} == {
         key: value for key, value in yaml.safe_load((CORPUS / name).read_text())["parallelism_config"].items()
         if key.endswith("_size")}
+
+
+@pytest.mark.parametrize("name", [
+    "huggingface__trl__examples__accelerate_configs__alst_ulysses_4gpu.yaml",
+    "huggingface__trl__docs__source__distributing_training.md__block7.yaml",
+])
+def test_ulysses_examples_split_each_sequence_under_deepspeed_here_and_back(name):
+    """TRL's ALST/Ulysses files: DeepSpeed ZeRO-3 over 4 processes, each sequence split over 2 of them
+    (strategy.sp_size), the gradients reduced in bf16 as DeepSpeed reduces them under sequence parallelism; the same
+    sizes written back."""
+    register(RECIPES_DIR)
+    spec = checked_recipe(recipe_of(CORPUS / name, "ulysses")[0])
+    assert (spec.strategy.name, spec.strategy.zero_stage, spec.strategy.sp_size) == ("deepspeed", 3, 2)
+    assert spec.strategy.dims(spec.hardware).shape == (1, 1, 2, 2, 1) and spec.precision.reduce_dtype.value == "bf16"
+    text, _ = accelerate_file(spec)
+    written = yaml.safe_load(text)
+    assert {key: value for key, value in written["parallelism_config"].items() if key.endswith("_size")} == {
+        key: value for key, value in yaml.safe_load((CORPUS / name).read_text())["parallelism_config"].items()
+        if key.endswith("_size")}
+    assert written["deepspeed_config"]["seq_parallel_communication_data_type"] == "bf16"

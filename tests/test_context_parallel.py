@@ -19,13 +19,13 @@ from runner.parallel.dims import ParallelDims
 def _slices(ranks, dims):
     from runner.data.batches import MicroBatch
     from runner.data.rows import IGNORE
-    from runner.parallel.context import split_sequences
+    from runner.parallel.context import RingSplit
 
     ids = torch.arange(8).view(1, 8)
     labels = ids.clone()
     labels[0, :2] = IGNORE  # a prompt of two tokens
     batch = MicroBatch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels, tokens=8, label_tokens=5)
-    with split_sequences(dims.mesh("cpu")["cp"], batch) as (sliced, whole_loss):
+    with RingSplit(dims.mesh("cpu")["cp"]).split(batch) as (sliced, whole_loss):
         local = torch.tensor(float(ranks.rank + 1), requires_grad=True)
         total = whole_loss(local)
         total.backward()
@@ -62,7 +62,8 @@ def test_the_attention_the_ring_takes_is_the_models_own_on_whole_rows():
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.masking_utils import create_causal_mask
 
-    from runner.engine.attention import attend_as_the_ring_takes_it
+    from runner.engine.attention import attend_with
+    from runner.parallel.context import RingSplit, causal_unmasked_attention
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
@@ -70,7 +71,7 @@ def test_the_attention_the_ring_takes_is_the_models_own_on_whole_rows():
     own = LlamaForCausalLM(config)
     ring = LlamaForCausalLM(copy.deepcopy(config))
     ring.load_state_dict(own.state_dict())
-    attend_as_the_ring_takes_it(ring)
+    attend_with(ring, RingSplit.name, causal_unmasked_attention)
     assert (own.config._attn_implementation, ring.config._attn_implementation) == ("sdpa", "runner_causal_unmasked")
     ids = torch.randint(0, 64, (2, 16))
     outputs = [model(input_ids=ids, labels=ids) for model in (own, ring)]
@@ -118,8 +119,7 @@ def test_context_parallelism_is_estimated_by_its_slices_and_refused_where_it_can
     assert split.activations.bytes == pytest.approx(alone.activations.bytes / 2, rel=1e-3)
     assert split.optimizer_states.bytes == pytest.approx(alone.optimizer_states.bytes, rel=1e-3)
     assert "a 1/2 slice of each sequence (context parallel)" in split.activations.note
-    for extra, refusal in ((["data.seq_len=65534"], "must be a multiple of 2 x 2"),
-                           (["data.packing=true"], "data.packing=true"),
+    for extra, refusal in ((["data.packing=true"], "data.packing=true"),
                            (["strategy.tp_size=2"], "strategy.tp_size=2: not composed yet"),
                            (["strategy.pp_size=2", "train.grad_accum_steps=2"], "strategy.pp_size=2: not composed")):
         with pytest.raises(SpecError, match=re.escape("strategy.cp_size=2 with ") + ".*" + re.escape(refusal)):

@@ -7,61 +7,42 @@ out. On the CPU flex attention has no backward, and the block-diagonal mask cost
 seq_len) attention however short the examples are: one causal sdpa per example costs the sum of their squares
 instead, with no mask to build.
 
-Context parallelism: causal sdpa with no mask and the key-value heads repeated to the query heads, the call that
-torch's ring takes (as torchtitan's attention makes it). transformers' own would read a slice's jump in positions
-(0, 1, 6, 7) as packed sequences and build a mask, and pass grouped heads to sdpa on CUDA.
+Split sequences (context parallelism, Ulysses): the split's own attention (runner/parallel/sequence.py), with no
+mask: a slice's positions are one sequence's, and the attention is causal over the whole row.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 NAME = "runner_packed_examples"
-RING_NAME = "runner_causal_unmasked"
 
 
 def attend_within_examples(model: nn.Module) -> None:
     """Makes the model's attention the per-example one. Its rows must carry position_ids restarting at 0 at each
     example, and no attention mask: packed rows (runner/data/pack.py)."""
     import torch
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     # torch.compile leaves it out of a compiled block: the examples' bounds are data, not shapes.
-    AttentionInterface.register(NAME, torch.compiler.disable(per_example_attention))
-    AttentionMaskInterface.register(NAME, no_mask)
-    model.set_attn_implementation(NAME)
+    attend_with(model, NAME, torch.compiler.disable(per_example_attention))
 
 
-def attend_as_the_ring_takes_it(model: nn.Module) -> None:
-    """Makes the model's attention causal sdpa without a mask, its key-value heads repeated (context parallelism:
-    runner/parallel/context.py swaps that sdpa for torch's ring)."""
+def attend_with(model: nn.Module, name: str, attention: Callable) -> None:
+    """Makes `attention` the model's, registered under `name`, with no mask."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(RING_NAME, causal_unmasked_attention)
-    AttentionMaskInterface.register(RING_NAME, no_mask)
-    model.set_attn_implementation(RING_NAME)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, no_mask)
+    model.set_attn_implementation(name)
 
 
 def no_mask(*args, **kwargs) -> None:
-    return None  # packed rows: the examples' bounds come from the position ids; the ring: causal over the row
-
-
-def causal_unmasked_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                              scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function interface, as per_example_attention's, over the whole row."""
-    import torch.nn.functional as F
-
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    output = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)
-    return output.transpose(1, 2).contiguous(), None
+    return None  # packed rows: the examples' bounds come from the position ids; split sequences: causal over the row
 
 
 def per_example_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

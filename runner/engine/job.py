@@ -25,12 +25,12 @@ from runner.errors import SpecError
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PreTrainedTokenizerBase
 
     from runner.config.precision import PrecisionInEffect
     from runner.data.rows import RowSet
     from runner.parallel.dims import ParallelDims
+    from runner.parallel.sequence import SequenceSplit
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
@@ -74,6 +74,8 @@ class PreparedJob:
     # imports step.py, which imports this module), which runs the steps' forward and backward and the evaluation;
     # `model` then holds this rank's stages only.
     pipeline: Any = None
+    # Under context parallelism, how every sequence is split over this rank's group; None without one.
+    sequence_split: Optional[SequenceSplit] = None
 
     @property
     def dp_size(self) -> int:
@@ -84,11 +86,6 @@ class PreparedJob:
         """Whether this rank's shares count in sums over the ranks (a tensor- or context-parallel group's other
         ranks repeat them)."""
         return self.dims.counted(self.ranks.rank)
-
-    @property
-    def context_parallel_mesh(self) -> Optional[DeviceMesh]:
-        """The mesh of this rank's context-parallel group, which splits every sequence; None without one."""
-        return self.dims.mesh(self.device.type)["cp"] if self.dims.cp > 1 else None
 
     def parameter_count(self) -> int:
         """The whole model's parameters, however they are sharded, or spread over a pipeline's stages (every rank
@@ -188,6 +185,7 @@ def prepare_job(
         token_store=None if train_set is None else train_set.store.path,
         eval_sequences=eval_sequences,
         pipeline=placed.pipeline,
+        sequence_split=placed.sequence_split,
     )
     if spec.resume:
         progress = checkpoint.load(job, Path(spec.resume))

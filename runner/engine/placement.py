@@ -1,6 +1,6 @@
 """The model from its spec to what the loop trains, in one visible order (torchtitan's, as in its `parallelize_llama`
 and `pipeline_llama`): build (with the summed loss in its forward) -> the adapters (LoRA; QLoRA's NF4 base) -> fp8
--> the weights' dtype -> the attention (per example, for packed rows on the CPU; causal and unmasked under context
+-> the weights' dtype -> the attention (per example, for packed rows on the CPU; the split's under context
 parallelism) -> this rank's pipeline stages -> tensor parallelism -> activation checkpointing -> compile each block
 -> wrap or shard (with rank 0's weights; each pipeline stage on its own) -> optimizer -> stepper -> the pipeline's
 schedule.
@@ -14,8 +14,9 @@ alone; FSDP then shards each stage as a root of its own, as the schedule calls i
 the blocks' layers before anything wraps them: checkpointing then recomputes the split layers with their
 collectives, and FSDP shards the split parameters, as 2-D tensors, over the data-parallel dimensions of the same
 mesh. Activation checkpointing wraps each block's forward inside the block, and the strategy's wrapping then sees
-the checkpointed blocks. Context parallelism changes no module: FSDP shards over its ranks too (ParallelDims'
-sharding mesh), and each step splits the sequences around the forward and backward (runner/parallel/context.py).
+the checkpointed blocks. Context parallelism changes no module but the attention: FSDP shards over its ranks too (ParallelDims'
+sharding mesh), DeepSpeed partitions over them, and each step splits the sequences around the forward and backward
+(runner/parallel/sequence.py).
 Compiling replaces each block's forward with its compiled version, in place: the strategy's hooks and the
 checkpointing around it stay eager, and the blocks keep their class and parameter names, which FSDP's wrap policy
 and every checkpoint read. FSDP shards unit by unit, the blocks first. Where rank 0 alone builds the weights
@@ -40,7 +41,7 @@ from runner.config.adapter import add_adapter
 from runner.config.model import blocks, build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
-from runner.engine.attention import attend_as_the_ring_takes_it, attend_within_examples
+from runner.engine.attention import attend_with, attend_within_examples
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
 from runner.parallel.pipeline import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from runner.distributed import Ranks
     from runner.engine.schedule import Pipeline
     from runner.parallel.dims import ParallelDims
+    from runner.parallel.sequence import SequenceSplit
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
@@ -74,6 +76,7 @@ class Placed:
     fp8_layers: list[str] = field(default_factory=list)
     # Under pipeline parallelism, the schedule of this rank's stages, which runs the steps and the evaluation.
     pipeline: Optional[Pipeline] = None
+    sequence_split: Optional[SequenceSplit] = None
 
     def autocast(self) -> ContextManager:
         """The forward's context: the runner's autocast, unless the strategy casts the forward itself."""
@@ -99,7 +102,8 @@ def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrain
         pipeline = build_pipeline(on_layout.stages, on_layout.stage_ids, spec, dims, ranks.rank, device,
                                   tokenizer.pad_token_id)
     model, stepper = spec.strategy.stepper(model, optimizer, spec, device, stages=pipeline)
-    return Placed(model, optimizer, stepper, spec, device, ranks, dims, on_layout.fp8_layers, pipeline)
+    return Placed(model, optimizer, stepper, spec, device, ranks, dims, on_layout.fp8_layers, pipeline,
+                  on_layout.sequence_split)
 
 
 @dataclass
@@ -109,6 +113,8 @@ class ModelOnLayout:
     # Under pipeline parallelism, this rank's stages (each sharded by the strategy as a root) and their indices.
     stages: list[nn.Module] = field(default_factory=list)
     stage_ids: list[int] = field(default_factory=list)
+    # Under context parallelism, how each micro batch's sequences are split over the group.
+    sequence_split: Optional[SequenceSplit] = None
 
 
 def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase,
@@ -143,8 +149,9 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
-    if training and dims.cp > 1:
-        attend_as_the_ring_takes_it(model)
+    sequence_split = strategy.sequence_split(dims, device.type) if training and dims.cp > 1 else None
+    if sequence_split:
+        attend_with(model, sequence_split.name, sequence_split.attention(model))
     whole = None
     if sharded and not all(strategy.loads_weights(rank) for rank in range(ranks.world_size)):
         # Rank 0 sets its weights aside whole, and every rank lays the model out on the meta device: the split and
@@ -152,7 +159,7 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         whole = set_aside(model, ranks.rank)
         model = model.to("meta")
         model.tie_weights()  # moving to meta unties the LM head from the embeddings; the other ranks have them tied
-    on_layout = ModelOnLayout(model, fp8_layers)
+    on_layout = ModelOnLayout(model, fp8_layers, sequence_split=sequence_split)
     if training and dims.pp > 1:
         from runner.parallel.stages import cut_into_stages
 

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, 
 from runner.distributed import all_ranks_sums
 from runner.engine.loss import loss_line
 from runner.engine.metrics import MeanLoss
-from runner.parallel.context import split_sequences
+from runner.parallel.sequence import split_sequences
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
 
     from runner.data.batches import GlobalBatch, MicroBatch
     from runner.engine.job import PreparedJob
+    from runner.parallel.sequence import SequenceSplit
     from runner.strategies.protocol import StepOutcome
 
 log = logging.getLogger("runner")
@@ -59,7 +59,7 @@ class NextTokenLoss:
         if job.pipeline:
             return {"eval_loss": job.pipeline.mean_loss(job.eval_batches(), job.autocast, job.counted).loss}
         return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast, job.counted,
-                                       job.context_parallel_mesh).loss}
+                                       job.sequence_split).loss}
 
     def line(self, job: PreparedJob) -> str:
         return f"next-token cross entropy, {loss_line(job.spec.train, unwrapped(job.model).config.model_type)}"
@@ -87,12 +87,12 @@ def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
         return StepResult(torch.tensor(loss), batch.tokens, job.stepper.step(), {})
     # Data-parallel strategies average gradients over the data-parallel ranks, so each rank's share is scaled by
     # dp_size to make that a sum. Under context parallelism a rank runs slices of its rows, whose losses its group
-    # sums (runner/parallel/context.py).
+    # sums (runner/parallel/sequence.py).
     step_loss = torch.zeros((), device=job.device)
     metrics: dict[str, torch.Tensor] = {}
     for i, whole_micro_batch in enumerate(micro_batches):
         with job.stepper.micro_batch(last=i == len(micro_batches) - 1), \
-                split_sequences(job.context_parallel_mesh, whole_micro_batch) as (micro_batch, whole_loss):
+                split_sequences(job.sequence_split, whole_micro_batch) as (micro_batch, whole_loss):
             with job.autocast():
                 loss, shares = objective_of(job).loss(job, micro_batch, batch)
             loss = whole_loss(loss)
@@ -118,7 +118,7 @@ def evaluate(job: PreparedJob, step: int) -> dict[str, float]:
 
 def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.device,
               autocast: Callable[[], ContextManager], counted: bool = True,
-              context_parallel_mesh: Optional[DeviceMesh] = None) -> MeanLoss:
+              sequence_split: Optional[SequenceSplit] = None) -> MeanLoss:
     """The model's mean next-token loss over this rank's batches and every other data-parallel rank's, without
     gradients (`counted`: whether this rank's batches count, or its tensor- or context-parallel group's first
     rank's)."""
@@ -129,7 +129,7 @@ def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.dev
     with torch.no_grad():
         for batch in batches:
             batch = batch.to(device)
-            with split_sequences(context_parallel_mesh, batch) as (sliced, whole_loss), autocast():
+            with split_sequences(sequence_split, batch) as (sliced, whole_loss), autocast():
                 # (to `device`: under a device map the head may sit on another device than the inputs)
                 loss_sum += whole_loss(model(**sliced.inputs, loss_labels=sliced.labels,
                                              labels_shifted=sliced.labels_shifted)).to(device)

@@ -4,8 +4,9 @@
     pp             pipeline stages: each holds a slice of the layers, the activations pass from one to the next
     dp_replicate   data-parallel replicas (HYBRID_SHARD's groups, NO_SHARD's and DDP's ranks)
     dp_shard       data-parallel shards (FULL_SHARD's ranks, DeepSpeed's)
-    cp             context-parallel ranks: each runs a slice of every sequence of its rows (FSDP shards over
-                   dp_shard x cp, as torchtitan's dp_shard_cp)
+    cp             context-parallel ranks: each runs a slice of every sequence of its rows (FSDP's ring, which
+                   shards over dp_shard x cp as torchtitan's dp_shard_cp; DeepSpeed's Ulysses, which ZeRO partitions
+                   over too)
     tp             tensor-parallel ranks: each holds a part of every block, all of them run the same rows
 
 A global batch is split over the data-parallel ranks, dp_replicate x dp_shard of them (torchtitan's "batch"

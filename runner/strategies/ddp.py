@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
     from runner.memory.terms import Change, Estimate
+    from runner.parallel.sequence import SequenceSplit
 
 
 @dataclass
@@ -56,6 +57,9 @@ class DDPStrategy(StrategyConfig):
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
         return ParallelDims(dp_replicate=hardware.world_size)
+
+    def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:
+        return None
 
     def loads_weights(self, rank: int) -> bool:
         return True

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
     from runner.memory.parameters import Parameters
+    from runner.parallel.sequence import SequenceSplit
 
 # DeepSpeed's defaults for the zero_optimization keys the estimate reads (deepspeed/runtime/zero/config.py).
 ZERO_DEFAULTS = {
@@ -64,6 +65,9 @@ class DeepSpeedStrategy(StrategyConfig):
     nvme_path: Optional[str] = None
     # A DeepSpeed JSON whose keys are added to the generated config; one the spec also sets must agree with it.
     config_file: Optional[str] = None
+    # Sequence-parallel ranks (Ulysses, DeepSpeed's ALST): each sequence split into this many slices, each rank
+    # attending over whole sequences for its share of the heads.
+    sp_size: int = 1
 
     name: ClassVar[str] = "deepspeed"
     distributed: ClassVar[bool] = True
@@ -104,18 +108,48 @@ class DeepSpeedStrategy(StrategyConfig):
         nvme = OffloadDevice.nvme in (self.offload_optimizer, self.offload_param)
         require(not nvme or (self.nvme_path and Path(self.nvme_path).is_dir()),
                 f"NVMe offload needs strategy.nvme_path=<an existing directory on the NVMe drive>, not {self.nvme_path}")
+        if self.sp_size != 1:
+            self._check_sequence_parallel(spec)
         if self.config_file:
             deepspeed_config(spec)  # the file's contradictions with the spec, before launch
+
+    def _check_sequence_parallel(self, spec: RunSpec) -> None:
+        """What Ulysses cannot split, refused before launch: it trades sequence slices for whole heads."""
+        sp, processes_given = f"strategy.sp_size={self.sp_size}", spec.hardware.world_size
+        require(self.sp_size >= 1 and processes_given % self.sp_size == 0,
+                f"{sp} does not divide the {processes_given} processes (hardware.nnodes x hardware.nproc_per_node)")
+        layer = facts_of(spec.model).layer
+        require(layer.heads % self.sp_size == 0 and (layer.kv_heads % self.sp_size == 0
+                                                     or self.sp_size % layer.kv_heads == 0),
+                f"{sp} does not divide the model's {layer.heads} attention heads, or its {layer.kv_heads} key-value "
+                "heads (nor they it): each rank attends with an equal share of the heads; pick a divisor of both")
+        require(not spec.data.packing,
+                f"{sp} with data.packing=true: packed rows need a mask between their examples, and Ulysses attends "
+                "causally over the whole row; set data.packing=false")
+        reduce_scatter = deepspeed_config(spec)["zero_optimization"].get("reduce_scatter", True)
+        require(self.zero_stage != 3 or reduce_scatter,
+                f"{sp} with ZeRO-3 and zero_optimization.reduce_scatter=false (strategy.config_file): DeepSpeed then "
+                "divides some gradient buckets by the data-parallel ranks and others by every rank; remove the key")
 
     def resolved(self, spec: RunSpec) -> RunSpec:
         """What the config file decides where the spec does not (runner/strategies/deepspeed_json.py)."""
         return read_into_spec(spec) if self.config_file else spec
 
     def describe(self, hardware: HardwareConfig) -> str:
-        return f"deepspeed ZeRO-{self.zero_stage}, {processes(hardware.world_size)}"
+        described = f"deepspeed ZeRO-{self.zero_stage}, {processes(hardware.world_size)}"
+        if self.sp_size > 1:
+            described += f", {self.dims(hardware).describe()}, Ulysses sequence parallel"
+        return described
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
-        return ParallelDims(dp_shard=hardware.world_size)
+        return ParallelDims(dp_shard=hardware.world_size // self.sp_size, cp=self.sp_size)
+
+    def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:
+        from runner.parallel.ulysses import UlyssesSplit, sequence_parallel_group
+
+        if dims.cp == 1:
+            return None
+        return UlyssesSplit(sequence_parallel_group(dims.cp), whole_gradients=self.zero_stage == 3)
 
     def loads_weights(self, rank: int) -> bool:
         return True
@@ -144,7 +178,11 @@ class DeepSpeedStrategy(StrategyConfig):
                 stages: Optional[PipelineStages] = None) -> tuple[nn.Module, DeepSpeedStepper]:
         import deepspeed
 
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec))
+        from runner.parallel.ulysses import deepspeed_groups
+
+        # Under Ulysses, the engine reads DeepSpeed's sequence-parallel groups, made at placement.
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec),
+                                               mpu=deepspeed_groups() if self.sp_size > 1 else None)
         engine.checkpoint_engine = WeightsOnlyLoading(engine.checkpoint_engine)
         return engine, DeepSpeedStepper(engine, self.zero_stage)
 
@@ -320,7 +358,7 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
     generated = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps,
-        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * spec.hardware.world_size,
+        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * strategy.dims(spec.hardware).dp_size,
         "gradient_clipping": train.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": precision.compute_dtype is Dtype.bf16},
@@ -331,8 +369,12 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
             "loss_scale_window": precision.loss_scale_growth_interval,
         },
         "communication_data_type": precision.reduce_dtype.value,
-        # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam).
+        # What DeepSpeed reduces the gradients in instead, under sequence parallelism.
+        **({"seq_parallel_communication_data_type": precision.reduce_dtype.value} if strategy.sp_size > 1 else {}),
+        # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam), and
+        # ZeRO partitions any torch optimizer's states (DeepSpeed lists Adam's variants as tested, not SGD).
         "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
     }
     if not strategy.config_file:

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
     from runner.memory.parameters import Parameters
+    from runner.parallel.sequence import SequenceSplit
 
 
 class ShardingStrategy(str, Enum):
@@ -225,9 +226,6 @@ class FSDPStrategy(StrategyConfig):
                 f"memory-efficient and cuDNN kernels only (torch 2.13), and this run's accelerator is "
                 f"{spec.hardware.accelerator.value}")
         for refused, why in (
-            (spec.data.seq_len % (2 * self.cp_size) != 0,
-             f"data.seq_len={spec.data.seq_len}: it must be a multiple of 2 x {self.cp_size} (each rank takes a slice "
-             "from each end of every sequence, which balances the causal attention's work)"),
             (spec.data.packing, "data.packing=true: packed rows need a mask between their examples, and the ring "
                                 "attends causally over the whole row; set data.packing=false"),
             (self.pp_size > 1, f"strategy.pp_size={self.pp_size}: not composed yet"),
@@ -264,6 +262,11 @@ class FSDPStrategy(StrategyConfig):
         stages_per_rank = self.pipeline_schedule.stages_per_rank if pp > 1 else 1
         return ParallelDims(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp,
                             stages_per_rank=stages_per_rank)
+
+    def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:
+        from runner.parallel.context import RingSplit
+
+        return RingSplit(dims.mesh(device_type)["cp"]) if dims.cp > 1 else None
 
     def loads_weights(self, rank: int) -> bool:
         return rank == 0 or not self.cpu_ram_efficient_loading

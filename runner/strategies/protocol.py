@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from runner.memory.facts import ModelFacts
     from runner.memory.terms import Change, Estimate
     from runner.parallel.dims import ParallelDims
+    from runner.parallel.sequence import SequenceSplit
 
 
 class CheckpointLayout(str, Enum):
@@ -146,6 +147,11 @@ class Strategy(Protocol):
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
         """How its processes divide the work: the named dimensions of the job's device mesh."""
+        ...
+
+    def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:
+        """How the ranks of a context-parallel group (dims.cp > 1) split every sequence: FSDP's ring, DeepSpeed's
+        Ulysses; None where it has none."""
         ...
 
     def loads_weights(self, rank: int) -> bool:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
     from runner.memory.terms import Change, Estimate
+    from runner.parallel.sequence import SequenceSplit
 
 
 @dataclass
@@ -51,6 +52,9 @@ class SingleStrategy(StrategyConfig):
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
         return ParallelDims()
+
+    def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:
+        return None
 
     def loads_weights(self, rank: int) -> bool:
         return True

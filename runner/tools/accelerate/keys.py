@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from runner.tools.accelerate.values import (
-    Handler, Settings, accelerator, count, flag, fsdp2_sharding, mixed_precision, no_meaning, transformer_engine)
+    Handler, Settings, accelerator, count, flag, fsdp2_sharding, mixed_precision, no_meaning, parallel_sizes,
+    transformer_engine)
 
 # accelerate's distributed types and the strategy option each is here.
 DISTRIBUTED_TYPES = {"NO": "single", "MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}
@@ -105,16 +106,15 @@ def dynamo(value: Any, file: dict) -> tuple[Settings, str]:
 
 def parallelism(value: Any, file: dict) -> tuple[Settings, str]:
     """accelerate's ParallelismConfig: the data-parallel sizes are FSDP's hybrid mesh, tp_size and cp_size its
-    tensor- and context-parallel dimensions (strategy.tp_size, strategy.cp_size); sequence parallelism (sp_size,
-    DeepSpeed's Ulysses) is refused."""
+    tensor- and context-parallel dimensions (strategy.tp_size, strategy.cp_size); sp_size with sp_backend deepspeed
+    DeepSpeed's Ulysses (strategy.sp_size)."""
     if not value:
         return {}, "no meaning here: empty"
     if not isinstance(value, dict):
         raise ValueError("must be a mapping of keys")
-    sizes = {key.removeprefix("parallelism_config_"): size for key, size in value.items() if key.endswith("_size")}
+    sizes = parallel_sizes(file)
     if count(sizes.get("sp_size", 1), 1) > 1:
-        raise ValueError(f"sp_size: {sizes['sp_size']}: the runner has no sequence parallelism (DeepSpeed's Ulysses); "
-                         "strategy=fsdp strategy.cp_size splits sequences over GPUs")
+        return ulysses(value, sizes, file)
     replicate, shard = count(sizes.get("dp_replicate_size", 1), 1), count(sizes.get("dp_shard_size", 1), 1)
     cp, tp = count(sizes.get("cp_size", 1), 1), count(sizes.get("tp_size", 1), 1)
     if replicate == 1 and cp == 1 and tp == 1:
@@ -131,6 +131,24 @@ def parallelism(value: Any, file: dict) -> tuple[Settings, str]:
              if name not in ("cp", "tp") or size > 1]
     return settings, (f"mesh {' x '.join(str(size) for _, size in shown)} "
                       f"({' x '.join(name for name, _ in shown)})")
+
+
+def ulysses(value: dict, sizes: dict[str, Any], file: dict) -> tuple[Settings, str]:
+    """Sequence parallelism: DeepSpeed's Ulysses, over the data-parallel (ZeRO) ranks alone."""
+    sp, backend = sizes["sp_size"], value.get("parallelism_config_sp_backend", "deepspeed")
+    if file["distributed_type"] != "DEEPSPEED" or backend != "deepspeed":
+        raise ValueError(f"sp_size: {sp} with sp_backend {backend} under distributed_type {file['distributed_type']}: "
+                         "the runner's sequence parallelism is DeepSpeed's Ulysses (distributed_type DEEPSPEED); "
+                         "strategy=fsdp strategy.cp_size splits sequences as a ring")
+    others = [f"{name}: {sizes[name]}" for name in ("dp_replicate_size", "tp_size", "cp_size")
+              if count(sizes.get(name, 1), 1) > 1]
+    if others:
+        raise ValueError(f"{', '.join(others)} with sp_size: {sp}: DeepSpeed's Ulysses composes with ZeRO's "
+                         "data-parallel ranks only")
+    attention = value.get("parallelism_config_sp_attn_implementation")
+    return {"strategy.sp_size": count(sp, 1)}, (
+        f"each sequence split over {sp} ranks (Ulysses: DeepSpeed's all-to-all around causal sdpa"
+        f"{f', not {attention}' if attention not in (None, 'sdpa') else ''}), of any length; ZeRO over every rank")
 
 
 TPU = no_meaning("a TPU pod's setting; the runner trains on CPUs and CUDA GPUs")

@@ -12,7 +12,8 @@ from runner.strategies import STRATEGIES
 from runner.strategies.deepspeed import OffloadDevice
 from runner.strategies.fsdp import AutoWrapPolicy, ShardingStrategy, StateDictType
 from runner.tools.accelerate.values import (
-    Handler, Settings, count, flag, fsdp2_sharding, mixed_precision, named, no_meaning, setting, transformer_engine)
+    Handler, Settings, count, flag, fsdp2_sharding, mixed_precision, named, no_meaning, parallel_sizes, setting,
+    transformer_engine)
 
 # accelerate's own orders: a file may give a value as its 1-based position in the list.
 SHARDING_STRATEGIES = [s.value for s in ShardingStrategy]
@@ -216,8 +217,13 @@ def moe_layers(value: Any, file: dict) -> tuple[Settings, str]:
     raise ValueError("the runner does not mark MoE layers as ZeRO-3 leaf modules")
 
 
-def sequence_parallel(value: Any, file: dict) -> tuple[Settings, str]:
-    raise ValueError("DeepSpeed's sequence parallelism (ALST, Ulysses) is not in the runner")
+def sequence_parallel_reduce(value: Any, file: dict) -> tuple[Settings, str]:
+    """Under sequence parallelism DeepSpeed reduces the gradients in this dtype, not communication_data_type's."""
+    if count(parallel_sizes(file).get("sp_size", 1), 1) == 1:
+        return {}, "no meaning here: DeepSpeed reads it under sequence parallelism (sp_size > 1) only"
+    if value not in ("fp32", "bf16", "fp16"):
+        raise ValueError("choose fp32, bf16 or fp16")
+    return {"precision.reduce_dtype": value}, "the gradients' reduction under sequence parallelism"
 
 
 LAUNCHER = no_meaning("the runner starts each node's processes itself (hardware.node_rank, hardware.rdzv_endpoint), "
@@ -236,7 +242,7 @@ DEEPSPEED_KEYS: dict[str, Handler] = {
     "zero3_save_16bit_model": no_meaning("the runner saves the final model gathered from the partitions "
                                          "(train.save_model)"),
     "deepspeed_moe_layer_cls_names": moe_layers,
-    "seq_parallel_communication_data_type": sequence_parallel,
+    "seq_parallel_communication_data_type": sequence_parallel_reduce,
     **{key: LAUNCHER for key in ("deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_inclusion_filter",
                                  "deepspeed_exclusion_filter")},
 }

@@ -31,6 +31,12 @@ def count(value: Any, minimum: int) -> int:
     return value
 
 
+def parallel_sizes(file: dict) -> dict[str, Any]:
+    """parallelism_config's sizes by their short names (dp_shard_size, sp_size, ...)."""
+    section = file.get("parallelism_config") or {}
+    return {key.removeprefix("parallelism_config_"): size for key, size in section.items() if key.endswith("_size")}
+
+
 def fsdp2_sharding(file: dict, reshards_after_forward: bool) -> str:
     """The sharding strategy FSDP2's fsdp_reshard_after_forward means: across all data-parallel processes, or
     within each shard group when parallelism_config gives replicate groups (accelerate's HSDP)."""

@@ -131,19 +131,28 @@ def deepspeed_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) ->
                      f"the runner adds the spec's to it: zero_stage={strategy.zero_stage}, offload_optimizer="
                      f"{strategy.offload_optimizer.value}, offload_param={strategy.offload_param.value}, gradient "
                      f"accumulation {spec.train.grad_accum_steps}, clipping {spec.train.max_grad_norm:g}")
-        return {"deepspeed_config": {"deepspeed_config_file": strategy.config_file, "zero3_init_flag": False}}
-    section: dict[str, Any] = {
-        "zero_stage": strategy.zero_stage,
-        "offload_optimizer_device": strategy.offload_optimizer.value,
-        "offload_param_device": strategy.offload_param.value,
-        "gradient_accumulation_steps": spec.train.grad_accum_steps,
-        "gradient_clipping": spec.train.max_grad_norm,
-        "zero3_init_flag": False,  # each process builds the whole model, then DeepSpeed partitions it
-    }
-    for key in ("offload_optimizer", "offload_param"):
-        if getattr(strategy, key) is OffloadDevice.nvme:
-            section[f"{key}_nvme_path"] = strategy.nvme_path
-    return {"deepspeed_config": section}
+        section: dict[str, Any] = {"deepspeed_config_file": strategy.config_file, "zero3_init_flag": False}
+    else:
+        section = {
+            "zero_stage": strategy.zero_stage,
+            "offload_optimizer_device": strategy.offload_optimizer.value,
+            "offload_param_device": strategy.offload_param.value,
+            "gradient_accumulation_steps": spec.train.grad_accum_steps,
+            "gradient_clipping": spec.train.max_grad_norm,
+            "zero3_init_flag": False,  # each process builds the whole model, then DeepSpeed partitions it
+        }
+        for key in ("offload_optimizer", "offload_param"):
+            if getattr(strategy, key) is OffloadDevice.nvme:
+                section[f"{key}_nvme_path"] = strategy.nvme_path
+    if strategy.sp_size == 1:
+        return {"deepspeed_config": section}
+    if not strategy.config_file:
+        section["seq_parallel_communication_data_type"] = spec.precision.reduce_dtype.value
+    dims = strategy.dims(hardware)
+    return {"deepspeed_config": section, "parallelism_config": {
+        "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": dims.dp_shard,
+        "parallelism_config_tp_size": 1, "parallelism_config_sp_size": dims.cp,
+        "parallelism_config_sp_backend": "deepspeed"}}
 
 
 def fp8_section(precision: PrecisionConfig, notes: list[str]) -> dict[str, Any]:
