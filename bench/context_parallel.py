@@ -1,5 +1,5 @@
-"""Context and tensor parallelism on two GPUs or more (not a test): the same losses as one GPU, and what each
-layout costs and holds at long sequences.
+"""Context, sequence and tensor parallelism on two GPUs or more (not a test): the same losses as one GPU, and what
+each layout costs and holds at long sequences.
 
     python bench/context_parallel.py                 # 2 GPUs: losses, then tokens/s and peak memory at 16k tokens
     python bench/context_parallel.py --gpus 4        # cp 4 and tp 4 too
@@ -12,8 +12,9 @@ surrounds it; this is where the ring itself is checked:
    the same seed and global batch: one GPU, then cp = 2 (and 4), then tp = 2 (and 4). Each layout's per-step
    losses against one GPU's, as the largest relative difference: the CPU tests hold tp to 1e-5.
 2. Cost. The same model in bf16 with activation checkpointing at --seq-len tokens: FSDP over the GPUs, FSDP x cp,
-   FSDP x tp. Tokens/s and MFU of the steady state, and the peak memory, which cp and tp should divide (the
-   estimate's figure beside it, from `run task=estimate`).
+   FSDP x tp, and DeepSpeed ZeRO-3 x sp (Ulysses, whose losses the CPU tests hold to 1e-5). Tokens/s and MFU of the
+   steady state, and the peak memory, which cp, sp and tp should divide (the estimate's figure beside it, from
+   `run task=estimate`).
 
 Each row is a real `run` of the runner in its own process, read from its metrics.jsonl and summary.json. Prints
 Markdown to paste into docs/benchmarks.md with the date and the GPUs.
@@ -28,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODEL = ["model=llama3_2_1b", "strategy=fsdp", "train.eval_every=0", "train.eval_batches=1",
+MODEL = ["model=llama3_2_1b", "train.eval_every=0", "train.eval_batches=1",
          "train.save_model=false", "train.log_every=1"]
 LOSSES = ["precision=fp32", "data.seq_len=4096", "train.micro_batch_size=1", "train.grad_accum_steps=2",
           "train.max_steps=10"]
@@ -58,11 +59,15 @@ def estimated_peak(overrides: list[str]) -> str:
 
 
 def layouts(gpus: int) -> dict[str, list[str]]:
-    found = {"fsdp": [f"hardware.nproc_per_node={gpus}"]}
+    """Each layout's overrides: the processes, the strategy, then the split."""
+    processes = f"hardware.nproc_per_node={gpus}"
+    found = {"fsdp": [processes, "strategy=fsdp"]}
     for size in (2, 4, 8):
         if size <= gpus and gpus % size == 0:
-            found[f"fsdp x cp {size}"] = [f"hardware.nproc_per_node={gpus}", f"strategy.cp_size={size}"]
-            found[f"fsdp x tp {size}"] = [f"hardware.nproc_per_node={gpus}", f"strategy.tp_size={size}"]
+            found[f"fsdp x cp {size}"] = [processes, "strategy=fsdp", f"strategy.cp_size={size}"]
+            found[f"fsdp x tp {size}"] = [processes, "strategy=fsdp", f"strategy.tp_size={size}"]
+            found[f"zero-3 x sp {size}"] = [processes, "strategy=deepspeed", "strategy.zero_stage=3",
+                                            f"strategy.sp_size={size}"]
     return found
 
 
@@ -80,13 +85,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         # The global batch is micro batch x data-parallel ranks x accumulation: cp and tp ranks run the same rows,
         # so each layout keeps one data-parallel rank and the one-GPU run's batch.
-        one = run([*MODEL, *LOSSES], Path(tmp) / "one")
+        one = run([*MODEL, *LOSSES, "strategy=fsdp"], Path(tmp) / "one")
         print("| layout (fp32, 10 steps) | largest relative loss difference from one GPU |\n|---|---|")
         for name, overrides in layouts(args.gpus).items():
-            if name == "fsdp":
+            if name == "fsdp" or name.startswith("zero-3"):  # Ulysses's losses are held on the CPU
                 continue
             size = int(name.rsplit(" ", 1)[1])
-            row = run([*MODEL, *LOSSES, f"hardware.nproc_per_node={size}", overrides[1]],
+            row = run([*MODEL, *LOSSES, f"hardware.nproc_per_node={size}", *overrides[1:]],
                       Path(tmp) / f"losses {name}")
             if "error" in row or "error" in one:
                 print(f"| {name} | failed: {row.get('error') or one.get('error')} |")

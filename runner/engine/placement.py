@@ -14,9 +14,9 @@ alone; FSDP then shards each stage as a root of its own, as the schedule calls i
 the blocks' layers before anything wraps them: checkpointing then recomputes the split layers with their
 collectives, and FSDP shards the split parameters, as 2-D tensors, over the data-parallel dimensions of the same
 mesh. Activation checkpointing wraps each block's forward inside the block, and the strategy's wrapping then sees
-the checkpointed blocks. Context parallelism changes no module but the attention: FSDP shards over its ranks too (ParallelDims'
-sharding mesh), DeepSpeed partitions over them, and each step splits the sequences around the forward and backward
-(runner/parallel/sequence.py).
+the checkpointed blocks. Context parallelism changes no module but the attention: FSDP shards over its ranks too
+(ParallelDims' sharding mesh), DeepSpeed partitions over them, and each step splits the sequences around the
+forward and backward (runner/parallel/sequence.py).
 Compiling replaces each block's forward with its compiled version, in place: the strategy's hooks and the
 checkpointing around it stay eager, and the blocks keep their class and parameter names, which FSDP's wrap policy
 and every checkpoint read. FSDP shards unit by unit, the blocks first. Where rank 0 alone builds the weights

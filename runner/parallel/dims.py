@@ -10,9 +10,9 @@
     tp             tensor-parallel ranks: each holds a part of every block, all of them run the same rows
 
 A global batch is split over the data-parallel ranks, dp_replicate x dp_shard of them (torchtitan's "batch"
-dimension); every stage of a pipeline, and every rank of a context-parallel group, runs the same rows. Consecutive ranks share a tensor-parallel group, so
-that a group sits within one node, where its all-gathers at every layer are fastest; a pipeline's stages, which
-exchange only activations, may sit on different nodes.
+dimension); every stage of a pipeline, and every rank of a context-parallel group, runs the same rows. Consecutive
+ranks share a tensor-parallel group, so that a group sits within one node, where its all-gathers at every layer are
+fastest; a pipeline's stages, which exchange only activations, may sit on different nodes.
 
 torch is imported inside the methods: the command line answers `--help` and `--cfg` without it.
 """

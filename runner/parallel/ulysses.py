@@ -66,6 +66,7 @@ class UlyssesSplit:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         config = model.config.get_text_config()
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         by_batch_size: dict[int, Any] = {}
 
         def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -74,7 +75,7 @@ class UlyssesSplit:
             if batch not in by_batch_size:
                 by_batch_size[batch] = UlyssesSPAttentionHF(
                     attn=causal_unmasked_attention, batch_size=batch, attn_head_count=config.num_attention_heads,
-                    attn_head_size=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                    attn_head_size=head_size,
                     kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
                     process_group=self.group, seq_length_is_variable=True)
             return by_batch_size[batch](module, query, key, value, None, *args, **kwargs)

@@ -370,7 +370,8 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
         },
         "communication_data_type": precision.reduce_dtype.value,
         # What DeepSpeed reduces the gradients in instead, under sequence parallelism.
-        **({"seq_parallel_communication_data_type": precision.reduce_dtype.value} if strategy.sp_size > 1 else {}),
+        **({"seq_parallel_communication_data_type": precision.reduce_dtype.value}
+           if strategy.sp_size > 1 else {}),
         # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam), and
         # ZeRO partitions any torch optimizer's states (DeepSpeed lists Adam's variants as tested, not SGD).
         "zero_force_ds_cpu_optimizer": False,
