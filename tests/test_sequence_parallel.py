@@ -27,6 +27,9 @@ SP = ["strategy=deepspeed", "strategy.sp_size=2"]
 PAIRS = Path(__file__).parent / "data" / "trl" / "preference_standard.jsonl"
 LAYOUTS = {
     "sp 2, ZeRO-2": (2, [*SP, "train.grad_accum_steps=4"]),
+    # Each block recomputed in backward, its all-to-alls with it.
+    "sp 2, ZeRO-2, activation checkpointing": (2, [*SP, "train.grad_accum_steps=4",
+                                                   "strategy.activation_checkpointing=true"]),
     # The layout of the public accelerate files (tests/data/accelerate_corpus: TRL's alst_ulysses_4gpu.yaml).
     "ZeRO-3, dp 2 x sp 2": (4, [*SP, "strategy.zero_stage=3", "train.grad_accum_steps=2"]),
 }
