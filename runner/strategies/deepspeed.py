@@ -115,9 +115,9 @@ class DeepSpeedStrategy(StrategyConfig):
 
     def _check_sequence_parallel(self, spec: RunSpec) -> None:
         """What Ulysses cannot split, refused before launch: it trades sequence slices for whole heads."""
-        sp, processes_given = f"strategy.sp_size={self.sp_size}", spec.hardware.world_size
-        require(self.sp_size >= 1 and processes_given % self.sp_size == 0,
-                f"{sp} does not divide the {processes_given} processes (hardware.nnodes x hardware.nproc_per_node)")
+        sp, world = f"strategy.sp_size={self.sp_size}", spec.hardware.world_size
+        require(self.sp_size >= 1 and world % self.sp_size == 0,
+                f"{sp} does not divide the {world} processes (hardware.nnodes x hardware.nproc_per_node)")
         layer = facts_of(spec.model).layer
         require(layer.heads % self.sp_size == 0 and (layer.kv_heads % self.sp_size == 0
                                                      or self.sp_size % layer.kv_heads == 0),
