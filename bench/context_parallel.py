@@ -12,9 +12,10 @@ surrounds it; this is where the ring itself is checked:
    the same seed and global batch: one GPU, then cp = 2 (and 4), then tp = 2 (and 4). Each layout's per-step
    losses against one GPU's, as the largest relative difference: the CPU tests hold tp to 1e-5.
 2. Cost. The same model in bf16 with activation checkpointing at --seq-len tokens: FSDP over the GPUs, FSDP x cp,
-   FSDP x tp, and DeepSpeed ZeRO-3 x sp (Ulysses, whose losses the CPU tests hold to 1e-5). Tokens/s and MFU of the
-   steady state, and the peak memory, which cp, sp and tp should divide (the estimate's figure beside it, from
-   `run task=estimate`).
+   FSDP x tp (eager, compiled, and async: strategy.async_tp, the compiled blocks overlapping each split layer's
+   collectives with its matmul), and DeepSpeed ZeRO-3 x sp (Ulysses, whose losses the CPU tests hold to 1e-5).
+   Tokens/s and MFU of the steady state, and the peak memory, which cp, sp and tp should divide (the estimate's
+   figure beside it, from `run task=estimate`).
 
 Each row is a real `run` of the runner in its own process, read from its metrics.jsonl and summary.json. Prints
 Markdown to paste into docs/benchmarks.md with the date and the GPUs.
@@ -66,6 +67,8 @@ def layouts(gpus: int) -> dict[str, list[str]]:
         if size <= gpus and gpus % size == 0:
             found[f"fsdp x cp {size}"] = [processes, "strategy=fsdp", f"strategy.cp_size={size}"]
             found[f"fsdp x tp {size}"] = [processes, "strategy=fsdp", f"strategy.tp_size={size}"]
+            found[f"fsdp x tp {size}, compiled"] = [*found[f"fsdp x tp {size}"], "train.compile=true"]
+            found[f"fsdp x tp {size}, async"] = [*found[f"fsdp x tp {size}, compiled"], "strategy.async_tp=true"]
             found[f"zero-3 x sp {size}"] = [processes, "strategy=deepspeed", "strategy.zero_stage=3",
                                             f"strategy.sp_size={size}"]
     return found
@@ -88,7 +91,7 @@ def main() -> None:
         one = run([*MODEL, *LOSSES, "strategy=fsdp"], Path(tmp) / "one")
         print("| layout (fp32, 10 steps) | largest relative loss difference from one GPU |\n|---|---|")
         for name, overrides in layouts(args.gpus).items():
-            if name == "fsdp" or name.startswith("zero-3"):  # Ulysses's losses are held on the CPU
+            if name == "fsdp" or "," in name or name.startswith("zero-3"):  # Ulysses's losses are held on the CPU
                 continue
             size = int(name.rsplit(" ", 1)[1])
             row = run([*MODEL, *LOSSES, f"hardware.nproc_per_node={size}", *overrides[1:]],

@@ -41,7 +41,17 @@ BAD_INPUTS = {
     "LoRA under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
                                        "adapter=lora"], "adapter=lora with strategy.tp_size=2"),
     "compiled blocks under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
-                                                  "train.compile=true"], "train.compile=true with strategy.tp_size=2"),
+                                                  "train.compile=true"],
+                                                 "train.compile=true with strategy.tp_size=2 on cpu: torch.compile of "
+                                                 "the split blocks fails in their DTensor forward on the CPU"),
+    "async tensor parallelism on the CPU": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
+                                             "strategy.async_tp=true"],
+                                            "strategy.async_tp=true overlaps tensor parallelism's collectives in the "
+                                            "compiled blocks, on CUDA: it needs strategy.tp_size > 1 (not 2), "
+                                            "train.compile=true (not false) and CUDA GPUs (not cpu)"),
+    "sequence parallelism that does not divide the processes": (
+        ["strategy=deepspeed", "strategy.sp_size=2", "hardware.nproc_per_node=3"],
+        "strategy.sp_size=2 does not divide the 3 processes"),
     "context parallelism on the CPU": (["strategy=fsdp", "strategy.cp_size=2", "hardware.nproc_per_node=2"],
                                        "strategy.cp_size=2 needs CUDA GPUs: torch's context parallelism runs the "
                                        "attention's ring on CUDA's flash"),

@@ -106,6 +106,9 @@ class FSDPStrategy(StrategyConfig):
     backward_prefetch: int = 1
     # Tensor-parallel ranks: each block's heads and MLP columns split across this many consecutive processes.
     tp_size: int = 1
+    # Async tensor parallelism: the compiled blocks overlap each split layer's all-gather and reduce-scatter with its
+    # matmul (torch's micro-pipelined TP, as torchtitan's async TP; CUDA, train.compile=true).
+    async_tp: bool = False
     # Pipeline stages: the decoder layers cut into this many slices, each held by world / pp_size processes.
     pp_size: int = 1
     # The order of a step's micro batches (train.grad_accum_steps) through the stages: GPipe, 1F1B, Interleaved1F1B
@@ -159,6 +162,11 @@ class FSDPStrategy(StrategyConfig):
                     f"{self.sharding_strategy.value}")
         if self.tp_size > 1:
             self._check_tensor_parallel(spec)
+        if self.async_tp:
+            require(self.tp_size > 1 and spec.train.compile and spec.hardware.accelerator is Accelerator.cuda,
+                    f"strategy.async_tp=true overlaps tensor parallelism's collectives in the compiled blocks, on CUDA: "
+                    f"it needs strategy.tp_size > 1 (not {self.tp_size}), train.compile=true (not "
+                    f"{str(spec.train.compile).lower()}) and CUDA GPUs (not {spec.hardware.accelerator.value})")
         if self.pp_size > 1:
             self._check_pipeline(spec)
         if self.cp_size > 1:
@@ -183,9 +191,10 @@ class FSDPStrategy(StrategyConfig):
         require(not spec.precision.fp8,
                 f"precision.fp8 with {tp}: torchao's float8 linear layers are not split across tensor-parallel "
                 "ranks; use precision=bf16, or strategy.tp_size=1")
-        require(not spec.train.compile,
-                f"train.compile=true with {tp}: torch.compile of the split blocks fails in their DTensor forward "
-                "(torch 2.13 on the CPU; untried on GPUs); set train.compile=false")
+        require(not spec.train.compile or spec.hardware.accelerator is Accelerator.cuda,
+                f"train.compile=true with {tp} on {spec.hardware.accelerator.value}: torch.compile of the split "
+                "blocks fails in their DTensor forward on the CPU (torch 2.13); it compiles them on CUDA, as "
+                "torchtitan does; set train.compile=false")
 
     def _check_pipeline(self, spec: RunSpec) -> None:
         """What the pipeline cannot run, refused before launch."""
@@ -277,6 +286,10 @@ class FSDPStrategy(StrategyConfig):
         in every shard."""
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+        if self.async_tp:  # read when the blocks compile, at their first forward
+            import torch._inductor.config
+
+            torch._inductor.config._micro_pipeline_tp = True
         if whole is None and self.sync_module_states:
             _broadcast_from_rank0(model, dims.mesh(device.type))
         mesh = dims.sharding_mesh(device.type)
