@@ -107,16 +107,35 @@ def _quiet_about_one_process():
 
 
 def _named_once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor under its first name: a tied weight (an LM head sharing the embeddings) is written and read once,
-    as safetensors refuses one memory under two names."""
+    """Each tensor under its first name, as a plain tensor over the same memory: a tied weight (an LM head sharing
+    the embeddings) is written and read once, as safetensors refuses one memory under two names."""
     seen, named = set(), {}
     for name, tensor in state.items():
+        tensor = _plain(tensor)
         part = local(tensor)
         where = (part.untyped_storage().data_ptr(), part.storage_offset()) if part.numel() else name
         if where not in seen:
             seen.add(where)
             named[name] = tensor
     return named
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A wrapper subclass (torchao's float8 training weight, under FSDP a DTensor's local shard) as the plain tensor
+    inside it, which holds its memory: what safetensors writes, and what a load writes into in place."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    part = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if not is_traceable_wrapper_subclass(part):
+        return tensor
+    while is_traceable_wrapper_subclass(part):
+        inner, _ = part.__tensor_flatten__()
+        part = getattr(part, inner[0])
+    if not isinstance(tensor, DTensor):
+        return part
+    return DTensor.from_local(part, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                             stride=tensor.stride())
 
 
 def new_recipe(name: str, retry: str) -> Path:
