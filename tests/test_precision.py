@@ -162,6 +162,16 @@ def test_float8_all_gather_saves_plain_checkpoints_and_model(strategy_facts):
     model = AutoModelForCausalLM.from_pretrained(summary["model_dir"])
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    # Read back into the float8 weights (a resume): the trained model's weights again.
+    spec = resolved_spec([*BASE, *CASES["fsdp"]["fp8 float8 all-gather"], f"resume={checkpoint}",
+                          f"train.max_steps={STEPS + 1}"])
+    resumed = run_in_workers(_resumed_weights, spec, summary["run_dir"], nproc=2)[0]
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
+
+
+def _resumed_weights(ranks, spec, run_dir):
+    return prepare_job(spec, Path(run_dir), ranks).stepper.full_state_dict()
 
 
 @pytest.mark.slow
