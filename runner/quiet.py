@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import sys
+from typing import Iterator
 
 
 def quiet_libraries() -> None:
@@ -38,3 +41,11 @@ def name_deepspeed_accelerator(accelerator: str) -> None:
     """DeepSpeed, which transformers and accelerate import when it is installed, guesses the accelerator and says
     so on the console; the spec knows it. Workers inherit it from the process that starts them."""
     os.environ.setdefault("DS_ACCELERATOR", accelerator)
+
+
+@contextlib.contextmanager
+def deepspeed_setup() -> Iterator[None]:
+    """DeepSpeed prints that it built its shared-memory op whenever it sets up its collectives on the CPU (its
+    errors raise; its warnings are logged)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield

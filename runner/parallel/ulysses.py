@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator
 
 from runner.parallel.context import causal_unmasked_attention
 from runner.parallel.sequence import AttentionFunction, WholeLoss, sliceable
+from runner.quiet import deepspeed_setup
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +37,8 @@ def sequence_parallel_group(size: int) -> ProcessGroup:
     import torch.distributed as dist
 
     groups = deepspeed_groups()
-    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    with deepspeed_setup():
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
     try:
         return groups.get_sequence_parallel_group()
     except AssertionError:  # not made yet

@@ -21,6 +21,7 @@ from runner.memory.parameters import host_loading, parameters_of
 from runner.memory.terms import (
     FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change)
 from runner.parallel.dims import ParallelDims
+from runner.quiet import deepspeed_setup
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import (
@@ -168,7 +169,8 @@ class DeepSpeedStrategy(StrategyConfig):
             return model.to(device)
         import deepspeed
 
-        engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(spec))
+        with deepspeed_setup():
+            engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(spec))
         return engine
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
@@ -181,8 +183,9 @@ class DeepSpeedStrategy(StrategyConfig):
         from runner.parallel.ulysses import deepspeed_groups
 
         # Under Ulysses, the engine reads DeepSpeed's sequence-parallel groups, made at placement.
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec),
-                                               mpu=deepspeed_groups() if self.sp_size > 1 else None)
+        with deepspeed_setup():
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec),
+                                                   mpu=deepspeed_groups() if self.sp_size > 1 else None)
         engine.checkpoint_engine = WeightsOnlyLoading(engine.checkpoint_engine)
         return engine, DeepSpeedStepper(engine, self.zero_stage)
 
