@@ -126,15 +126,16 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-    part = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    if not is_traceable_wrapper_subclass(part):
+    part = local(tensor)
+    inner = part
+    while is_traceable_wrapper_subclass(inner):
+        names, _ = inner.__tensor_flatten__()
+        inner = getattr(inner, names[0])
+    if inner is part:
         return tensor
-    while is_traceable_wrapper_subclass(part):
-        inner, _ = part.__tensor_flatten__()
-        part = getattr(part, inner[0])
     if not isinstance(tensor, DTensor):
-        return part
-    return DTensor.from_local(part, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+        return inner
+    return DTensor.from_local(inner, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
                              stride=tensor.stride())
 
 
