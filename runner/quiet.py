@@ -45,7 +45,16 @@ def name_deepspeed_accelerator(accelerator: str) -> None:
 
 @contextlib.contextmanager
 def deepspeed_setup() -> Iterator[None]:
-    """DeepSpeed prints that it built its shared-memory op whenever it sets up its collectives on the CPU (its
-    errors raise; its warnings are logged)."""
+    """DeepSpeed prints that it built its shared-memory op whenever it sets up its collectives on the CPU, and its
+    first look at which ops this machine can build logs, at INFO, the commands of a test compile (through
+    setuptools' distutils, whose logger's name changes between versions). Its errors raise; its warnings show."""
+    import deepspeed.ops
+
+    before = logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        deepspeed.ops.__compatible_ops__  # probed once, then kept
+    finally:
+        logging.disable(before)
     with contextlib.redirect_stdout(io.StringIO()):
         yield

@@ -46,6 +46,19 @@ def test_a_run_that_saves_its_model_prints_no_library_noise(cli_run):
         assert noise not in output, noise
 
 
+@pytest.mark.distributed
+def test_a_deepspeed_run_on_two_processes_prints_no_library_noise(tmp_path):
+    """In a new interpreter, as a user starts it: DeepSpeed's first look at the ops it can build logs a test
+    compile's commands, and its CPU collectives print that they built their op."""
+    result = run_cli("strategy=deepspeed", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=2",
+                     "train.eval_every=0", "train.save_model=false", cwd=tmp_path, fresh=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "done: train loss" in output
+    for noise in ("gcc", "built successfully", "Setting accelerator", "Warning", "Traceback"):
+        assert noise not in output, noise
+
+
 @pytest.mark.slow
 def test_run_directory_contract(cli_run):
     _, run_dir, _ = cli_run
