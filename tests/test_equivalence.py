@@ -2,7 +2,8 @@
 
 With the same seed, data order and global batch, in fp32, the per-step losses of one process with gradient
 accumulation, of DDP, of FSDP under each sharding strategy and wrap policy, and of DeepSpeed ZeRO 0-3 agree within 1e-4 relative over
-10 optimizer steps. Activation checkpointing, under any strategy, changes none of them.
+10 optimizer steps, and so do the gradient norms they log. Activation checkpointing, under any strategy, changes
+none of them.
 """
 
 
@@ -56,6 +57,10 @@ def reference(reference_run):
     return step_losses(reference_run[1])
 
 
+def grad_norms(run_dir) -> list[float]:
+    return list(logged(run_dir, "grad_norm").values())
+
+
 @pytest.mark.slow
 def test_scheduler_steps_once_per_optimizer_step(reference_run):
     spec, run_dir = reference_run
@@ -70,16 +75,17 @@ def two_rank_losses(tmp_path_factory):
     specs = [resolved_spec([*BASE, *TWO_RANKS, *overrides]) for overrides in VARIANTS.values()]
     run_dirs = [tmp_path_factory.mktemp(name.split()[0]) for name in VARIANTS]
     train_in_workers(specs, run_dirs)
-    return {name: step_losses(run_dir) for name, run_dir in zip(VARIANTS, run_dirs)}
+    return {name: (step_losses(run_dir), grad_norms(run_dir)) for name, run_dir in zip(VARIANTS, run_dirs)}
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_same_losses_as_one_process(variant, reference, two_rank_losses):
-    losses = two_rank_losses[variant]
+def test_same_losses_as_one_process(variant, reference_run, reference, two_rank_losses):
+    losses, norms = two_rank_losses[variant]
     assert len(losses) == len(reference) == STEPS
     assert losses == pytest.approx(reference, rel=1e-4)
     assert losses[-1] < losses[0]
+    assert norms == pytest.approx(grad_norms(reference_run[1]), rel=1e-4)
 
 
 @pytest.mark.slow

@@ -394,18 +394,27 @@ class DeepSpeedStepper:
 
     engine: Any
     zero_stage: int
+    grad_norm: Optional[float] = None
 
     def micro_batch(self, last: bool) -> ContextManager:
         return contextlib.nullcontext()  # the engine reduces at the boundary it counts
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # the loss is already a share of the global batch
+        if self.engine.is_gradient_accumulation_boundary() and not hasattr(self.engine.optimizer, "_global_grad_norm"):
+            # ZeRO-0 in fp32 steps the torch optimizer itself and keeps no norm: the reduced gradients', before
+            # the engine clips them
+            import torch
+
+            self.grad_norm = float(torch.nn.utils.get_total_norm(
+                [p.grad for p in self.engine.module.parameters() if p.grad is not None]))
         self.engine.step()
 
     def step(self) -> StepOutcome:
         # Every fp16 optimizer of DeepSpeed has loss_scale; ZeRO-0's FP16_UnfusedOptimizer has no cur_scale.
         scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
-        return StepOutcome(float(self.engine.get_global_grad_norm() or 0.0), self.engine.was_step_applied(), scale)
+        norm = next((n for n in (self.engine.get_global_grad_norm(), self.grad_norm) if n is not None), math.nan)
+        return StepOutcome(float(norm), self.engine.was_step_applied(), scale)
 
     # A frozen base (adapter=lora) is left out of what is written, read and exported.
     def save(self, directory: Path, rank: int) -> None:
