@@ -40,6 +40,11 @@ BAD_INPUTS = {
          "strategy.hybrid_shard_size=4"], "strategy.hybrid_shard_size=4 does not divide the 2 data-parallel ranks"),
     "LoRA under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
                                        "adapter=lora"], "adapter=lora with strategy.tp_size=2"),
+    "float8 all-gather under tensor parallelism": (
+        ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2", "precision=fp8",
+         "precision.fp8.emulate=true", "precision.fp8.all_gather=true"],
+        "precision.fp8.all_gather=true with strategy.tp_size=2: FSDP's float8 all-gather scales each weight from its "
+        "data-parallel shards alone"),
     "compiled blocks under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
                                                   "train.compile=true"],
                                                  "train.compile=true with strategy.tp_size=2 on cpu: torch.compile of "

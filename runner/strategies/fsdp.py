@@ -188,9 +188,11 @@ class FSDPStrategy(StrategyConfig):
         require(not spec.adapter.active,
                 f"adapter={spec.adapter.kind.value} with {tp}: the adapters' layers are not split across "
                 "tensor-parallel ranks; use strategy.tp_size=1 (FSDP shards the base and the adapters)")
-        require(not spec.precision.fp8,
-                f"precision.fp8 with {tp}: torchao's float8 linear layers are not split across tensor-parallel "
-                "ranks; use precision=bf16, or strategy.tp_size=1")
+        require(not (spec.precision.fp8 and spec.precision.fp8.all_gather),
+                f"precision.fp8.all_gather=true with {tp}: FSDP's float8 all-gather scales each weight from its "
+                "data-parallel shards alone, so the tensor-parallel ranks would cast their parts of one weight with "
+                "different scales; set precision.fp8.all_gather=false (the fp8 layers still split, with whole-tensor "
+                "scales)")
         require(not spec.train.compile or spec.hardware.accelerator is Accelerator.cuda,
                 f"train.compile=true with {tp} on {spec.hardware.accelerator.value}: torch.compile of the split "
                 "blocks fails in their DTensor forward on the CPU (torch 2.13); it compiles them on CUDA, as "
