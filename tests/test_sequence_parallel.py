@@ -55,6 +55,24 @@ def test_ulysses_gives_one_process_losses_and_gradient_norms(layout, reference, 
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
 
 
+ALPACA = Path(__file__).parent / "data" / "llama_factory" / "alpaca_en_demo.json"
+PACKED = ["data=instruction_files", f"data.files={ALPACA}", "data.prompt_field=instruction",
+          "data.response_field=output", "data.seq_len=512", "data.packing=true"]
+
+
+@pytest.mark.distributed
+def test_packed_rows_keep_their_examples_apart_across_the_slices(tmp_path):
+    """Rows of LLaMA-Factory's Alpaca demo packed several examples each: DeepSpeed gathers the slices' positions
+    around the attention, and each example attends to itself alone over the whole row, as in one process."""
+    packed = [*BASE, *PACKED, "train.grad_accum_steps=4"]
+    (tmp_path / "single").mkdir()
+    train(prepare_job(resolved_spec(packed), tmp_path / "single"))
+    train_in_workers([resolved_spec([*packed, *SP, "hardware.nproc_per_node=2"])], [tmp_path / "sp 2"], nproc=2)
+    assert step_losses(tmp_path / "sp 2") == pytest.approx(step_losses(tmp_path / "single"), rel=1e-5)
+    norms = [list(logged(tmp_path / run, "grad_norm").values()) for run in ("single", "sp 2")]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+
+
 def _ulysses_slices(ranks, length):
     from runner.data.batches import MicroBatch
     from runner.data.rows import IGNORE
@@ -72,15 +90,21 @@ def _ulysses_slices(ranks, length):
             total = whole_loss(local)
             total.backward()
         losses[whole_gradients] = (total.item(), local.grad.item())
+    packed = MicroBatch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])}, labels,
+                        tokens=length, label_tokens=length - 2)
+    with UlyssesSplit(sequence_parallel_group(2), False).split(packed) as (packed_slice, _):
+        pass
     return {"inputs": sorted(sliced.inputs), "positions": sliced.inputs["position_ids"].tolist(),
-            "targets": sliced.labels.tolist(), "losses": losses}
+            "targets": sliced.labels.tolist(), "losses": losses,
+            "packed positions": packed_slice.inputs["position_ids"].tolist()}
 
 
 @pytest.mark.distributed
 def test_each_rank_gets_a_contiguous_slice_padded_to_equal_length():
     """A row of 7 tokens over sp 2: padded to 8 (the padding's target IGNORE), rank 0 runs positions 0..3 and rank 1
-    4..7, the targets shifted before the split. The group's loss is the sum of its slices' on each rank; each slice's
-    gradient is its own (ZeRO-0, 1, 2), or that of the sum (ZeRO-3: every rank's backward adds one)."""
+    4..7 (a packed row, its own positions), the targets shifted before the split. The group's loss is the sum of its
+    slices' on each rank; each slice's gradient is its own (ZeRO-0, 1, 2), or that of the sum (ZeRO-3: every rank's
+    backward adds one)."""
     from runner.data.rows import IGNORE
 
     places = run_in_workers(_ulysses_slices, 7, nproc=2)
@@ -88,6 +112,8 @@ def test_each_rank_gets_a_contiguous_slice_padded_to_equal_length():
     assert [place["targets"] for place in places] == [[[IGNORE, 2, 3, 4]], [[5, 6, IGNORE, IGNORE]]]
     assert all(place["inputs"] == ["input_ids", "position_ids"] for place in places)
     assert [place["losses"] for place in places] == [{False: (3.0, 1.0), True: (3.0, 2.0)}] * 2
+    # A packed row's positions as they come, the padding's going on from its last example's.
+    assert [place["packed positions"] for place in places] == [[[0, 1, 2, 0]], [[1, 0, 1, 2]]]
 
 
 def test_ulysses_is_estimated_by_its_slices_and_refused_where_it_cannot_split():
@@ -110,7 +136,6 @@ def test_ulysses_is_estimated_by_its_slices_and_refused_where_it_cannot_split():
     for given, refusal in (([*overrides, "strategy.sp_size=3"], "strategy.sp_size=3 does not divide the 8 processes"),
                            ([*overrides, "strategy.sp_size=4", "model.architecture.num_key_value_heads=6"],
                             "does not divide the model's 64 attention heads, or its 6 key-value heads"),
-                           ([*on_two, "data.packing=true"], "strategy.sp_size=2 with data.packing=true"),
                            ([*on_two, "task=dpo", "data=preference_files", f"data.files={PAIRS}"],
                             "task=dpo with 2 ranks splitting each sequence")):
         with pytest.raises(SpecError, match=re.escape(refusal)) as refused:

@@ -41,7 +41,7 @@ from runner.config.adapter import add_adapter
 from runner.config.model import blocks, build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
-from runner.engine.attention import attend_with, attend_within_examples
+from runner.engine.attention import attend_with, attend_within_examples, per_example_attention
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
 from runner.parallel.pipeline import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
@@ -151,7 +151,8 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         attend_within_examples(model)
     sequence_split = strategy.sequence_split(dims, device.type) if training and dims.cp > 1 else None
     if sequence_split:
-        attend_with(model, sequence_split.name, sequence_split.attention(model))
+        within_examples = per_example_attention if spec.data.packing else None
+        attend_with(model, sequence_split.name, sequence_split.attention(model, within_examples))
     whole = None
     if sharded and not all(strategy.loads_weights(rank) for rank in range(ranks.world_size)):
         # Rank 0 sets its weights aside whole, and every rank lays the model out on the meta device: the split and

@@ -38,7 +38,9 @@ class RingSplit:
 
     name: ClassVar[str] = "runner_causal_unmasked"
 
-    def attention(self, model: nn.Module) -> AttentionFunction:
+    def attention(self, model: nn.Module, within_examples: Optional[AttentionFunction]) -> AttentionFunction:
+        if within_examples is not None:
+            raise ValueError("the ring attends causally over whole rows: packed rows are refused before launch")
         return causal_unmasked_attention
 
     @contextlib.contextmanager

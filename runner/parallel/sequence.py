@@ -30,7 +30,10 @@ class SequenceSplit(Protocol):
     # The model's attention over the slices (registered with transformers under `name`, with no mask).
     name: str
 
-    def attention(self, model: nn.Module) -> AttentionFunction: ...
+    def attention(self, model: nn.Module, within_examples: Optional[AttentionFunction]) -> AttentionFunction:
+        """`within_examples`: where rows are packed, the attention that keeps a whole row's examples apart, by the
+        row's positions (None: causal over the whole row)."""
+        ...
 
     def split(self, micro_batch: MicroBatch) -> ContextManager[tuple[MicroBatch, WholeLoss]]:
         """This rank's slices of the micro batch, and the function that makes their summed loss the value of the
@@ -53,9 +56,11 @@ def sliceable(micro_batch: MicroBatch, multiple: int) -> tuple[torch.Tensor, tor
     """The rows' input ids, positions and targets, ready to slice along the sequence:
     - the targets shifted to each position's next token first, since a slice's last position predicts the next
       slice's first token;
-    - the positions explicit, so that each slice's rotary embeddings are those of its place in the sequence;
-    - right-padded to a multiple of `multiple` (equal slices), the padding's targets IGNORE. No attention mask: padding
-      is on the right, and causal attention lets no real token see it."""
+    - the positions explicit, so that each slice's rotary embeddings are those of its place in the sequence (a
+      packed row's, which restart at each example, as they come);
+    - right-padded to a multiple of `multiple` (equal slices), the padding's targets IGNORE and its positions going
+      on from the last example's. No attention mask: padding is on the right, and causal attention lets no real
+      token see it."""
     import torch
     import torch.nn.functional as F
 
@@ -66,5 +71,10 @@ def sliceable(micro_batch: MicroBatch, multiple: int) -> tuple[torch.Tensor, tor
     padding = -input_ids.shape[1] % multiple
     input_ids = F.pad(input_ids, (0, padding), value=0).clone()  # any token: its targets are IGNORE
     targets = F.pad(targets, (0, padding), value=IGNORE)
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    positions = micro_batch.inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    else:
+        after = positions[:, -1:] + 1 + torch.arange(padding, device=positions.device)
+        positions = torch.cat([positions, after], dim=1)
     return input_ids.contiguous(), positions.contiguous(), targets.contiguous()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Optional
 
 from runner.parallel.context import causal_unmasked_attention
 from runner.parallel.sequence import AttentionFunction, WholeLoss, sliceable
@@ -62,9 +62,10 @@ class UlyssesSplit:
 
     name: ClassVar[str] = "runner_ulysses"
 
-    def attention(self, model: nn.Module) -> AttentionFunction:
-        """DeepSpeed's Ulysses attention around causal unmasked sdpa, one per micro batch size (it checks the
-        shapes it is given against its batch size)."""
+    def attention(self, model: nn.Module, within_examples: Optional[AttentionFunction]) -> AttentionFunction:
+        """DeepSpeed's Ulysses attention, one per micro batch size (it checks the shapes it is given against its
+        batch size), around causal unmasked sdpa, or `within_examples` for packed rows: it gathers the slices'
+        positions, so that the attention over whole rows sees where each example starts."""
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         config = model.config.get_text_config()
@@ -76,7 +77,7 @@ class UlyssesSplit:
             batch = query.shape[0]
             if batch not in by_batch_size:
                 by_batch_size[batch] = UlyssesSPAttentionHF(
-                    attn=causal_unmasked_attention, batch_size=batch, attn_head_count=config.num_attention_heads,
+                    attn=within_examples or causal_unmasked_attention, batch_size=batch, attn_head_count=config.num_attention_heads,
                     attn_head_size=head_size,
                     kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
                     process_group=self.group, seq_length_is_variable=True)

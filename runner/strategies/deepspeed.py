@@ -124,9 +124,6 @@ class DeepSpeedStrategy(StrategyConfig):
                                                      or self.sp_size % layer.kv_heads == 0),
                 f"{sp} does not divide the model's {layer.heads} attention heads, or its {layer.kv_heads} key-value "
                 "heads (nor they it): each rank attends with an equal share of the heads; pick a divisor of both")
-        require(not spec.data.packing,
-                f"{sp} with data.packing=true: packed rows need a mask between their examples, and Ulysses attends "
-                "causally over the whole row; set data.packing=false")
         reduce_scatter = deepspeed_config(spec)["zero_optimization"].get("reduce_scatter", True)
         require(self.zero_stage != 3 or reduce_scatter,
                 f"{sp} with ZeRO-3 and zero_optimization.reduce_scatter=false (strategy.config_file): DeepSpeed then "
