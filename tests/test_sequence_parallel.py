@@ -141,3 +141,16 @@ def test_ulysses_is_estimated_by_its_slices_and_refused_where_it_cannot_split():
         with pytest.raises(SpecError, match=re.escape(refusal)) as refused:
             resolved_spec(given)
         assert "\n" not in str(refused.value)
+
+
+def test_a_run_whose_sequences_fit_only_sliced_is_told_to_slice():
+    """Llama-3-8B at 256k tokens under ZeRO-3 with activation checkpointing on 8 H100s: the checkpointed layers'
+    inputs alone outgrow a GPU, which no ZeRO stage partitions; the fit check proposes Ulysses."""
+    from runner.memory.advice import check_fit
+
+    long = resolved_spec(["task=estimate", "model=llama3_8b", "strategy=deepspeed", "strategy.zero_stage=3",
+                          "precision=bf16", "hardware=8xh100_80gb", "data.seq_len=262144", "train.micro_batch_size=1",
+                          "strategy.activation_checkpointing=true"])
+    with pytest.raises(SpecError, match=r"it fits with: strategy\.sp_size=2 \(78\.\d\d GiB"):
+        check_fit(long)
+

@@ -225,6 +225,11 @@ class DeepSpeedStrategy(StrategyConfig):
             changes.append(strategy_change("strategy.offload_optimizer=cpu", 3.0, offload_optimizer=OffloadDevice.cpu))
         if self.offload_param is OffloadDevice.none and self.zero_stage == 3:
             changes.append(strategy_change("strategy.offload_param=cpu", 3.0, offload_param=OffloadDevice.cpu))
+        if self.sp_size == 1:
+            # Ulysses slices each sequence's activations, which no ZeRO stage partitions; the checks keep the sizes
+            # that divide the processes and the heads.
+            changes += [strategy_change(f"strategy.sp_size={sp}", 1.0 + 0.5 * math.log2(sp), sp_size=sp)
+                        for sp in (2, 4, 8)]
         return changes
 
 
