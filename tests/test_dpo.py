@@ -116,7 +116,7 @@ def runner_dpo(policy, reference, pairs, beta: float, loss_type: str, loss_kind:
             rows.append(row_inputs(tokens, trained, [0], [0], len(pair[response]), packed=False))
     micro_batch = collate(columns(rows), pad_token_id=0)
     objective = PreferenceLoss(beta, loss_type, 0.0, 0.5, FrozenCopy(reference))
-    losses, metrics = objective.pair_losses(SimpleNamespace(model=policy), micro_batch)
+    losses, metrics = objective.pair_losses(SimpleNamespace(model=policy), micro_batch, lambda logps: logps)
     losses.mean().backward()
     return {"loss": losses.mean().item(), **metrics,
             "grads": {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}}
@@ -317,10 +317,12 @@ def dpo_run(pairs: Path, tokenizer_dir: Path, steps: int = 3) -> list[str]:
 @pytest.mark.distributed
 def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokenizer_dir, tmp_path):
     """One global batch of 8 pairs a step: 1 process x 4 accumulation steps, or 2 x 2, under ddp, fsdp and ZeRO-2
-    and 3, the reference a frozen copy (under fsdp tp 2: 1 data-parallel rank x 4, both models split); with LoRA
-    (the reference: the adapters off) under single and fsdp; with the reference's log-probs precomputed once into
-    the token store, and read back."""
-    from helpers import resolved_spec, step_losses, train_in_workers
+    and 3, the reference a frozen copy (under fsdp tp 2, and under ZeRO-2 with each sequence split over the 2 ranks
+    by Ulysses: 1 data-parallel rank x 4, both models split); with LoRA (the reference: the adapters off) under
+    single and fsdp; with the reference's log-probs precomputed once into the token store (from split sequences,
+    under ZeRO-3 x sp 2), and read back. The gradient norms too: Adam and clipping would hide a gradient off by a
+    constant factor in the losses."""
+    from helpers import logged, resolved_spec, step_losses, train_in_workers
 
     base = dpo_run(short_pairs, llama3_tokenizer_dir)
     lora = ["adapter=lora", "adapter.rank=4"]
@@ -331,13 +333,19 @@ def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokeni
             "zero2": ("full", ["strategy=deepspeed", "strategy.zero_stage=2"]),
             "zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),
             "lora-fsdp": ("lora", ["strategy=fsdp", *lora]),
-            # the reference's log-probs computed once by the first, read back from the token store by the second
+            # each sequence split over the 2 ranks (Ulysses): the preference loss of the whole rows' log-probs
+            "zero2-sp": ("full", ["strategy=deepspeed", "strategy.zero_stage=2", "strategy.sp_size=2"]),
+            # the reference's log-probs computed once by the first (from split sequences), read back from the token
+            # store by the others
+            "zero3-sp-precomputed": ("full", ["strategy=deepspeed", "strategy.zero_stage=3", "strategy.sp_size=2",
+                                              "task.precompute_reference=true"]),
             "ddp-precomputed": ("full", ["strategy=ddp", "task.precompute_reference=true"]),
             "zero3-precomputed": ("full", ["strategy=deepspeed", "strategy.zero_stage=3",
                                            "task.precompute_reference=true"]),
             "fsdp-tp": ("full", ["strategy=fsdp", "strategy.tp_size=2"])}
     train_in_workers(list(singles.values()), [tmp_path / name for name in singles], nproc=1)
-    accumulation = {name: f"train.grad_accum_steps={4 if 'strategy.tp_size=2' in more else 2}"
+    one_data_parallel_rank = {"strategy.tp_size=2", "strategy.sp_size=2"}
+    accumulation = {name: f"train.grad_accum_steps={4 if one_data_parallel_rank & set(more) else 2}"
                     for name, (_, more) in runs.items()}
     train_in_workers([resolved_spec([*base, *two, accumulation[name], *more]) for name, (_, more) in runs.items()],
                      [tmp_path / name for name in runs])
@@ -345,8 +353,10 @@ def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokeni
     assert len(list(Path(os.environ["RUNNER_TOKEN_CACHE"]).glob("*/rows-*/reference-*.npy"))) == 1
     assert len(expected["full"]) == 3 and expected["full"] != expected["lora"]
     assert expected["full"][0] == pytest.approx(0.6931, abs=1e-4)  # the policy starts as its reference: log 2
+    norms = {name: list(logged(tmp_path / name, "grad_norm").values()) for name in [*singles, *runs]}
     for name, (single, _) in runs.items():
         assert step_losses(tmp_path / name) == pytest.approx(expected[single], rel=1e-5, abs=1e-6), name
+        assert norms[name] == pytest.approx(norms[single], rel=1e-5, abs=1e-6), name
     records = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in records if "loss" in record]
     evaluations = [record for record in records if "eval_loss" in record]

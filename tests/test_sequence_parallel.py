@@ -24,7 +24,6 @@ STEPS = 6
 BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
         "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", "optim=sgd", "train.max_grad_norm=0"]
 SP = ["strategy=deepspeed", "strategy.sp_size=2"]
-PAIRS = Path(__file__).parent / "data" / "trl" / "preference_standard.jsonl"
 LAYOUTS = {
     "sp 2, ZeRO-2": (2, [*SP, "train.grad_accum_steps=4"]),
     # Each block recomputed in backward, its all-to-alls with it.
@@ -132,12 +131,9 @@ def test_ulysses_is_estimated_by_its_slices_and_refused_where_it_cannot_split():
     assert "a 1/2 slice of each sequence (context parallel)" in split.activations.note
     assert sliced.strategy.describe(sliced.hardware) == ("deepspeed ZeRO-3, 8 processes, mesh 1 x 4 x 2 (dp_replicate x "
                                                          "dp_shard x cp), Ulysses sequence parallel")
-    on_two = [*BASE, *SP, "hardware.nproc_per_node=2"]
     for given, refusal in (([*overrides, "strategy.sp_size=3"], "strategy.sp_size=3 does not divide the 8 processes"),
                            ([*overrides, "strategy.sp_size=4", "model.architecture.num_key_value_heads=6"],
-                            "does not divide the model's 64 attention heads, or its 6 key-value heads"),
-                           ([*on_two, "task=dpo", "data=preference_files", f"data.files={PAIRS}"],
-                            "task=dpo with 2 ranks splitting each sequence")):
+                            "does not divide the model's 64 attention heads, or its 6 key-value heads")):
         with pytest.raises(SpecError, match=re.escape(refusal)) as refused:
             resolved_spec(given)
         assert "\n" not in str(refused.value)

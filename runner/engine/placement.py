@@ -149,7 +149,8 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
-    sequence_split = strategy.sequence_split(dims, device.type) if training and dims.cp > 1 else None
+    # A frozen reference runs the trained model's slices of the rows with it.
+    sequence_split = strategy.sequence_split(dims, device.type) if (training or frozen) and dims.cp > 1 else None
     if sequence_split:
         within_examples = per_example_attention if spec.data.packing else None
         attend_with(model, sequence_split.name, sequence_split.attention(model, within_examples))

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from runner.data.rows import IGNORE
 from runner.distributed import all_ranks_sums
 from runner.engine.loss import loss_line
+from runner.parallel.sequence import split_sequences
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 
     from runner.data.batches import GlobalBatch, MicroBatch
     from runner.engine.job import PreparedJob
+    from runner.parallel.sequence import WholeLoss
 
 log = logging.getLogger("runner")
 LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo")
@@ -45,8 +47,9 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 
 class Reference(Protocol):
-    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
-        """Each row's summed log-probability of its labels under the reference model, without gradients."""
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss) -> torch.Tensor:
+        """Each row's summed log-probability of its labels under the reference model, without gradients (`whole`:
+        the rows' sums from this rank's slices of them, under a sequence split)."""
         ...
 
     def line(self) -> str:
@@ -57,11 +60,11 @@ class Reference(Protocol):
 class AdaptersOff:
     """The policy with its adapters switched off: the frozen base, which is the initial model."""
 
-    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss) -> torch.Tensor:
         from runner.config.adapter import adapters_off
 
         with adapters_off(unwrapped(job.model)):
-            return -job.model(**micro_batch.inputs, loss_labels=micro_batch.labels, per_row=True)
+            return whole(row_logps(job.model, micro_batch))
 
     def line(self) -> str:
         return "the policy with its adapters off (no second copy)"
@@ -73,8 +76,8 @@ class FrozenCopy:
 
     model: nn.Module
 
-    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
-        return -self.model(**micro_batch.inputs, loss_labels=micro_batch.labels, per_row=True)
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss) -> torch.Tensor:
+        return whole(row_logps(self.model, micro_batch))
 
     def line(self) -> str:
         return "a frozen copy of the initial model, sharded as the strategy shards the trained one"
@@ -87,10 +90,10 @@ class Precomputed:
 
     table: np.ndarray
 
-    def logps(self, job: PreparedJob, micro_batch: MicroBatch) -> torch.Tensor:
+    def logps(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss) -> torch.Tensor:
         import torch
 
-        return torch.from_numpy(self.table[micro_batch.store_rows]).to(job.device)
+        return torch.from_numpy(self.table[micro_batch.store_rows]).to(job.device)  # the whole rows' already
 
     def line(self) -> str:
         return "its log-probs precomputed once for the token store's pairs (task.precompute_reference)"
@@ -121,8 +124,8 @@ def precomputed(job: PreparedJob, reference: Reference, path: Path) -> Precomput
             # past the last pair, the last pair again: every rank runs as many forwards (FSDP's all-gathers)
             indices = [min(i, len(pairs) - 1) for i in range(start, min(start + size, (dp_rank + 1) * share))]
             micro_batch = collate(pairs.batch(indices), job.tokenizer.pad_token_id).to(job.device)
-            with job.autocast():
-                logps = reference.logps(job, micro_batch).double().cpu().numpy()
+            with split_sequences(job.sequence_split, micro_batch) as (sliced, whole), job.autocast():
+                logps = reference.logps(job, sliced, whole).double().cpu().numpy()
             table[micro_batch.store_rows] = logps
     job.model.train()
     mine = np.zeros(len(table))
@@ -145,24 +148,26 @@ class PreferenceLoss:
     simpo_gamma: float
     reference: Optional[Reference]  # None: simpo's, which has none
 
-    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch
+    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean over the global batch's pairs: each micro batch adds its pairs' losses over their number."""
-        losses, metrics = self.pair_losses(job, micro_batch)
+        losses, metrics = self.pair_losses(job, micro_batch, whole)
         pairs = job.global_batch_size
         return losses.sum() / pairs, {name: value.sum() / pairs for name, value in metrics.items()}
 
-    def pair_losses(self, job: PreparedJob, micro_batch: MicroBatch
+    def pair_losses(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Each pair's loss, and each pair's metrics (detached)."""
+        """Each pair's loss, and each pair's metrics (detached). Under a sequence split, the loss of the whole rows'
+        log-probs, on every rank of the group."""
         import torch
 
-        logps = -job.model(**micro_batch.inputs, loss_labels=micro_batch.labels, per_row=True)
+        logps = whole(row_logps(job.model, micro_batch))
         reference = None
         if self.reference is not None:
             with torch.no_grad():
-                reference = self.reference.logps(job, micro_batch)
-        tokens = (micro_batch.labels[:, 1:] != IGNORE).sum(1).to(logps.device)
+                reference = self.reference.logps(job, micro_batch, whole)
+        targets = micro_batch.labels if micro_batch.labels_shifted else micro_batch.labels[:, 1:]
+        tokens = whole((targets != IGNORE).sum(1).to(logps.device))
         return preference_losses(logps, reference, tokens, self.kind, self.beta, self.label_smoothing,
                                  self.simpo_gamma)
 
@@ -181,13 +186,20 @@ class PreferenceLoss:
         pairs = 0
         with torch.no_grad():
             for micro_batch in job.eval_batches():
-                with job.autocast():
-                    losses, metrics = self.pair_losses(job, micro_batch.to(job.device))
+                with split_sequences(job.sequence_split, micro_batch.to(job.device)) as (sliced, whole), \
+                        job.autocast():
+                    losses, metrics = self.pair_losses(job, sliced, whole)
                 sums += torch.stack([losses.sum(), *(metrics[name].sum() for name in METRICS)]).double()
                 pairs += len(losses)
         total, *metric_sums, counted = all_ranks_sums([*sums.tolist(), pairs], job.counted)
         return {"eval_loss": total / counted,
                 **{f"eval_{name}": value / counted for name, value in zip(METRICS, metric_sums)}}
+
+
+def row_logps(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
+    """Each row's summed log-probability of its labels (of its slice's, under a sequence split)."""
+    return -model(**micro_batch.inputs, loss_labels=micro_batch.labels, labels_shifted=micro_batch.labels_shifted,
+                  per_row=True)
 
 
 def preference_losses(logps: torch.Tensor, reference: Optional[torch.Tensor], tokens: torch.Tensor, kind: str,

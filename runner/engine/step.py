@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
     from runner.data.batches import GlobalBatch, MicroBatch
     from runner.engine.job import PreparedJob
-    from runner.parallel.sequence import SequenceSplit
+    from runner.parallel.sequence import SequenceSplit, WholeLoss
     from runner.strategies.protocol import StepOutcome
 
 log = logging.getLogger("runner")
@@ -31,10 +31,11 @@ class Objective(Protocol):
     """What a training step minimises and an evaluation reports: the next-token loss (NextTokenLoss), or a
     preference loss (task=dpo: runner/engine/preference.py)."""
 
-    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch
+    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro batch's share of the global batch's loss, to differentiate, and its shares of the global
-        batch's metrics (means over the global batch, once every rank's shares are summed)."""
+        batch's metrics (means over the global batch, once every rank's shares are summed). Under a sequence
+        split, `micro_batch` is this rank's slices of the rows, and `whole` makes a sum over them the rows' own."""
         ...
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
@@ -50,10 +51,10 @@ class NextTokenLoss:
     """The mean next-token cross entropy over every label token of the global batch, whatever way it is split: the
     rows carry their counts, so every rank knows the global batch's without a collective before the forward."""
 
-    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch
+    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return job.model(**micro_batch.inputs, loss_labels=micro_batch.labels,
-                         labels_shifted=micro_batch.labels_shifted) / batch.label_tokens, {}
+        return whole(job.model(**micro_batch.inputs, loss_labels=micro_batch.labels,
+                               labels_shifted=micro_batch.labels_shifted) / batch.label_tokens), {}
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
         if job.pipeline:
@@ -94,8 +95,7 @@ def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
         with job.stepper.micro_batch(last=i == len(micro_batches) - 1), \
                 split_sequences(job.sequence_split, whole_micro_batch) as (micro_batch, whole_loss):
             with job.autocast():
-                loss, shares = objective_of(job).loss(job, micro_batch, batch)
-            loss = whole_loss(loss)
+                loss, shares = objective_of(job).loss(job, micro_batch, batch, whole_loss)
             job.stepper.backward(loss * job.dp_size)
         step_loss += loss.detach()
         for name, share in shares.items():

@@ -164,27 +164,28 @@ class DeepSpeedStrategy(StrategyConfig):
         and gathers them layer by layer in the forward (as TRL places its reference); otherwise a replica."""
         if self.zero_stage < 3:
             return model.to(device)
-        import deepspeed
-
-        with deepspeed_setup():
-            engine, _, _, _ = deepspeed.initialize(model=model, config=deepspeed_config(spec))
-        return engine
+        return self._engine(model, None, spec)
 
     def frozen_shards(self, hardware: HardwareConfig) -> int:
         return hardware.world_size if self.zero_stage == 3 else 1
 
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
                 stages: Optional[PipelineStages] = None) -> tuple[nn.Module, DeepSpeedStepper]:
+        engine = self._engine(model, optimizer, spec)
+        engine.checkpoint_engine = WeightsOnlyLoading(engine.checkpoint_engine)
+        return engine, DeepSpeedStepper(engine, self.zero_stage)
+
+    def _engine(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], spec: RunSpec) -> Any:
+        """DeepSpeed's engine of the model (and its optimizer). Under Ulysses, the engine reads DeepSpeed's
+        sequence-parallel groups, made at placement."""
         import deepspeed
 
         from runner.parallel.ulysses import deepspeed_groups
 
-        # Under Ulysses, the engine reads DeepSpeed's sequence-parallel groups, made at placement.
         with deepspeed_setup():
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec),
                                                    mpu=deepspeed_groups() if self.sp_size > 1 else None)
-        engine.checkpoint_engine = WeightsOnlyLoading(engine.checkpoint_engine)
-        return engine, DeepSpeedStepper(engine, self.zero_stage)
+        return engine
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
         """ZeRO-0: as single in fp32; in bf16/fp16 weights 2P + 4P (fp32 master), gradients 2P, states 4k.P.

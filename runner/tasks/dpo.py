@@ -67,9 +67,6 @@ class DpoTask(TaskConfig):
         dims = spec.strategy.dims(spec.hardware)
         require(dims.pp == 1, f"task=dpo with {dims.pp} pipeline stages (strategy.pp_size): the preference loss of a "
                               "pair's two rows is not computed through a pipeline yet; use strategy.pp_size=1")
-        require(dims.cp == 1, f"task=dpo with {dims.cp} ranks splitting each sequence (strategy.cp_size, "
-                              "strategy.sp_size): the preference loss takes whole rows' log-probabilities, not yet a "
-                              "split sequence's; set it to 1")
         require(self.beta > 0, f"task.beta={self.beta} must be > 0")
         require(0 <= self.label_smoothing < 0.5, f"task.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         require(self.loss in SMOOTHED or not self.label_smoothing,
