@@ -38,8 +38,9 @@ BAD_INPUTS = {
     "hybrid groups that do not divide the data-parallel ranks": (
         ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=4", "strategy.sharding_strategy=HYBRID_SHARD",
          "strategy.hybrid_shard_size=4"], "strategy.hybrid_shard_size=4 does not divide the 2 data-parallel ranks"),
-    "LoRA under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
-                                       "adapter=lora"], "adapter=lora with strategy.tp_size=2"),
+    "QLoRA under tensor parallelism": (["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2",
+                                        "adapter=qlora"], "adapter=qlora with strategy.tp_size=2: torchao's NF4 "
+                                                          "weights do not split"),
     "float8 all-gather under tensor parallelism": (
         ["strategy=fsdp", "strategy.tp_size=2", "hardware.nproc_per_node=2", "precision=fp8",
          "precision.fp8.emulate=true", "precision.fp8.all_gather=true"],

@@ -2,14 +2,16 @@
 
 With the same seed, data order and global batch, in fp32, the per-step losses of one process and of each layout
 agree within 1e-5 relative over 10 optimizer steps: tp 2 alone, FSDP 2 x tp 2, and HYBRID_SHARD 2 x 1 x tp 2.
-fp8's layers split too.
+fp8's layers and LoRA's adapters split too.
 """
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
-from helpers import QUICK, logged, resolved_spec, step_losses, train_in_workers
+from helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 
@@ -80,6 +82,63 @@ def test_a_checkpoint_of_fsdp_x_tp_resumes_under_fsdp_alone_and_in_one_process(s
         losses = logged(tmp_path / resumed, "loss")
         assert list(losses) == list(range(6, STEPS + 1))
         assert list(losses.values()) == pytest.approx(reference[5:], rel=1e-5)
+
+
+LORA = ["adapter=lora", "adapter.rank=4", "train.save_model=true"]
+
+
+@pytest.mark.distributed
+def test_lora_adapters_split_with_their_layers(tmp_path):
+    """LoRA under fsdp 2 x tp 2: each adapted layer's frozen base split by the plan, and of its adapter the matrix
+    on the split side (B beside a layer split by columns, A by rows), the rank-sized other whole. The losses are one
+    process's, the base stays frozen, the exported adapter is one process's, and a SHARDED checkpoint resumes in
+    one process with the same losses."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "single").mkdir()
+    train(prepare_job(resolved_spec([*BASE, *LORA, "train.grad_accum_steps=4"]), tmp_path / "single"))
+    nproc, layout = LAYOUTS["fsdp 2 x tp 2"]
+    train_in_workers([resolved_spec([*BASE, *LORA, f"hardware.nproc_per_node={nproc}", *layout,
+                                     "strategy.state_dict_type=SHARDED", "train.checkpoint_every=5"])],
+                     [tmp_path / "tp"], nproc=nproc)
+    reference = step_losses(tmp_path / "single")
+    assert len(reference) == STEPS and reference[-1] < reference[0]
+    assert step_losses(tmp_path / "tp") == pytest.approx(reference, rel=1e-5)
+    (tmp_path / "resumed").mkdir()
+    train(prepare_job(resolved_spec([*BASE, *LORA, "train.grad_accum_steps=4", "train.save_model=false",
+                                     f"resume={tmp_path / 'tp' / 'checkpoints' / 'step_00000005'}"]),
+                      tmp_path / "resumed"))
+    resumed = logged(tmp_path / "resumed", "loss")
+    assert list(resumed) == list(range(6, STEPS + 1))
+    assert list(resumed.values()) == pytest.approx(reference[5:], rel=1e-5)
+    exported, expected = (load_file(tmp_path / run / "model" / "adapter_model.safetensors") for run in ("tp", "single"))
+    assert sorted(exported) == sorted(expected) and len(expected) == 2 * 7 * 4
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def _trained_and_frozen_on_this_rank(ranks, spec, run_dir):
+    job = prepare_job(spec, Path(run_dir), ranks)
+    local = {True: 0, False: 0}
+    for parameter in job.model.parameters():
+        local[parameter.requires_grad] += parameter.to_local().numel()
+    return local
+
+
+@pytest.mark.distributed
+def test_the_estimate_counts_each_tensor_parallel_rank_s_parts_of_the_adapters_and_the_base(tmp_path):
+    """tp 2 on 2 processes (one data-parallel rank: FSDP shards nothing): the trained and frozen elements rank 0
+    holds are the estimate's (rank 1 holds one vocabulary row fewer of the byte tokenizer's odd vocabulary)."""
+    from runner.memory.facts import facts_of
+    from runner.memory.parameters import parameters_of
+
+    spec = resolved_spec([*BASE, *LORA, "hardware.nproc_per_node=2", *TP])
+    held = run_in_workers(_trained_and_frozen_on_this_rank, spec, str(tmp_path), nproc=2)
+    parameters = parameters_of(spec, facts_of(spec.model))
+    assert held[0] == {True: parameters.trained, False: parameters.frozen_parameters}
+    assert held[1] == {True: parameters.trained, False: parameters.frozen_parameters - spec.model.architecture[
+        "hidden_size"]}
+    assert parameters.trained < parameters_of(resolved_spec([*BASE, *LORA]), facts_of(spec.model)).trained
 
 
 FP8 = ["precision=fp8", "precision.fp8.emulate=true", "precision.fp8.min_features=16", "precision.compute_dtype=fp32"]

@@ -25,7 +25,7 @@ from runner.config.adapter import NF4_BYTES_PER_WEIGHT, nf4_fits, targets
 from runner.config.model import blocks
 from runner.memory.terms import FP32, Part, sharded_elements
 from runner.parallel.pipeline import balanced_bounds, stage_parameters, stages_of
-from runner.parallel.tensor import split_shapes
+from runner.parallel.tensor import block_plan, split_shapes
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -105,15 +105,16 @@ class Parameters:
 
     def describe(self, param_dtype: str) -> str:
         """The report's line: how many parameters train, how many are frozen and in what."""
-        if self.tp > 1:
-            return (f"all train ({param_dtype}; adapter=none: a full fine-tune), split {self.tp} ways: "
-                    f"{self.trained:,} on each tensor-parallel rank")
         if not self.frozen:
+            if self.tp > 1:
+                return (f"all train ({param_dtype}; adapter=none: a full fine-tune), split {self.tp} ways: "
+                        f"{self.trained:,} on each tensor-parallel rank")
             return f"all {self.trained:,} train ({param_dtype}; adapter=none: a full fine-tune)"
         frozen = ", ".join(f"{group.elements:,} in {group.dtype}" for group in self.frozen)
+        split = f", split {self.tp} ways: each tensor-parallel rank's parts" if self.tp > 1 else ""
         return (f"{self.trained:,} train ({self.adapter} adapters of rank {self.rank} on {len(self.adapted)} linear "
                 f"layers: {', '.join(self.target_names)}; {param_dtype}); {self.frozen_parameters:,} frozen "
-                f"({frozen})")
+                f"({frozen}){split}")
 
 
 _PARAMETERS: dict[tuple, tuple[ModelFacts, Parameters]] = {}
@@ -140,41 +141,52 @@ def parameters_of(spec: RunSpec, facts: ModelFacts) -> Parameters:
     """What the spec's run trains of its model and what it keeps frozen; kept for the next call (the fit check's
     re-estimates ask again)."""
     adapter = spec.adapter
-    if not adapter.active:  # under tensor parallelism, each rank's parts (no adapter composes with either)
+    if not adapter.active:  # under tensor parallelism, each rank's parts (no adapter composes with pipelines)
         dims = spec.strategy.dims(spec.hardware)
         if dims.pp > 1:
             return _heaviest_pipeline_rank(facts, dims)
         shapes = facts.parameter_shapes if dims.tp == 1 else split_shapes(facts.model, dims.tp)
         return Parameters(trained_shapes=tuple(shapes), trained_linear=facts.linear_parameters // dims.tp, tp=dims.tp)
-    key = (id(facts), repr(adapter), spec.precision.compute_dtype, spec.hardware.world_size)
+    tp = spec.strategy.dims(spec.hardware).tp
+    key = (id(facts), repr(adapter), spec.precision.compute_dtype, spec.hardware.world_size, tp)
     if key not in _PARAMETERS:
         if len(_PARAMETERS) >= 16:
             _PARAMETERS.pop(next(iter(_PARAMETERS)))
-        _PARAMETERS[key] = facts, _adapted(spec, facts)  # the facts kept alive: their id stays theirs
+        _PARAMETERS[key] = facts, _adapted(spec, facts, tp)  # the facts kept alive: their id stays theirs
     return _PARAMETERS[key][1]
 
 
-def _adapted(spec: RunSpec, facts: ModelFacts) -> Parameters:
+def _adapted(spec: RunSpec, facts: ModelFacts, tp: int) -> Parameters:
+    """Under tensor parallelism (`tp` ranks), each rank's parts: of the base as the plan splits it, and of each
+    adapter the matrix on the split side (B beside a layer split by columns, A by rows), the other whole."""
     from torch import nn
 
     adapter, model = spec.adapter, facts.model
     names = targets(adapter, model)
+    plan = block_plan(model, tp) if tp > 1 else {}
     adapted: dict[str, tuple[int, int]] = {}  # module name -> (out, in)
+    parts: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}  # module name -> this rank's A and B
     for block_name, block in blocks(model):
         for name, module in block.named_modules():
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names:
-                adapted[f"{block_name}.{name}"] = (module.out_features, module.in_features)
+                rows, columns = module.out_features, module.in_features
+                adapted[f"{block_name}.{name}"] = (rows, columns)
+                style = plan.get(name)
+                parts[f"{block_name}.{name}"] = ((adapter.rank, -(-columns // tp) if style == "rowwise" else columns),
+                                                 (-(-rows // tp) if style == "colwise" else rows, adapter.rank))
     in_nf4 = {f"{name}.weight" for name, shape in adapted.items()
               if adapter.quantized and nf4_fits(shape, spec.hardware.world_size)}
     compute = spec.precision.compute_dtype
     stored: dict[str, float] = {}
     groups: dict[str, list[tuple[int, ...]]] = {compute.value: [], NF4: []}
-    for name, parameter in model.named_parameters():  # tied parameters once
+    named = list(model.named_parameters())  # tied parameters once
+    shapes = split_shapes(model, tp) if tp > 1 else [tuple(parameter.shape) for _, parameter in named]
+    for (name, _), shape in zip(named, shapes):
         nf4 = name in in_nf4
         stored[name] = NF4_BYTES_PER_WEIGHT if nf4 else compute.bytes
-        groups[NF4 if nf4 else compute.value].append(tuple(parameter.shape))
+        groups[NF4 if nf4 else compute.value].append(shape)
     sizes = {compute.value: compute.bytes, NF4: NF4_BYTES_PER_WEIGHT}
-    trained = [shape for rows, columns in adapted.values() for shape in ((adapter.rank, columns), (rows, adapter.rank))]
+    trained = [shape for pair in parts.values() for shape in pair]
     return Parameters(
         trained_shapes=tuple(trained),
         trained_linear=sum(math.prod(shape) for shape in trained),
@@ -185,7 +197,8 @@ def _adapted(spec: RunSpec, facts: ModelFacts) -> Parameters:
         dropout=adapter.dropout > 0,
         target_names=tuple(names),
         stored=stored,
-        adapters={name: adapter.rank * (rows + columns) for name, (rows, columns) in adapted.items()},
+        adapters={name: sum(math.prod(shape) for shape in pair) for name, pair in parts.items()},
+        tp=tp,
     )
 
 

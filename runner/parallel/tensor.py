@@ -57,18 +57,37 @@ def block_plan(model: nn.Module, tp: int) -> dict[str, str]:
 
 def parallelize_tensors(model: nn.Module, mesh: DeviceMesh) -> None:
     """Splits the model over the 1-D `mesh` (the tp dimension), in place."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import (
         ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
 
     styles = {"colwise": ColwiseParallel(),
               "rowwise": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
     plan = block_plan(model, mesh.size())
+    trains = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
     for _, block in blocks(model):
+        placed, replicated = {}, []
+        for name, style in plan.items():
+            layer = block.get_submodule(name)
+            if not hasattr(layer, "base_layer"):
+                placed[name] = styles[style]
+                continue
+            # A LoRA layer (peft's): its base split as the plan says; of the adapter's two matrices, the one on the
+            # split side splits alike (B's output columns, A's input rows), the rank-sized other stays whole.
+            placed[f"{name}.base_layer"] = styles[style]
+            for adapter in layer.lora_A:
+                if style == "colwise":
+                    placed[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+                    replicated.append(layer.lora_A[adapter])
+                else:
+                    placed[f"{name}.lora_A.{adapter}"] = styles["rowwise"]
+                    replicated.append(layer.lora_B[adapter])
         parallelize_module(block, mesh, {
-            **{name: styles[style] for name, style in plan.items()},
+            **placed,
             **{name: SequenceParallel() for name, module in block.named_children() if _is_norm(module)},
         })
+        for module in replicated:
+            distribute_module(module, mesh)
         for name in {layer.rpartition(".")[0] for layer in plan}:
             block.get_submodule(name).register_forward_pre_hook(_whole_sequence, with_kwargs=True)
     # A pipeline stage holds the embeddings (the first), the final norm and head (the last), or neither.
@@ -82,6 +101,8 @@ def parallelize_tensors(model: nn.Module, mesh: DeviceMesh) -> None:
         final_norm.register_forward_hook(lambda module, inputs, output: output.full_tensor())
     if embeddings is not None and head is not None and model.config.tie_word_embeddings:
         model.tie_weights()  # both ends split by vocabulary rows alike: one parameter again, as the model had it
+    for name, parameter in model.named_parameters():  # the styles make every parameter they split trainable
+        parameter.requires_grad_(trains[name])
 
 
 def _is_norm(module: nn.Module) -> bool:

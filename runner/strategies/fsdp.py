@@ -185,9 +185,9 @@ class FSDPStrategy(StrategyConfig):
     def _check_tensor_parallel(self, spec: RunSpec) -> None:
         """What tensor parallelism does not split yet, refused before launch rather than failing in a worker."""
         tp = f"strategy.tp_size={self.tp_size}"
-        require(not spec.adapter.active,
-                f"adapter={spec.adapter.kind.value} with {tp}: the adapters' layers are not split across "
-                "tensor-parallel ranks; use strategy.tp_size=1 (FSDP shards the base and the adapters)")
+        require(not spec.adapter.quantized,
+                f"adapter=qlora with {tp}: torchao's NF4 weights do not split across tensor-parallel ranks; use "
+                "adapter=lora, or strategy.tp_size=1 (FSDP shards the NF4 base)")
         require(not (spec.precision.fp8 and spec.precision.fp8.all_gather),
                 f"precision.fp8.all_gather=true with {tp}: FSDP's float8 all-gather scales each weight from its "
                 "data-parallel shards alone, so the tensor-parallel ranks would cast their parts of one weight with "
@@ -510,9 +510,9 @@ def unit_sizes(model: nn.Module, strategy: FSDPStrategy, parameters: Parameters,
                tp: int = 1) -> tuple[tuple[int, int], tuple[int, int], int]:
     """(all-gathered bytes, trained parameters) of the root unit and of the largest other unit under the strategy's
     wrap policy, and the whole model's all-gathered bytes. Trained parameters gather in `gathered` bytes, as do the
-    adapters beside an adapted linear; frozen ones in the dtype they are stored in (NF4 as NF4). Under tensor
-    parallelism FSDP gathers a rank's parts: a tp-th of each unit (its norms, whole on every rank, are a rounding
-    error)."""
+    adapters beside an adapted linear (each rank's parts already); frozen ones in the dtype they are stored in (NF4
+    as NF4). Under tensor parallelism FSDP gathers a rank's parts: a tp-th of each unit (its norms, whole on every
+    rank, are a rounding error)."""
     def size(module: nn.Module, prefix: str) -> tuple[int, int]:
         gathered_bytes, trained = 0.0, 0
         for name, parameter in module.named_parameters(prefix=prefix):
@@ -520,7 +520,7 @@ def unit_sizes(model: nn.Module, strategy: FSDPStrategy, parameters: Parameters,
             gathered_bytes += parameter.numel() * (gathered if stored is None else stored)
             trained += parameter.numel() if stored is None else 0
         adapters = sum(parameters.adapters.get(name, 0) for name, _ in module.named_modules(prefix=prefix))
-        return math.ceil(gathered_bytes / tp) + adapters * gathered, (trained + adapters) // tp
+        return math.ceil(gathered_bytes / tp) + adapters * gathered, trained // tp + adapters
 
     names = {id(module): name for name, module in model.named_modules()}
     units = [size(unit, names[id(unit)]) for unit in wrap_units(model, strategy)]
