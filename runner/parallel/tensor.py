@@ -12,6 +12,11 @@ projections by rows). Around that plan, as torchtitan places its Llama:
     the final norm     sequence parallel, then the whole sequence for the head
     the LM head        split by vocabulary rows, its logits gathered: the loss is the one-process loss exactly
 
+torchao's float8 layers take the same styles, their scales taken over the whole tensors (DTensor's amax across the
+ranks). A LoRA layer (peft's) splits its frozen base as the plan says, and of its adapter the matrix on the split
+side (B's output columns beside a column-split base, A's input rows beside a row-split one); the rank-sized other
+stays whole on every rank.
+
 Every parameter is then a DTensor of the tp mesh, so that FSDP shards each one over the data-parallel dimensions
 as a 2-D (or, with HYBRID_SHARD, 3-D) tensor, and the gradient norm is one norm over all of them. Between the blocks
 the hidden states are DTensors of the whole sequence's shape, so that the model's own code (the causal mask, the
