@@ -1,6 +1,7 @@
 """Checkpoints and resume: a job killed at any step continues exactly where it stopped."""
 
 import json
+import logging
 import os
 import random
 import re
@@ -47,7 +48,10 @@ def test_kill_and_resume_gives_the_same_losses(uninterrupted, tmp_path):
     assert "resuming from step" in result.stdout
     assert run_dirs(tmp_path) == [run_dir]  # continued in its own directory
     assert losses(run_dir) == uninterrupted  # exactly, step for step
-    assert len(list((run_dir / "checkpoints").glob("step_*"))) == 2  # train.keep_checkpoints
+    kept = sorted((run_dir / "checkpoints").glob("step_*"))
+    assert len(kept) == 2  # train.keep_checkpoints
+    assert json.loads((kept[-1] / "meta.json").read_text())["global_batch"] == 4  # 2 x 2 accumulation steps
+    assert "global batch of" not in result.stderr
 
 
 @pytest.mark.signals
@@ -140,6 +144,24 @@ def test_a_checkpoint_that_cannot_move_is_refused_before_launch(layout, file, re
     strategy = "strategy=deepspeed" if layout == "engine" else "strategy=fsdp"
     with pytest.raises(SpecError, match=re.escape(refusal)):
         resolved_spec([*ARGS, strategy, f"resume={checkpoint}", "train.max_steps=6"])
+
+
+@pytest.mark.slow
+def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, caplog):
+    """A resume with another global batch than the checkpoint's run trains on other batches than that run's own:
+    the run says so (a resume with the same one, on another process count, does not: the signals tests)."""
+    written = resolved_spec([*ARGS, "train.max_steps=3"])  # 2 x 2 accumulation steps
+    (tmp_path / "written").mkdir()
+    train(prepare_job(written, tmp_path / "written"))
+    checkpoint = tmp_path / "written" / "checkpoints" / "step_00000003"
+    assert json.loads((checkpoint / "meta.json").read_text())["global_batch"] == 4
+    (tmp_path / "resumed").mkdir()
+    with caplog.at_level(logging.WARNING, logger="runner"):
+        train(prepare_job(resolved_spec([*ARGS, "train.max_steps=4", "train.micro_batch_size=4",
+                                         f"resume={checkpoint}"]), tmp_path / "resumed"))
+    [warning] = [record for record in caplog.records if "global batch" in record.getMessage()]
+    assert warning.getMessage().startswith("resuming with a global batch of 8 (micro batch 4 x 1 data-parallel ranks "
+                                           "x 2 accumulation steps) where the checkpoint's run had 4")
 
 
 @pytest.mark.signals

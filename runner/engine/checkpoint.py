@@ -1,7 +1,8 @@
 """Checkpoints: what a run needs to continue exactly, written atomically, only the last few kept.
 
     <run dir>/checkpoints/step_00000050/
-        meta.json                   step, tokens seen, first eval loss, world size, layout, strategy, scheduler
+        meta.json                   step, tokens seen, first eval loss, world size, layout, strategy, global
+                                    batch, scheduler
         rng-rank<N>.safetensors     each rank's random number generator states
         stream-rank<N>.json         a streamed run's: each rank's position in its stream (runner/data/stream.py)
         ...                         the model and optimizer, as the strategy's stepper writes them: whole
@@ -44,6 +45,7 @@ class Checkpointed(Protocol):
     ranks: Ranks
     stepper: Stepper
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    global_batch_size: int
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
@@ -85,6 +87,7 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position
             "layout": job.spec.strategy.checkpoint_layout.value,
             "strategy": job.spec.strategy.name,
             "adapter": job.spec.adapter.kind.value,
+            "global_batch": job.global_batch_size,
             "scheduler": job.scheduler.state_dict(),
             **progress,
         })

@@ -58,6 +58,13 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
     window = _start(job)
     if job.start_step:
         log.info("resuming from step %d of %s", job.start_step, job.spec.resume)
+        written = job.progress.get("global_batch", job.global_batch_size)  # older checkpoints do not say
+        if written != job.global_batch_size:
+            log.warning("resuming with a global batch of %d (micro batch %d x %d data-parallel ranks x %d "
+                        "accumulation steps) where the checkpoint's run had %d: the steps from here train on other "
+                        "batches than that run's own; set train.micro_batch_size or train.grad_accum_steps to give "
+                        "%d again for the same losses", job.global_batch_size, cfg.micro_batch_size, job.dp_size,
+                        cfg.grad_accum_steps, written, written)
         progress = Progress(**{f.name: job.progress[f.name] for f in fields(Progress)})
     else:
         watch.entering("evaluating before the first step")
