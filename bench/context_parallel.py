@@ -59,19 +59,27 @@ def estimated_peak(overrides: list[str]) -> str:
     return found.group(1) if found else "-"
 
 
+def sizes(gpus: int) -> list[int]:
+    return [size for size in (2, 4, 8) if size <= gpus and gpus % size == 0]
+
+
+def splits(size: int) -> dict[str, list[str]]:
+    """The layouts whose `size` ranks all run the same rows (one data-parallel rank), each split its own way: their
+    losses are one GPU's. (Ulysses's are held on the CPU.)"""
+    return {f"fsdp x cp {size}": ["strategy=fsdp", f"strategy.cp_size={size}"],
+            f"fsdp x tp {size}": ["strategy=fsdp", f"strategy.tp_size={size}"]}
+
+
 def layouts(gpus: int) -> dict[str, list[str]]:
-    """Each layout's overrides: the processes, the strategy, then the split."""
-    processes = f"hardware.nproc_per_node={gpus}"
-    found = {"fsdp": [processes, "strategy=fsdp"]}
-    for size in (2, 4, 8):
-        if size <= gpus and gpus % size == 0:
-            found[f"fsdp x cp {size}"] = [processes, "strategy=fsdp", f"strategy.cp_size={size}"]
-            found[f"fsdp x tp {size}"] = [processes, "strategy=fsdp", f"strategy.tp_size={size}"]
-            found[f"fsdp x tp {size}, compiled"] = [*found[f"fsdp x tp {size}"], "train.compile=true"]
-            found[f"fsdp x tp {size}, async"] = [*found[f"fsdp x tp {size}, compiled"], "strategy.async_tp=true"]
-            found[f"zero-3 x sp {size}"] = [processes, "strategy=deepspeed", "strategy.zero_stage=3",
-                                            f"strategy.sp_size={size}"]
-    return found
+    """Each layout's overrides on `gpus` processes: the strategy, then the split."""
+    found = {"fsdp": ["strategy=fsdp"]}
+    for size in sizes(gpus):
+        found.update(splits(size))
+        compiled = [*found[f"fsdp x tp {size}"], "train.compile=true"]
+        found[f"fsdp x tp {size}, compiled"] = compiled
+        found[f"fsdp x tp {size}, async"] = [*compiled, "strategy.async_tp=true"]
+        found[f"zero-3 x sp {size}"] = ["strategy=deepspeed", "strategy.zero_stage=3", f"strategy.sp_size={size}"]
+    return {name: [f"hardware.nproc_per_node={gpus}", *overrides] for name, overrides in found.items()}
 
 
 def main() -> None:
@@ -90,17 +98,15 @@ def main() -> None:
         # so each layout keeps one data-parallel rank and the one-GPU run's batch.
         one = run([*MODEL, *LOSSES, "strategy=fsdp"], Path(tmp) / "one")
         print("| layout (fp32, 10 steps) | largest relative loss difference from one GPU |\n|---|---|")
-        for name, overrides in layouts(args.gpus).items():
-            if name == "fsdp" or "," in name or name.startswith("zero-3"):  # Ulysses's losses are held on the CPU
-                continue
-            size = int(name.rsplit(" ", 1)[1])
-            row = run([*MODEL, *LOSSES, f"hardware.nproc_per_node={size}", *overrides[1:]],
-                      Path(tmp) / f"losses {name}")
-            if "error" in row or "error" in one:
-                print(f"| {name} | failed: {row.get('error') or one.get('error')} |")
-                continue
-            worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], one["losses"]))
-            print(f"| {name.removeprefix('fsdp x ')} | {worst:.1e} |")
+        for size in sizes(args.gpus):
+            for name, overrides in splits(size).items():
+                row = run([*MODEL, *LOSSES, f"hardware.nproc_per_node={size}", *overrides],
+                          Path(tmp) / f"losses {name}")
+                if "error" in row or "error" in one:
+                    print(f"| {name} | failed: {row.get('error') or one.get('error')} |")
+                    continue
+                worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], one["losses"]))
+                print(f"| {name.removeprefix('fsdp x ')} | {worst:.1e} |")
         print(f"\n| layout (bf16, {args.seq_len} tokens, checkpointed) | tokens/s | MFU | peak GiB | estimated "
               "peak GiB |\n|---|---|---|---|---|")
         for name, overrides in layouts(args.gpus).items():

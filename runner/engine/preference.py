@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Protocol
 
+from runner.data.batches import shifted
 from runner.data.rows import IGNORE
 from runner.distributed import all_ranks_sums
 from runner.engine.loss import loss_line
@@ -166,7 +167,7 @@ class PreferenceLoss:
         if self.reference is not None:
             with torch.no_grad():
                 reference = self.reference.logps(job, micro_batch, whole)
-        targets = micro_batch.labels if micro_batch.labels_shifted else micro_batch.labels[:, 1:]
+        targets = micro_batch.labels if micro_batch.labels_shifted else shifted(micro_batch.labels)
         tokens = whole((targets != IGNORE).sum(1).to(logps.device))
         return preference_losses(logps, reference, tokens, self.kind, self.beta, self.label_smoothing,
                                  self.simpo_gamma)

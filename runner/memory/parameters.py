@@ -25,7 +25,7 @@ from runner.config.adapter import NF4_BYTES_PER_WEIGHT, nf4_fits, targets
 from runner.config.model import blocks
 from runner.memory.terms import FP32, Part, sharded_elements
 from runner.parallel.pipeline import balanced_bounds, stage_parameters, stages_of
-from runner.parallel.tensor import block_plan, split_shapes
+from runner.parallel.tensor import adapter_shapes, block_plan, split_shapes
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -171,9 +171,7 @@ def _adapted(spec: RunSpec, facts: ModelFacts, tp: int) -> Parameters:
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in names:
                 rows, columns = module.out_features, module.in_features
                 adapted[f"{block_name}.{name}"] = (rows, columns)
-                style = plan.get(name)
-                parts[f"{block_name}.{name}"] = ((adapter.rank, -(-columns // tp) if style == "rowwise" else columns),
-                                                 (-(-rows // tp) if style == "colwise" else rows, adapter.rank))
+                parts[f"{block_name}.{name}"] = adapter_shapes(rows, columns, adapter.rank, plan.get(name), tp)
     in_nf4 = {f"{name}.weight" for name, shape in adapted.items()
               if adapter.quantized and nf4_fits(shape, spec.hardware.world_size)}
     compute = spec.precision.compute_dtype

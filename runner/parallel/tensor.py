@@ -27,7 +27,7 @@ torch is imported inside the functions: the command line answers `--help` and `-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.model import blocks
 from runner.errors import SpecError, require
@@ -122,6 +122,14 @@ def _whole_sequence(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> t
         return value.redistribute(placements=[Replicate()]) if isinstance(value, DTensor) else value
 
     return tuple(whole(value) for value in args), {key: whole(value) for key, value in kwargs.items()}
+
+
+def adapter_shapes(rows: int, columns: int, rank: int, style: Optional[str], tp: int
+                   ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A LoRA adapter's A (rank x columns) and B (rows x rank) on one tensor-parallel rank, beside a linear layer the
+    plan splits in `style` (None: not split), as `parallelize_tensors` places them."""
+    return ((rank, -(-columns // tp) if style == "rowwise" else columns),
+            (-(-rows // tp) if style == "colwise" else rows, rank))
 
 
 def split_shapes(model: nn.Module, tp: int) -> list[tuple[int, ...]]:

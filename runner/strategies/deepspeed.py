@@ -416,7 +416,9 @@ class DeepSpeedStepper:
     def step(self) -> StepOutcome:
         # Every fp16 optimizer of DeepSpeed has loss_scale; ZeRO-0's FP16_UnfusedOptimizer has no cur_scale.
         scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
-        norm = next((n for n in (self.engine.get_global_grad_norm(), self.grad_norm) if n is not None), math.nan)
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = math.nan if self.grad_norm is None else self.grad_norm
         return StepOutcome(float(norm), self.engine.was_step_applied(), scale)
 
     # A frozen base (adapter=lora) is left out of what is written, read and exported.
