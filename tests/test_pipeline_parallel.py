@@ -9,7 +9,7 @@ the last the other, their gradients summed.
 import pytest
 import torch
 
-from helpers import QUICK, logged, resolved_spec, step_losses, train_in_workers
+from helpers import QUICK, logged, resolved_spec, run_cli, step_losses, train_in_workers
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 
@@ -165,3 +165,18 @@ def test_stages_are_balanced_by_the_parameters_they_hold():
     assert largest(balanced) < 0.91 * largest(stage_bounds(32, 4))  # 2.05B against 2.27B parameters
     tiny = meta_model(composed([]).model)
     assert balanced_bounds(tiny, 2) == stage_bounds(4, 2) and balanced_bounds(tiny, 4) == stage_bounds(4, 4)
+
+
+@pytest.mark.distributed
+def test_a_pipeline_of_split_stages_prints_no_library_warning(tmp_path):
+    """pp 2 x tp 2 from the command line: a stage passes on a copy of its local part of the hidden states, not a
+    view of it, on which FSDP warns that its backward hooks would not hold."""
+    result = run_cli(*QUICK, "strategy=fsdp", "strategy.pp_size=2", "strategy.tp_size=2", "hardware.nproc_per_node=4",
+                     "train.grad_accum_steps=2", "data.seq_len=64", "train.max_steps=2", "train.eval_every=0",
+                     "train.save_model=false", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "done: train loss" in output
+    for noise in ("Warning", "Traceback"):
+        assert noise not in output, noise
+

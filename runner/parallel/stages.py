@@ -109,8 +109,8 @@ class TrainingStage(nn.Module):
             hidden = inputs
         hidden = run_layers(self.config, list(self.model.layers.values()), self.model.rotary_emb, hidden,
                             None if self.packed else attention_mask, position_ids)
-        if not self.last:  # (copies: FSDP's backward hooks cannot sit on views of the inputs)
-            hidden = hidden.to_local() if self.tp_mesh is not None else hidden
+        if not self.last:  # (copies: FSDP's backward hooks cannot sit on views, such as the inputs or a local part)
+            hidden = hidden.to_local().clone() if self.tp_mesh is not None else hidden
             return hidden, labels.clone(), position_ids.clone(), attention_mask.clone()
         return torch.stack([self.loss(self.lm_head, self.model.norm(hidden), labels)])
 
