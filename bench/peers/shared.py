@@ -82,6 +82,8 @@ def runner_rows(text_files: str, seq_len: int, seed: int, global_batch: int, ste
 def instruction_rows(files: str, seq_len: int, seed: int, global_batch: int, steps: int) -> list[tuple]:
     """The runner's instruction rows of its first `steps` steps (one example per row, truncated to seq_len, not
     packed), in its global-batch order, unpadded: (input_ids, labels) tensors of each row's own length."""
+    import torch
+
     from runner.config.data import DataConfig, DataFormat
 
     _, batches, _ = _runner_global_batches(
@@ -89,7 +91,8 @@ def instruction_rows(files: str, seq_len: int, seed: int, global_batch: int, ste
     rows = []
     for _ in range(steps):
         batch = next(batches)
-        for ids, mask, labels in zip(batch.inputs["input_ids"], batch.inputs["attention_mask"], batch.labels):
+        masks = batch.inputs.get("attention_mask", torch.ones_like(batch.inputs["input_ids"]))  # none: unpadded
+        for ids, mask, labels in zip(batch.inputs["input_ids"], masks, batch.labels):
             length = int(mask.sum())  # right-padded
             rows.append((ids[:length].clone(), labels[:length].clone()))
     return rows

@@ -18,7 +18,9 @@ Batch = dict[str, "torch.Tensor"]  # the model's inputs and the labels
 
 @dataclass
 class MicroBatch:
-    inputs: Batch  # the forward's: input_ids, with attention_mask (padded rows) or position_ids (packed rows)
+    # The forward's: input_ids, with attention_mask (where a row is padded: none when every row has the batch's
+    # length, as transformers would read an all-ones mask back to the host) or position_ids (packed rows).
+    inputs: Batch
     labels: torch.Tensor
     tokens: int  # its tokens, padding aside
     label_tokens: int  # its predicted labels: every label but each row's (and packed segment's) first, not IGNORE
@@ -28,7 +30,9 @@ class MicroBatch:
     labels_shifted: bool = False
 
     def to(self, device: torch.device) -> MicroBatch:
-        return replace(self, inputs={k: v.to(device) for k, v in self.inputs.items()}, labels=self.labels.to(device))
+        """On the device; from pinned memory (collate's, on CUDA) the copies overlap the host's work."""
+        return replace(self, inputs={k: v.to(device, non_blocking=True) for k, v in self.inputs.items()},
+                       labels=self.labels.to(device, non_blocking=True))
 
 
 def shifted(labels: torch.Tensor) -> torch.Tensor:
@@ -50,24 +54,33 @@ class GlobalBatch:
     stream_position: Optional[dict[str, int]] = None
 
 
-def collate(rows: dict[str, list], pad_token_id: int) -> MicroBatch:
+def collate(rows: dict[str, list], pad_token_id: int, pin: bool = False) -> MicroBatch:
     """Right-pads a batch to its longest row; padding carries the label IGNORE. Padded rows mask it out with an
-    attention mask; packed rows make it a segment of its own, so that no real token attends to it."""
+    attention mask (none where no row is padded); packed rows make it a segment of its own, so that no real token
+    attends to it. Built with numpy, in pinned memory when `pin` (CUDA: MicroBatch.to copies it without waiting)."""
+    import numpy as np
     import torch
 
-    length = max(len(ids) for ids in rows["input_ids"])
+    lengths = np.array([len(ids) for ids in rows["input_ids"]])
+    length = int(lengths.max())
 
-    def padded(seqs: list[list[int]], value: int) -> torch.Tensor:
-        return torch.tensor([seq + [value] * (length - len(seq)) for seq in seqs])
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).pin_memory() if pin else torch.from_numpy(array)
 
-    inputs = {"input_ids": padded(rows["input_ids"], pad_token_id)}
+    def matrix(seqs: list, tail: Any) -> torch.Tensor:  # each row's sequence, then tail(its padding's length)
+        out = np.empty((len(seqs), length), dtype=np.int64)
+        for row, seq in zip(out, seqs):
+            row[:len(seq)] = seq
+            row[len(seq):] = tail(length - len(seq))
+        return tensor(out)
+
+    inputs = {"input_ids": matrix(rows["input_ids"], lambda _: pad_token_id)}
     if "position_ids" in rows:
-        inputs["position_ids"] = torch.tensor([positions + list(range(length - len(positions)))
-                                               for positions in rows["position_ids"]])
-    else:
-        inputs["attention_mask"] = padded([[1] * len(ids) for ids in rows["input_ids"]], 0)
-    return MicroBatch(inputs, padded(rows["labels"], IGNORE), sum(rows["tokens"]), sum(rows["label_tokens"]),
-                      rows.get("store_row"))
+        inputs["position_ids"] = matrix(rows["position_ids"], np.arange)
+    elif (lengths < length).any():
+        inputs["attention_mask"] = tensor((np.arange(length) < lengths[:, None]).astype(np.int64))
+    return MicroBatch(inputs, matrix(rows["labels"], lambda _: IGNORE), sum(rows["tokens"]),
+                      sum(rows["label_tokens"]), rows.get("store_row"))
 
 
 def train_batches(
@@ -80,6 +93,7 @@ def train_batches(
     seed: int,
     pad_token_id: int,
     start_step: int = 0,
+    pin: bool = False,
 ) -> Iterator[GlobalBatch]:
     """For each optimizer step after start_step, this rank's micro batches.
 
@@ -99,7 +113,7 @@ def train_batches(
             everyone = order[start : start + global_batch]
             mine = order[start + dp_rank * per_rank : start + (dp_rank + 1) * per_rank]
             yield GlobalBatch(
-                [collate(rows.batch(mine[i : i + micro_batch_size]), pad_token_id)
+                [collate(rows.batch(mine[i : i + micro_batch_size]), pad_token_id, pin)
                  for i in range(0, per_rank, micro_batch_size)],
                 tokens=int(rows.tokens[everyone].sum()), label_tokens=int(rows.label_tokens[everyone].sum()),
             )
@@ -114,6 +128,7 @@ def streamed_batches(
     pad_token_id: int,
     position: Optional[dict[str, Any]] = None,
     counted: bool = True,
+    pin: bool = False,
 ) -> Iterator[GlobalBatch]:
     """For each optimizer step, this rank's micro batches from its own stream, from a checkpoint's `position` on.
     The data-parallel ranks' rows differ, so the global batch's counts are summed across them, in one collective per
@@ -127,14 +142,15 @@ def streamed_batches(
         tokens, label_tokens = all_ranks_sums([sum(row["tokens"] for row in mine),
                                                sum(row["label_tokens"] for row in mine)], counted)
         yield GlobalBatch(
-            [collate(columns(mine[i:i + micro_batch_size]), pad_token_id)
+            [collate(columns(mine[i:i + micro_batch_size]), pad_token_id, pin)
              for i in range(0, len(mine), micro_batch_size)],
             tokens=int(tokens), label_tokens=int(label_tokens), stream_position=taken[-1][1].as_dict(),
         )
 
 
 def eval_batches(
-    rows: RowSet, *, micro_batch_size: int, max_batches: int, dp_rank: int, dp_size: int, pad_token_id: int
+    rows: RowSet, *, micro_batch_size: int, max_batches: int, dp_rank: int, dp_size: int, pad_token_id: int,
+    pin: bool = False,
 ) -> Iterator[MicroBatch]:
     """This rank's share of the first max_batches x micro_batch_size eval rows, in batches of micro_batch_size.
 
@@ -145,4 +161,4 @@ def eval_batches(
     share = count // dp_size
     first = dp_rank * share
     for start in range(first, first + share, micro_batch_size):
-        yield collate(rows.batch(range(start, min(start + micro_batch_size, first + share))), pad_token_id)
+        yield collate(rows.batch(range(start, min(start + micro_batch_size, first + share))), pad_token_id, pin)

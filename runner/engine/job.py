@@ -14,6 +14,7 @@ from runner.config.scheduler import build_scheduler
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import RunIdentity, Tracker, build_trackers
 from runner.data import batches
+from runner.data.prefetch import ahead
 from runner.data.splits import token_splits
 from runner.data.stream import StreamedRows, check_stream
 from runner.distributed import Ranks
@@ -137,6 +138,8 @@ def prepare_job(
     loaded: Optional[LoadedData] = None,
 ) -> PreparedJob:
     """`loaded`: what load_data returned for this spec in this process, when it has been called already."""
+    import torch
+
     device = device_of(spec, ranks)
     tokenizer, train_set, eval_set = loaded or load_data(spec)
     placed = place(spec, ranks, device, tokenizer)
@@ -144,6 +147,8 @@ def prepare_job(
     # the same rows.
     dp_rank, dp_size, train = placed.dims.dp_rank(ranks.rank), placed.dims.dp_size, spec.train
     pad = tokenizer.pad_token_id
+    # On CUDA, batches are built in pinned memory: their copies to the device need not wait.
+    pin = device.type == "cuda" and torch.cuda.is_available()
     if spec.data.streaming:
         stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
         # Each rank evaluates its share of the eval rows from its own held-out documents.
@@ -152,13 +157,16 @@ def prepare_job(
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
             return batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
                                             grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
-                                            position=position, counted=placed.dims.counted(ranks.rank))
+                                            position=position, counted=placed.dims.counted(ranks.rank), pin=pin)
         eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
     else:
+        # The next global batch is built on a thread while the step runs. (Not a streamed one: its counts are summed
+        # across the ranks in a collective, which only the main thread may call.)
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
-            return batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
-                                         grad_accum_steps=train.grad_accum_steps, dp_rank=dp_rank, dp_size=dp_size,
-                                         seed=spec.seed, pad_token_id=pad, start_step=start_step)
+            return ahead(batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
+                                               grad_accum_steps=train.grad_accum_steps, dp_rank=dp_rank,
+                                               dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
+                                               start_step=start_step, pin=pin))
         eval_rank, eval_size, eval_sequences = dp_rank, dp_size, len(eval_set)
     job = PreparedJob(
         spec=spec,
@@ -173,7 +181,7 @@ def prepare_job(
         train_batches=train_batches,
         eval_batches=lambda: batches.eval_batches(
             eval_set, micro_batch_size=train.micro_batch_size, max_batches=train.eval_batches,
-            dp_rank=eval_rank, dp_size=eval_size, pad_token_id=pad,
+            dp_rank=eval_rank, dp_size=eval_size, pad_token_id=pad, pin=pin,
         ),
         autocast=placed.autocast,
         trackers=[],

@@ -139,7 +139,8 @@ class Pipeline:
             attention_mask = torch.ones_like(input_ids)
         else:
             position_ids = torch.arange(self.length, device=labels.device).expand(rows, self.length)
-            attention_mask = F.pad(inputs["attention_mask"], (0, extra), value=0)
+            mask = inputs.get("attention_mask")  # none where no row is padded
+            attention_mask = F.pad(torch.ones_like(inputs["input_ids"]) if mask is None else mask, (0, extra), value=0)
         tensors = (input_ids, labels, position_ids.contiguous(), attention_mask)
         if rows < self.rows:  # an eval batch's last: filled with copies of its first row, without labels
             fill = self.rows - rows
