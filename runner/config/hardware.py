@@ -18,6 +18,14 @@ class Accelerator(str, Enum):
     cuda = "cuda"
 
 
+class StartMethod(str, Enum):
+    """How `run` starts a node's worker processes: `auto` spawns them on CUDA GPUs and forks them elsewhere."""
+
+    auto = "auto"
+    fork = "fork"
+    spawn = "spawn"
+
+
 @dataclass
 class HardwareConfig:
     accelerator: Accelerator = Accelerator.auto
@@ -29,6 +37,9 @@ class HardwareConfig:
     rdzv_endpoint: Optional[str] = None
     # How long a node (a task, in a cluster job) waits there for the others before it gives up.
     rdzv_timeout_s: int = 900
+    # How the workers start: forked from `run`, which has imported torch and the runner (on CPUs, a worker trains
+    # within a second), or spawned, each a new interpreter (what CUDA needs); auto: spawn on CUDA, fork elsewhere.
+    start_method: StartMethod = StartMethod.auto
     device_name: Optional[str] = None
     device_memory_gib: Optional[float] = None
     host_memory_gib: Optional[float] = None
@@ -111,6 +122,9 @@ def on_this_machine(declared: HardwareConfig) -> HardwareConfig:
         require(machine.nproc_per_node <= cuda_device_count(),
                 f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
                 f"{cuda_device_count()} this machine has")
+        require(machine.start_method is not StartMethod.fork,
+                "hardware.start_method=fork on CUDA GPUs: a forked worker cannot use the CUDA driver that `run` has "
+                "initialised; use hardware.start_method=spawn (or auto)")
     return machine
 
 

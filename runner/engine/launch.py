@@ -73,12 +73,14 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     )
     clear_stale_build_locks()
     log = logging.getLogger("runner")
+    # A spawned worker imports torch and the runner anew before it trains: seconds, which the line accounts for.
+    spawned = " (spawned: each imports the libraries anew)" if config.start_method == "spawn" else ""
     if hardware.nnodes == 1:
-        log.info("starting %d worker processes on this node", hardware.nproc_per_node)
+        log.info("starting %d worker processes on this node%s", hardware.nproc_per_node, spawned)
     else:
         log.info("node %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's %d nodes at the rendezvous "
-                 "%s, then starting %d worker processes on this node", hardware.node_rank, hardware.nnodes,
-                 hardware.rdzv_timeout_s, hardware.nnodes, endpoint, hardware.nproc_per_node)
+                 "%s, then starting %d worker processes on this node%s", hardware.node_rank, hardware.nnodes,
+                 hardware.rdzv_timeout_s, hardware.nnodes, endpoint, hardware.nproc_per_node, spawned)
     # The launcher's own loggers would print each failure's traceback ahead of the report below.
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -102,9 +104,12 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
 
 
 def start_method(hardware: HardwareConfig) -> str:
-    """How the workers start. On CPUs, forked from this process, which has imported torch, transformers and the
-    runner while it checked the spec: a worker trains within a second instead of importing them anew. On GPUs,
-    spawned: a forked process cannot use the CUDA driver that its parent's libraries initialised."""
+    """How the workers start: hardware.start_method, or by default (auto) as the accelerator needs. On CPUs, forked
+    from this process, which has imported torch, transformers and the runner while it checked the spec: a worker
+    trains within a second instead of importing them anew. On GPUs, spawned: a forked process cannot use the CUDA
+    driver that its parent's libraries initialised. `spawn` on the CPU starts the workers as on GPUs."""
+    if hardware.start_method.value != "auto":
+        return hardware.start_method.value
     return "spawn" if hardware.accelerator.value == "cuda" else "fork"
 
 
