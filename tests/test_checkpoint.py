@@ -15,6 +15,7 @@ import pytest
 
 from helpers import (QUICK, hold_at_step, kill_at_step, logged, resolved_spec, run_cli, run_dirs, run_in_workers,
                      start_cli, uninterrupted_losses, wait_until)
+from runner.engine.checkpoint import complete_checkpoints
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import NonFiniteLoss
@@ -72,8 +73,11 @@ def test_resume_that_names_nothing_resumable_is_one_line(tmp_path):
     assert result.stderr.strip() == "run: error: resume=auto found no run with a complete checkpoint under outputs/"
 
 
-def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
-    job = prepare_job(resolved_spec(ARGS), tmp_path)
+@pytest.mark.parametrize("log_every", [1, 4])
+def test_non_finite_loss_stops_the_run_naming_the_step(log_every, tmp_path):
+    """Logging every 4th step, the losses of steps 5 and 6 stay on the device until step 6's checkpoint reads them:
+    the run stops there, before writing it."""
+    job = prepare_job(resolved_spec([*ARGS, f"train.log_every={log_every}"]), tmp_path)
     forwards = []
 
     def poison_from_step_5(module, args, output):
@@ -85,6 +89,7 @@ def test_non_finite_loss_stops_the_run_naming_the_step(tmp_path):
     job.model.register_forward_hook(poison_from_step_5)
     with pytest.raises(NonFiniteLoss, match=r"the loss is nan at step 5; the last good checkpoint is .*step_00000003"):
         train(job)
+    assert [path.name for path in complete_checkpoints(tmp_path)] == ["step_00000003"]
 
 
 def _fsdp_checkpoint_files(ranks, spec, run_dir):

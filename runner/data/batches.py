@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from runner.data.rows import IGNORE, RowSet, columns
-from runner.distributed import all_ranks_sums
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +51,9 @@ class GlobalBatch:
     label_tokens: int
     # A streamed rank's position after this batch (runner/data/stream.py), which its checkpoint keeps.
     stream_position: Optional[dict[str, int]] = None
+    # Whether `tokens` and `label_tokens` are this rank's alone (a streamed rank's, whose rows the others' do not
+    # tell), for the step to sum across the ranks on the device (runner/engine/step.py).
+    rank_counts: bool = False
 
 
 def collate(rows: dict[str, list], pad_token_id: int, pin: bool = False) -> MicroBatch:
@@ -127,24 +129,21 @@ def streamed_batches(
     grad_accum_steps: int,
     pad_token_id: int,
     position: Optional[dict[str, Any]] = None,
-    counted: bool = True,
     pin: bool = False,
 ) -> Iterator[GlobalBatch]:
     """For each optimizer step, this rank's micro batches from its own stream, from a checkpoint's `position` on.
-    The data-parallel ranks' rows differ, so the global batch's counts are summed across them, in one collective per
-    step (`counted`: whether this rank's count in the sum, or its tensor-parallel group's first rank's)."""
+    The data-parallel ranks' rows differ: the batch carries this rank's counts, which the step sums across them."""
     from runner.data.stream import position_of
 
     rows = stream.rows(position_of(position))
     while True:
         taken = [next(rows) for _ in range(micro_batch_size * grad_accum_steps)]
         mine = [row for row, _ in taken]
-        tokens, label_tokens = all_ranks_sums([sum(row["tokens"] for row in mine),
-                                               sum(row["label_tokens"] for row in mine)], counted)
         yield GlobalBatch(
             [collate(columns(mine[i:i + micro_batch_size]), pad_token_id, pin)
              for i in range(0, len(mine), micro_batch_size)],
-            tokens=int(tokens), label_tokens=int(label_tokens), stream_position=taken[-1][1].as_dict(),
+            tokens=sum(row["tokens"] for row in mine), label_tokens=sum(row["label_tokens"] for row in mine),
+            stream_position=taken[-1][1].as_dict(), rank_counts=True,
         )
 
 

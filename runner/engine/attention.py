@@ -9,6 +9,11 @@ instead, with no mask to build.
 
 Split sequences (context parallelism, Ulysses): the split's own attention (runner/parallel/sequence.py), with no
 mask: a slice's positions are one sequence's, and the attention is causal over the whole row.
+
+Other rows of a causal model's training and evaluation: its own kernel (sdpa, flash attention), causal, with no
+mask built. Rows are padded on the right, and causal attention lets no real token see the padding, whose targets
+are IGNORE: the mask would change no loss. Building it makes the host wait for the device at every forward
+(transformers checks on the host whether a mask or the positions hold padding or packed examples).
 """
 
 from __future__ import annotations
@@ -31,18 +36,29 @@ def attend_within_examples(model: nn.Module) -> None:
     attend_with(model, NAME, torch.compiler.disable(per_example_attention))
 
 
-def attend_with(model: nn.Module, name: str, attention: Callable) -> None:
-    """Makes `attention` the model's, registered under `name`, with no mask."""
+# The kernels that are causal by themselves when they are given no mask.
+CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
+
+def attend_causally_unmasked(model: nn.Module) -> None:
+    """Makes a causal model's attention its own kernel under another name, for which transformers builds no mask;
+    other models' attention stays as it is."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+
+    kernel = model.config._attn_implementation
+    causal = model.can_generate() and not model.config.is_encoder_decoder
+    if causal and kernel in CAUSAL_WITHOUT_MASK:
+        attend_with(model, f"runner_unmasked_{kernel}", AttentionInterface._global_mapping[kernel])
+
+
+def attend_with(model: nn.Module, name: str, attention: Callable) -> None:
+    """Makes `attention` the model's, registered under `name`. transformers builds no mask for a name it has no mask
+    function for, nor checks the positions for packed examples on the host: packed rows take the examples' bounds
+    from their positions, split sequences are causal over the whole row."""
+    from transformers import AttentionInterface
 
     AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, no_mask)
     model.set_attn_implementation(name)
-
-
-def no_mask(*args, **kwargs) -> None:
-    return None  # packed rows: the examples' bounds come from the position ids; split sequences: causal over the row
 
 
 def per_example_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -149,19 +149,18 @@ def prepare_job(
     pad = tokenizer.pad_token_id
     # On CUDA, batches are built in pinned memory: their copies to the device need not wait.
     pin = device.type == "cuda" and torch.cuda.is_available()
+    # The next global batch is built on a thread while the step runs.
     if spec.data.streaming:
         stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
         # Each rank evaluates its share of the eval rows from its own held-out documents.
         eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
 
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
-            return batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
-                                            grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
-                                            position=position, counted=placed.dims.counted(ranks.rank), pin=pin)
+            return ahead(batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
+                                                  grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
+                                                  position=position, pin=pin))
         eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
     else:
-        # The next global batch is built on a thread while the step runs. (Not a streamed one: its counts are summed
-        # across the ranks in a collective, which only the main thread may call.)
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
             return ahead(batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
                                                grad_accum_steps=train.grad_accum_steps, dp_rank=dp_rank,

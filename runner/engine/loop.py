@@ -1,4 +1,5 @@
-"""The training loop, top to bottom: a step, its loss summed across ranks, log, evaluate, checkpoint, and at the
+"""The training loop, top to bottom: a step, its results tallied on the device, and at the steps that log, evaluate
+or checkpoint, the tally read and summed across ranks, then the log line, the evaluation and the checkpoint; at the
 end the model and the summary."""
 
 from __future__ import annotations
@@ -10,23 +11,24 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from runner.config import adapter
-from runner.distributed import all_ranks_sums
 from runner.engine import checkpoint
 from runner.engine.metrics import (
     MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib, training_flops_per_token)
 from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
-from runner.engine.signals import GracefulStop
+from runner.engine.signals import GracefulStop, StopVote
 from runner.engine.stall_watch import StallWatch, process_watch
 from runner.engine.step import SHOWN_METRICS, evaluate, train_step
+from runner.engine.tally import DeviceTally
 from runner.errors import NonFiniteLoss, Stopped
 from runner.files import move_into_place, write_json_atomically
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
+    from runner.data.batches import GlobalBatch
     from runner.engine.job import PreparedJob
 
 log = logging.getLogger("runner")
@@ -46,14 +48,17 @@ def train(job: PreparedJob) -> dict[str, Any]:
     stop = GracefulStop()
     rank = job.ranks.rank
     watch = process_watch(rank, job.spec.train.stall_report_s, job.run_dir / f"stalls_rank{rank}.txt")
+    batches = job.train_batches(job.start_step, job.stream_position)  # built ahead on a thread, from the first step
     try:
-        return _train(job, stop, watch)
+        return _train(job, batches, stop, watch)
     finally:
+        batches.close()  # ends that thread
         watch.close()
         stop.restore()
 
 
-def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str, Any]:
+def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop, watch: StallWatch
+           ) -> dict[str, Any]:
     cfg = job.spec.train
     window = _start(job)
     if job.start_step:
@@ -72,12 +77,14 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
     job.model.train()  # from_pretrained leaves a model in eval mode
     evaluated, train_loss = {"eval_loss": progress.first_eval_loss}, math.nan
     started = time.perf_counter()
-    batches = job.train_batches(job.start_step, job.stream_position)
     bar = ProgressBar(job.ranks.rank == 0 and sys.stdout.isatty(), job.start_step, cfg.max_steps)
+    # The steps' results stay on the device until a step that logs, evaluates or checkpoints reads them: no other
+    # step waits for the device, which runs behind the host by a step or more.
+    tally, vote, shown = DeviceTally(job.device, job.counted), StopVote(stop), {}
+    read_at, compiled_before = time.perf_counter(), compile_seconds() if cfg.compile else 0.0
 
     for step in range(job.start_step + 1, cfg.max_steps + 1):
         watch.entering(f"in step {step}")
-        tic, compiled_before = time.perf_counter(), compile_seconds() if cfg.compile else 0.0
         batch = next(batches)
         result = train_step(job, batch)
         if result.outcome.applied:
@@ -86,39 +93,48 @@ def _train(job: PreparedJob, stop: GracefulStop, watch: StallWatch) -> dict[str,
             progress.skipped_steps += 1
             log.warning("step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
                         step, cfg.max_steps, result.outcome.loss_scale)
-        # The loss's .item() also waits for the device, so the timing is the step's own. Every rank stops after
-        # the same step: every rank's stop vote counts, in the same collective as the shares.
-        shares = [result.loss.item(), *result.metrics.values()]
-        step_loss, *metric_sums, stop_votes = all_ranks_sums(
-            [*(share * job.counted for share in shares), stop.requested is not None])
-        if not math.isfinite(step_loss):
-            last_good = checkpoint.complete_checkpoints(job.run_dir)
-            raise NonFiniteLoss(f"the loss is {step_loss} at step {step}; the last good checkpoint is "
-                                f"{last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
-        compiling = compile_seconds() - compiled_before if cfg.compile else 0.0
-        if compiling:
-            log.info("step %d/%d | torch.compile: %.1f s, left out of the step times", step, cfg.max_steps, compiling)
-        elapsed = time.perf_counter() - tic - compiling
-        progress.train_time, progress.tokens_seen = progress.train_time + elapsed, progress.tokens_seen + result.tokens
-        window.add(step_loss, result.tokens, elapsed, dict(zip(result.metrics, metric_sums)))
-        # The mean tokens/s of the training steps so far, as the done line gives it.
-        bar.advance(loss=f"{step_loss:.4f}", tokens_per_s=f"{progress.tokens_seen / progress.train_time:,.0f}")
+        tally.add(step, result.loss, result.metrics, result.outcome.grad_norm, result.tokens)
+        stopping = vote.after_step()
+        logging_step = step % cfg.log_every == 0 or step == cfg.max_steps
+        evaluating = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
+        checkpointing = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps
+        bar.advance(**shown)
+        if not (logging_step or evaluating or checkpointing or stopping):
+            continue
 
-        if step % cfg.log_every == 0 or step == cfg.max_steps:
-            train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], result.outcome,
-                                                      progress.tokens_seen, job.device))
-        if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+        reading = tally.read()  # waits for the device: the steps since the last reading are done
+        if reading.first_non_finite is not None:
+            last_good = checkpoint.complete_checkpoints(job.run_dir)
+            raise NonFiniteLoss(f"the loss is {reading.loss} at step {reading.first_non_finite}; the last good "
+                                f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
+        compiled = compile_seconds() if cfg.compile else 0.0
+        if compiled > compiled_before:
+            log.info("step %d/%d | torch.compile: %.1f s, left out of the step times", step, cfg.max_steps,
+                     compiled - compiled_before)
+        seconds = time.perf_counter() - read_at - (compiled - compiled_before)
+        progress.train_time, progress.tokens_seen = progress.train_time + seconds, progress.tokens_seen + reading.tokens
+        window.add(reading, seconds)
+        # The mean tokens/s of the training steps so far, as the done line gives it.
+        shown = {"loss": f"{reading.loss / reading.steps:.4f}",
+                 "tokens_per_s": f"{progress.tokens_seen / progress.train_time:,.0f}"}
+
+        if logging_step:
+            train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], reading.grad_norm,
+                                                      result.outcome.loss_scale, progress.tokens_seen, job.device))
+        if evaluating:
             watch.entering(f"evaluating after step {step}")
             evaluated = evaluate(job, step)
-        stopping = stop_votes > 0
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
+        if checkpointing or stopping:
             watch.entering(f"saving the checkpoint of step {step}")
             saved = checkpoint.save(job, step, asdict(progress), batch.stream_position)
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
+            vote.close()
             raise Stopped(f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "
                           f"continue with: run resume={job.run_dir}", signal=stop.requested)
+        read_at, compiled_before = time.perf_counter(), compiled
 
+    vote.close()
     bar.close()
     watch.entering("saving the model")
     return _finish(job, progress, train_loss, evaluated, started)

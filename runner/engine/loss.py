@@ -11,7 +11,7 @@ model's own forward and its logits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runner.data.batches import shifted
 from runner.data.rows import IGNORE
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from runner.config.train import TrainConfig
+    from runner.data.batches import MicroBatch
 
 
 def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -> LossKind:
@@ -32,7 +33,7 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
     own_forward = model.forward
 
     def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, labels_shifted: bool = False,
-                **kwargs):
+                label_count: int | None = None, **kwargs):
         if loss_labels is None:
             return own_forward(*args, **kwargs)
         if kind is LossKind.full:
@@ -40,10 +41,18 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
             return summed_cross_entropy(logits, loss_labels, per_row, labels_shifted)
         hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
         return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, per_row,
-                                            labels_shifted)
+                                            labels_shifted, label_count)
 
     model.forward = forward
     return kind
+
+
+def loss_arguments(micro_batch: MicroBatch) -> dict[str, Any]:
+    """What the forward takes to return a micro batch's summed loss: its labels and, where the host knows it (whole
+    rows, not a split's slices), how many of them are predicted, so that the chunked loss picks them out without
+    waiting for the device."""
+    return {"loss_labels": micro_batch.labels, "labels_shifted": micro_batch.labels_shifted,
+            "label_count": None if micro_batch.labels_shifted else micro_batch.label_tokens}
 
 
 def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, hidden: torch.Tensor,
@@ -69,17 +78,23 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_row: bo
 
 
 def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                                 chunk_tokens: int, per_row: bool = False, labels_shifted: bool = False
-                                 ) -> torch.Tensor:
-    """The same sum from the last hidden states: the head runs on the positions that predict a label, chunk by
-    chunk; under autograd each chunk keeps only its input, and backward recomputes its logits one chunk at a time."""
+                                 chunk_tokens: int, per_row: bool = False, labels_shifted: bool = False,
+                                 label_count: int | None = None) -> torch.Tensor:
+    """The same sum from the last hidden states: the head runs chunk by chunk on the `label_count` positions that
+    predict a label (where the count is not given, on every position, the others' targets IGNORE); under autograd
+    each chunk keeps only its input, and backward recomputes its logits one chunk at a time. The count comes from
+    the host: selecting by a mask of the targets would make the host wait for the device to learn its size."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    targets = (labels if labels_shifted else shifted(labels)).to(hidden.device)
-    predicting = targets.flatten() != IGNORE
-    rows = torch.arange(targets.shape[0], device=hidden.device).repeat_interleave(targets.shape[1])[predicting]
-    hidden, targets = hidden.flatten(0, 1)[predicting], targets.flatten()[predicting]
+    targets = (labels if labels_shifted else shifted(labels)).to(hidden.device).flatten()
+    hidden = hidden.flatten(0, 1)
+    if label_count is None:
+        positions = torch.arange(len(targets), device=hidden.device)
+    else:
+        positions = torch.nonzero_static(targets != IGNORE, size=label_count).flatten()
+        hidden, targets = hidden[positions], targets[positions]
+    rows = positions // labels.shape[1]
     total = torch.zeros(labels.shape[0] if per_row else (), device=hidden.device)
     for hidden_chunk, target_chunk, row_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens),
                                                     rows.split(chunk_tokens)):
@@ -94,7 +109,8 @@ def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
     import torch.nn.functional as F
 
-    return F.cross_entropy(head(hidden).float(), targets, reduction="none" if per_token else "sum")
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE,
+                           reduction="none" if per_token else "sum")
 
 
 def loss_line(train: TrainConfig, model_type: str) -> str:

@@ -7,17 +7,18 @@ import resource
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
 
-    from runner.strategies.protocol import StepOutcome
+    from runner.engine.tally import Reading
 
 
 @dataclass
 class MetricsWindow:
-    """The steps since the last logged one: their mean loss and their tokens/s."""
+    """The steps since the last logged one, as the loop read them from the device: their mean loss and their
+    tokens/s."""
 
     flops_per_token: float
     peak_flops: float  # of all devices together; 0 where unknown (no MFU)
@@ -27,24 +28,25 @@ class MetricsWindow:
     steps: int = 0
     metrics: dict[str, float] = field(default_factory=dict)  # the objective's own (task=dpo's rewards), summed
 
-    def add(self, loss: float, tokens: int, seconds: float, metrics: dict[str, float]) -> None:
-        self.loss, self.tokens = self.loss + loss, self.tokens + tokens
-        self.seconds, self.steps = self.seconds + seconds, self.steps + 1
-        for name, value in metrics.items():
+    def add(self, reading: Reading, seconds: float) -> None:
+        self.loss, self.tokens = self.loss + reading.loss, self.tokens + reading.tokens
+        self.seconds, self.steps = self.seconds + seconds, self.steps + reading.steps
+        for name, value in reading.metrics.items():
             self.metrics[name] = self.metrics.get(name, 0.0) + value
 
-    def close(self, lr: float, outcome: StepOutcome, tokens_seen: int, device: torch.device) -> dict[str, Any]:
+    def close(self, lr: float, grad_norm: float, loss_scale: Optional[float], tokens_seen: int,
+              device: torch.device) -> dict[str, Any]:
         """The window's record, as metrics.jsonl and the trackers log it; the next window starts empty."""
         record = {
             "loss": self.loss / self.steps,
             "lr": lr,
-            "grad_norm": outcome.grad_norm,
+            "grad_norm": grad_norm,
             "tokens_per_s": self.tokens / self.seconds,
             "tokens_seen": tokens_seen,
             "peak_memory_gib": peak_memory_gib(device),
         }
-        if outcome.loss_scale is not None:
-            record["loss_scale"] = outcome.loss_scale
+        if loss_scale is not None:
+            record["loss_scale"] = loss_scale
         if self.peak_flops:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak_flops
         record.update({name: value / self.steps for name, value in self.metrics.items()})

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from runner.data.batches import shifted
 from runner.data.rows import IGNORE
 from runner.distributed import all_ranks_sums
-from runner.engine.loss import loss_line
+from runner.engine.loss import loss_arguments, loss_line
 from runner.parallel.sequence import split_sequences
 from runner.strategies.protocol import unwrapped
 
@@ -199,8 +199,7 @@ class PreferenceLoss:
 
 def row_logps(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
     """Each row's summed log-probability of its labels (of its slice's, under a sequence split)."""
-    return -model(**micro_batch.inputs, loss_labels=micro_batch.labels, labels_shifted=micro_batch.labels_shifted,
-                  per_row=True)
+    return -model(**micro_batch.inputs, **loss_arguments(micro_batch), per_row=True)
 
 
 def preference_losses(logps: torch.Tensor, reference: Optional[torch.Tensor], tokens: torch.Tensor, kind: str,

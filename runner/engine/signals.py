@@ -38,6 +38,43 @@ class GracefulStop:
             signal.signal(sig, handler)
 
 
+class StopVote:
+    """Every rank stops after the same step. Each step, every rank's vote (whether it was asked to stop) is summed
+    across the ranks without waiting for it: an asynchronous collective of a host tensor (gloo's, beside NCCL on
+    GPUs), read at the next step, when it has long arrived. The run then stops after that next step. A single
+    process takes its own request at once."""
+
+    def __init__(self, stop: GracefulStop):
+        self._stop = stop
+        self._pending: Optional[tuple[Any, Any]] = None
+
+    def after_step(self) -> bool:
+        """Whether the run stops after this step."""
+        from runner.distributed import process_group_up
+
+        if not process_group_up():
+            return self._stop.requested is not None
+        import torch
+        import torch.distributed as dist
+
+        decided = self._result()
+        votes = torch.tensor([float(self._stop.requested is not None)])
+        self._pending = (dist.all_reduce(votes, async_op=True), votes)
+        return decided
+
+    def close(self) -> None:
+        """Waits for the last vote (every rank cast as many), so that no collective is left behind."""
+        self._result()
+
+    def _result(self) -> bool:
+        if self._pending is None:
+            return False
+        work, votes = self._pending
+        self._pending = None
+        work.wait()
+        return votes.item() > 0
+
+
 class SweepStop:
     """A sweep stops as a whole. While a job trains, its loop takes the signals (GracefulStop) and the job ends
     Stopped; between jobs, or while one loads its data, the first SIGINT or SIGTERM is noted here, and the job

@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, Protocol
 
-from runner.distributed import all_ranks_sums
-from runner.engine.loss import loss_line
+from runner.distributed import all_ranks_sums, summed_on_device
+from runner.engine.loss import loss_arguments, loss_line
 from runner.engine.metrics import MeanLoss
 from runner.parallel.sequence import split_sequences
 from runner.strategies.protocol import unwrapped
@@ -53,8 +53,7 @@ class NextTokenLoss:
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return whole(job.model(**micro_batch.inputs, loss_labels=micro_batch.labels,
-                               labels_shifted=micro_batch.labels_shifted) / batch.label_tokens), {}
+        return whole(job.model(**micro_batch.inputs, **loss_arguments(micro_batch)) / batch.label_tokens), {}
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
         if job.pipeline:
@@ -74,18 +73,21 @@ def objective_of(job: PreparedJob) -> Objective:
 @dataclass
 class StepResult:
     loss: torch.Tensor  # this rank's share of the global batch's mean loss, on the device
-    tokens: int  # the global batch's tokens, padding aside, on all ranks together
+    tokens: int | torch.Tensor  # the global batch's tokens, padding aside, all ranks' (streamed: on the device)
     outcome: StepOutcome
-    metrics: dict[str, float]  # this rank's shares of the objective's metrics
+    metrics: dict[str, torch.Tensor]  # this rank's shares of the objective's metrics, on the device
 
 
 def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
     import torch
 
+    if batch.rank_counts:  # a streamed rank's: the global batch's are every rank's summed
+        tokens, label_tokens = summed_on_device([batch.tokens, batch.label_tokens], job.device, job.counted)
+        batch = replace(batch, tokens=tokens, label_tokens=label_tokens, rank_counts=False)
     micro_batches = [micro_batch.to(job.device) for micro_batch in batch.micro_batches]
     if job.pipeline:  # its schedule runs every micro batch through the stages at once
         loss = job.pipeline.train(replace(batch, micro_batches=micro_batches), job.dp_size, job.autocast)
-        return StepResult(torch.tensor(loss), batch.tokens, job.stepper.step(), {})
+        return StepResult(loss, batch.tokens, job.stepper.step(), {})
     # Data-parallel strategies average gradients over the data-parallel ranks, so each rank's share is scaled by
     # dp_size to make that a sum. Under context parallelism a rank runs slices of its rows, whose losses its group
     # sums (runner/parallel/sequence.py).
@@ -101,7 +103,7 @@ def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
         for name, share in shares.items():
             metrics[name] = metrics.get(name, 0) + share
     outcome = job.stepper.step()
-    return StepResult(step_loss, batch.tokens, outcome, {name: float(value) for name, value in metrics.items()})
+    return StepResult(step_loss, batch.tokens, outcome, metrics)
 
 
 def evaluate(job: PreparedJob, step: int) -> dict[str, float]:
@@ -131,8 +133,7 @@ def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.dev
             batch = batch.to(device)
             with split_sequences(sequence_split, batch) as (sliced, whole_loss), autocast():
                 # (to `device`: under a device map the head may sit on another device than the inputs)
-                loss_sum += whole_loss(model(**sliced.inputs, loss_labels=sliced.labels,
-                                             labels_shifted=sliced.labels_shifted)).to(device)
+                loss_sum += whole_loss(model(**sliced.inputs, **loss_arguments(sliced))).to(device)
             label_tokens += batch.label_tokens
             tokens += batch.tokens
     total_loss, total_labels, total_tokens = all_ranks_sums([loss_sum.item(), label_tokens, tokens], counted)

@@ -397,7 +397,7 @@ class DeepSpeedStepper:
 
     engine: Any
     zero_stage: int
-    grad_norm: Optional[float] = None
+    grad_norm: Optional[torch.Tensor] = None
 
     def micro_batch(self, last: bool) -> ContextManager:
         return contextlib.nullcontext()  # the engine reduces at the boundary it counts
@@ -409,8 +409,8 @@ class DeepSpeedStepper:
             # the engine clips them
             import torch
 
-            self.grad_norm = float(torch.nn.utils.get_total_norm(
-                [p.grad for p in self.engine.module.parameters() if p.grad is not None]))
+            self.grad_norm = torch.nn.utils.get_total_norm(
+                [p.grad for p in self.engine.module.parameters() if p.grad is not None]).detach()
         self.engine.step()
 
     def step(self) -> StepOutcome:
@@ -419,7 +419,7 @@ class DeepSpeedStepper:
         norm = self.engine.get_global_grad_norm()
         if norm is None:
             norm = math.nan if self.grad_norm is None else self.grad_norm
-        return StepOutcome(float(norm), self.engine.was_step_applied(), scale)
+        return StepOutcome(norm, self.engine.was_step_applied(), scale)
 
     # A frozen base (adapter=lora) is left out of what is written, read and exported.
     def save(self, directory: Path, rank: int) -> None:

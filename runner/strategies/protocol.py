@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional, Protocol, Union
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +57,7 @@ class WholeWeights:
 
 @dataclass
 class StepOutcome:
-    grad_norm: float
+    grad_norm: Union[float, torch.Tensor]  # before clipping; a tensor stays on the device until the loop reads it
     # False when fp16's loss scale overflowed and the update was skipped (the schedule then waits too).
     applied: bool = True
     loss_scale: Optional[float] = None

@@ -69,10 +69,10 @@ class TorchStepper:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            outcome = StepOutcome(float(norm), self.scaler.get_scale() >= scale, self.scaler.get_scale())
+            outcome = StepOutcome(norm.detach(), self.scaler.get_scale() >= scale, self.scaler.get_scale())
         else:
             self.optimizer.step()
-            outcome = StepOutcome(float(norm))
+            outcome = StepOutcome(norm.detach())
         self.optimizer.zero_grad(set_to_none=True)
         return outcome
 
