@@ -69,18 +69,20 @@ def contender_command(contender: str, config: Config, log: Path, run_dir: Path,
                 str(config.processes), *script]
     return [sys.executable, *script]
 
-def run_contender(command: list[str], env: dict[str, str], output: Path) -> tuple[float, str | None]:
-    """Runs one contender; returns the time it was started at and its error, if it failed."""
+def run_contender(command: list[str], env: dict[str, str], output: Path,
+                  timeout: float = RUN_TIMEOUT_S) -> tuple[float, str | None]:
+    """Runs one contender, for at most `timeout` seconds; returns the time it was started at and its error, if it
+    failed."""
     with output.open("w") as out:
         started = time.time()
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                    start_new_session=True)
         try:
-            returncode = process.wait(timeout=RUN_TIMEOUT_S)
+            returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)  # the launcher and its workers
             process.wait()
-            return started, f"no result after {RUN_TIMEOUT_S} s; stopped"
+            return started, f"no result after {timeout:.0f} s; stopped"
     return started, None if returncode == 0 else failure(output.read_text(), returncode)
 
 def failure(output: str, returncode: int) -> str:

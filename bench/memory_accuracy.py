@@ -64,6 +64,17 @@ SHORT_RUN = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=1", 
              "task.fit_check=false"]
 
 
+def processes(grid_overrides: list[str]) -> int:
+    """The GPUs a config of the grid runs on."""
+    return next((int(o.split("=")[1]) for o in grid_overrides if o.startswith("hardware.nproc_per_node=")), 1)
+
+
+def config_overrides(grid_overrides: list[str], steps: int) -> list[str]:
+    """`run`'s overrides for a config of the grid: the model, the config on this machine's GPUs, a short run."""
+    return [*MODEL, "hardware=auto", f"hardware.nproc_per_node={processes(grid_overrides)}", *grid_overrides,
+            *SHORT_RUN, f"train.max_steps={steps}"]
+
+
 def estimated(overrides: list[str]):
     from runner.cli.compose import compose_config
     from runner.config.spec import load_spec, validate
@@ -109,12 +120,11 @@ def main() -> None:
     for name, grid_overrides in GRID.items():
         if args.only not in name:
             continue
-        nproc = next((int(o.split("=")[1]) for o in grid_overrides if o.startswith("hardware.nproc_per_node=")), 1)
+        nproc = processes(grid_overrides)
         if nproc > gpus:
             print(f"skipped {name}: needs {nproc} GPUs")
             continue
-        overrides = [*MODEL, "hardware=auto", f"hardware.nproc_per_node={nproc}", *grid_overrides, *SHORT_RUN,
-                     f"train.max_steps={args.steps}"]
+        overrides = config_overrides(grid_overrides, args.steps)
         estimate, phase = estimated(overrides)
         started = time.perf_counter()
         peak, problem = measured(overrides, args.timeout)

@@ -34,6 +34,11 @@ def measure(overrides: list[str], workdir: Path) -> dict:
                             capture_output=True, text=True)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1]}
+    return steady_state(workdir)
+
+
+def steady_state(workdir: Path) -> dict:
+    """A finished run's figures, from its run directory: tokens/s and MFU of the steady state, the peak memory."""
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((workdir / "summary.json").read_text())
     steady = [r for r in records if "tokens_per_s" in r][1:]

@@ -1,11 +1,14 @@
 """A minimal hand-written PyTorch training loop: one process, or DDP / FSDP2 (`fully_shard`) under torchrun.
 Instruction rows are padded per micro batch to its longest row, with an attention mask and the labels IGNORE on
-the padding; each rank takes its contiguous slice of every global batch, as the runner's ranks do.
+the padding; each rank takes its contiguous slice of every global batch, as the runner's ranks do. Where the plan
+says so, the forward runs under bf16 autocast ("autocast": "bf16") and each transformer block is compiled
+("compile": true), as the runner's precision=bf16 and train.compile=true do.
 
     python bench/peers/hand_loop.py --plan plan.json --records steps.jsonl
     torchrun --standalone --nproc_per_node 2 bench/peers/hand_loop.py --plan plan.json --records steps.jsonl --strategy fsdp
 """
 
+import contextlib
 import functools
 import math
 import os
@@ -61,8 +64,15 @@ def main() -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
     torch.manual_seed(plan["seed"])
-    model = placed(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]),
-                                                    dtype=torch.float32), args.strategy, device)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]), dtype=torch.float32)
+    if plan.get("compile"):
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
+    model = placed(model, args.strategy, device)
+    if plan.get("autocast") == "bf16":
+        forward_context = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    else:
+        forward_context = contextlib.nullcontext
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": plan["weight_decay"]},
@@ -93,11 +103,13 @@ def main() -> None:
     for step, batch in enumerate(loader, start=1):
         if instruction:
             batch = {name: tensor.to(device) for name, tensor in batch.items()}
-            loss = model(**batch).loss
+            with forward_context():
+                loss = model(**batch).loss
             window[1] += batch["attention_mask"].sum()
         else:
             batch = batch.to(device)
-            loss = model(input_ids=batch, labels=batch).loss
+            with forward_context():
+                loss = model(input_ids=batch, labels=batch).loss
             window[1] += batch.numel()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), plan["max_grad_norm"])
