@@ -12,9 +12,9 @@ import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from shared import StepLog, arguments, evaluate_first, padded, token_rows, unsupported
+from shared import StepLog, arguments, evaluate_first, initial_model, padded, token_rows, unsupported
 
 
 def main() -> None:
@@ -28,8 +28,7 @@ def main() -> None:
     if args.strategy == "fsdp" and accelerator.distributed_type is not DistributedType.FSDP:
         unsupported(f"accelerate runs FSDP on accelerators only; here it would run {accelerator.distributed_type}")
 
-    torch.manual_seed(plan["seed"])
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]), dtype=torch.float32)
+    model = initial_model(plan)  # the runner's initial weights
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         [{"params": [p for p in params if p.ndim >= 2], "weight_decay": plan["weight_decay"]},

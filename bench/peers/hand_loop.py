@@ -18,9 +18,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared import StepLog, arguments, evaluate_first, padded, token_rows
+from shared import StepLog, arguments, evaluate_first, initial_model, padded, token_rows
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):
@@ -63,8 +62,7 @@ def main() -> None:
     device = joined(distributed)
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
 
-    torch.manual_seed(plan["seed"])
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]), dtype=torch.float32)
+    model = initial_model(plan)  # the runner's initial weights
     if plan.get("compile"):
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)

@@ -1,7 +1,8 @@
 """What the peer scripts share with the harness: the plan it writes, the token rows, and the timestamped log.
 
 The plan holds the runner's own settings (resolved by bench/compare_loops.py from the runner's spec), so every
-contender trains the same model from the same seed on the same rows with the same optimizer.
+contender trains the same model from the runner's initial weights (`initial_model`: its seed, and its way of
+drawing them) on the same rows with the same optimizer.
 
 Two workloads: text, rows of seq_len tokens (one tensor, a row per line); and instruction, one prompt/response
 example per row, of its own length (a list of (input_ids, labels) pairs, the prompt's labels IGNORE), which each
@@ -28,6 +29,28 @@ def arguments() -> tuple[argparse.Namespace, dict]:
                              "the padding-free DataCollatorWithFlattening")
     args = parser.parse_args()
     return args, json.loads(Path(args.plan).read_text())
+
+
+def initial_model(plan: dict):
+    """The plan's model in fp32 on the CPU with the runner's initial weights: seeded with its seed and built as
+    runner/config/model.py builds it, each weight drawn once by transformers' own init (torch's per-layer init
+    skipped). A plain `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)` draws torch's init first
+    and then transformers', so the same seed gives other weights: on the default tiny model its step-1 loss is
+    5.4557 where the runner's is 5.4107, on the same rows, before any update."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights  # transformers 4
+
+    torch.manual_seed(plan["seed"])
+    with torch.device("cpu"), no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]),
+                                                 dtype=torch.float32)
+    model.init_weights()
+    return model
 
 
 def token_rows(plan: dict):

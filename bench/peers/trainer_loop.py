@@ -14,10 +14,10 @@ import tempfile
 
 import torch
 from torch.utils.data import Dataset
-from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
-                          Trainer, TrainerCallback, TrainingArguments)
+from transformers import (DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainerCallback,
+                          TrainingArguments)
 
-from shared import StepLog, arguments, real_tokens, token_rows, unsupported
+from shared import StepLog, arguments, initial_model, real_tokens, token_rows, unsupported
 
 
 class CausalLMRows(Dataset):
@@ -59,8 +59,7 @@ class LogTimes(TrainerCallback):
 def main() -> None:
     args, plan = arguments()
 
-    torch.manual_seed(plan["seed"])
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]), dtype=torch.float32)
+    model = initial_model(plan)  # the runner's initial weights
     fsdp = {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
     with tempfile.TemporaryDirectory() as output_dir:
         training = TrainingArguments(
