@@ -92,6 +92,7 @@ def test_same_losses_as_one_process(variant, reference_run, reference, two_rank_
 def test_activation_checkpointing_in_one_process_keeps_the_losses(reference, tmp_path):
     spec = resolved_spec([*BASE, "train.grad_accum_steps=4", "strategy.activation_checkpointing=true"])
     job = prepare_job(spec, tmp_path)
-    assert job.model.is_activation_checkpointing
+    # the flag each block carries in every transformers version (is_activation_checkpointing, the model's, is 5.23's)
+    assert any(getattr(module, "gradient_checkpointing", False) for module in job.model.modules())
     train(job)
     assert step_losses(tmp_path) == pytest.approx(reference, rel=1e-6)

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from helpers import QUICK, logged, resolved_spec, run_cli, step_losses, train_in_workers
+from runner.compat import pipeline_passes_integer_tensors
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
+
+# (torch 2.11 and 2.12: the run refuses strategy.pp_size > 1 before launch)
+trains_a_pipeline = pytest.mark.skipif(not pipeline_passes_integer_tensors(),
+                                       reason="this torch's pipeline stages cannot pass on integer tensors")
 
 STEPS = 10
 # Global batch 8: micro batch 2 x 4 accumulation steps in one process and under pp 2 alone (one data-parallel rank:
@@ -39,6 +44,7 @@ def reference(tmp_path_factory):
     return run_dir
 
 
+@trains_a_pipeline
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_same_losses_as_one_process(layout, reference, tmp_path):
@@ -53,6 +59,7 @@ def test_same_losses_as_one_process(layout, reference, tmp_path):
     assert list(evaluated.values()) == pytest.approx(list(expected.values()), rel=1e-5)
 
 
+@trains_a_pipeline
 @pytest.mark.distributed
 @pytest.mark.parametrize("state_dict_type", ["FULL", "SHARDED"])
 def test_checkpoints_and_the_model_move_between_a_pipeline_and_one_process(state_dict_type, reference, tmp_path):
@@ -167,6 +174,7 @@ def test_stages_are_balanced_by_the_parameters_they_hold():
     assert balanced_bounds(tiny, 2) == stage_bounds(4, 2) and balanced_bounds(tiny, 4) == stage_bounds(4, 4)
 
 
+@trains_a_pipeline
 @pytest.mark.distributed
 def test_a_pipeline_of_split_stages_prints_no_library_warning(tmp_path):
     """pp 2 x tp 2 from the command line: a stage passes on a copy of its local part of the hidden states, not a

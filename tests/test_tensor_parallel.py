@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
+from runner.compat import dtensor_flattens_a_sharded_sequence
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 
@@ -85,9 +86,13 @@ def test_a_checkpoint_of_fsdp_x_tp_resumes_under_fsdp_alone_and_in_one_process(s
 
 
 LORA = ["adapter=lora", "adapter.rank=4", "train.save_model=true"]
+# (torch 2.11: the run refuses LoRA under tensor parallelism before launch)
+splits_lora = pytest.mark.skipif(not dtensor_flattens_a_sharded_sequence(),
+                                 reason="this torch's DTensor cannot flatten a sharded sequence")
 
 
 @pytest.mark.distributed
+@splits_lora
 def test_lora_adapters_split_with_their_layers(tmp_path):
     """LoRA under fsdp 2 x tp 2: each adapted layer's frozen base split by the plan, and of its adapter the matrix
     on the split side (B beside a layer split by columns, A by rows), the rank-sized other whole. The losses are one
@@ -126,6 +131,7 @@ def _trained_and_frozen_on_this_rank(ranks, spec, run_dir):
 
 
 @pytest.mark.distributed
+@splits_lora
 def test_the_estimate_counts_each_tensor_parallel_rank_s_parts_of_the_adapters_and_the_base(tmp_path):
     """tp 2 on 2 processes (one data-parallel rank: FSDP shards nothing): the trained and frozen elements rank 0
     holds are the estimate's (rank 1 holds one vocabulary row fewer of the byte tokenizer's odd vocabulary)."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from runner.compat import shutdown_timeout
 from runner.distributed import Ranks, free_port
 from runner.engine.build_locks import clear_stale_build_locks
 from runner.engine.checkpoint import complete_checkpoints
@@ -66,10 +67,11 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         rdzv_configs={"rank": hardware.node_rank, "timeout": hardware.rdzv_timeout_s},
         max_restarts=0,
         start_method=start_method(hardware),
-        # On SIGTERM the workers finish their step and checkpoint before the launcher would kill them.
-        shutdown_timeout=600,
         # Where each worker's error file goes, for the report below.
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
+        # On SIGTERM the workers finish their step and checkpoint before the launcher would kill them (torch 2.11:
+        # within its fixed 30 s).
+        **shutdown_timeout(600),
     )
     clear_stale_build_locks()
     log = logging.getLogger("runner")

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, ContextManager, Optional
 from runner.config.float8 import convert_to_fp8, summarize_names
 from runner.config.hardware import Accelerator
 from runner.config.adapter import add_adapter
+from runner.compat import checkpoint_activations
 from runner.config.model import blocks, build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
@@ -218,12 +219,3 @@ def compile_blocks(model: nn.Module) -> None:
 
     for _, block in blocks(model):
         block.forward = torch.compile(block.forward)
-
-
-def checkpoint_activations(model: nn.Module) -> None:
-    """transformers' non-reentrant checkpointing of each block (its 5.x name, and the older one before it)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

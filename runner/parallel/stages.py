@@ -13,12 +13,12 @@ without gradients), so that the last stage computes the summed loss inside its f
 
 from __future__ import annotations
 
-from inspect import signature
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from torch import nn
 
+from runner.compat import no_mask_cache
 from runner.errors import SpecError
 
 if TYPE_CHECKING:
@@ -50,10 +50,8 @@ def attention_masks(config, hidden: torch.Tensor, attention_mask: Optional[torch
     model's own forward makes them; sliding-window layers (Qwen2, Mistral-style) get theirs."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    # (no cache: transformers 5.24 renamed the argument `past_key_values` to `cache`)
-    no_cache = {"cache" if "cache" in signature(create_causal_mask).parameters else "past_key_values": None}
     arguments = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids,
-                     **no_cache)
+                     **no_mask_cache())
     masks = {"full_attention": create_causal_mask(**arguments)}
     if any(layer_attention_type(layer) == "sliding_attention" for layer in layers):
         masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments)

@@ -48,7 +48,9 @@ def block_plan(model: nn.Module, tp: int) -> dict[str, str]:
     if not plan:
         raise SpecError(f"strategy.tp_size={tp}: model_type {config.model_type} has no tensor-parallel plan in "
                         f"transformers; use strategy.tp_size=1")
-    in_blocks = {key.partition(".*.")[2]: style for key, style in plan.items()}
+    # (not the plan's entries outside the blocks, such as transformers 5.17's `embed_tokens` of a tied model: the
+    # runner places those itself)
+    in_blocks = {key.partition(".*.")[2]: style for key, style in plan.items() if ".*." in key}
     others = sorted({style for style in in_blocks.values() if style not in STYLES})
     require(not others, f"strategy.tp_size={tp}: model_type {config.model_type}'s tensor-parallel plan places layers "
                         f"{' and '.join(others)}, which the runner does not; use strategy.tp_size=1")

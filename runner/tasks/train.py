@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
+from runner.compat import dtensor_flattens_a_sharded_sequence, pipeline_passes_integer_tensors
 from runner.config.adapter import targets
 from runner.config.data import DataFormat
 from runner.config.task import TaskConfig
@@ -83,9 +84,10 @@ def check_training(spec: RunSpec, fit_check: bool) -> None:
     if spec.resume:
         check_resumable(spec)
     check_causal_lm(spec.model)
-    tp = spec.strategy.dims(spec.hardware).tp
-    if tp > 1:  # the model's plan, and heads that split evenly
-        block_plan(meta_model(spec.model), tp)
+    dims = spec.strategy.dims(spec.hardware)
+    if dims.tp > 1:  # the model's plan, and heads that split evenly
+        block_plan(meta_model(spec.model), dims.tp)
+    check_torch_features(spec, dims.tp, dims.pp)
     if spec.adapter.active:  # the layers to adapt are the model's
         targets(spec.adapter, meta_model(spec.model))
     if spec.precision.fp8:  # an fp8 run without an fp8 layer is an error, not a bf16 run
@@ -93,3 +95,16 @@ def check_training(spec: RunSpec, fit_check: bool) -> None:
     if fit_check:
         check_fit(spec)
     check_services(spec.tracker)
+
+
+def check_torch_features(spec: RunSpec, tp: int, pp: int) -> None:
+    """What the installed torch cannot do of what the spec asks (torch 2.11 and 2.12, which pyproject accepts)."""
+    import torch
+
+    require(tp == 1 or not spec.adapter.active or dtensor_flattens_a_sharded_sequence(),
+            f"adapter=lora with strategy.tp_size={tp}: torch {torch.__version__}'s DTensor cannot apply LoRA's B to "
+            "the sequence-split output of an A split by rows (torch 2.13's can); use strategy.tp_size=1, or torch "
+            ">= 2.13")
+    require(pp == 1 or pipeline_passes_integer_tensors(),
+            f"strategy.pp_size={pp}: torch {torch.__version__}'s pipeline stages cannot pass on the labels and "
+            "positions from stage to stage (torch 2.13's can); use strategy.pp_size=1, or torch >= 2.13")
