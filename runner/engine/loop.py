@@ -98,8 +98,8 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         logging_step = step % cfg.log_every == 0 or step == cfg.max_steps
         evaluating = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
         checkpointing = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps
-        bar.advance(**shown)
         if not (logging_step or evaluating or checkpointing or stopping):
+            bar.advance(**shown)  # what the last reading showed
             continue
 
         reading = tally.read()  # waits for the device: the steps since the last reading are done
@@ -117,6 +117,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         # The mean tokens/s of the training steps so far, as the done line gives it.
         shown = {"loss": f"{reading.loss / reading.steps:.4f}",
                  "tokens_per_s": f"{progress.tokens_seen / progress.train_time:,.0f}"}
+        bar.advance(**shown)
 
         if logging_step:
             train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], reading.grad_norm,
