@@ -42,7 +42,8 @@ from runner.compat import checkpoint_activations
 from runner.config.model import blocks, build_model
 from runner.config.optim import build_optimizer
 from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
-from runner.engine.attention import attend_with, attend_within_examples, per_example_attention
+from runner.engine.attention import (
+    attend_causally_unmasked, attend_with, attend_within_examples, per_example_attention)
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
 from runner.parallel.pipeline import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
@@ -150,6 +151,8 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model = cast_weights(model, spec.precision)
     if training and spec.data.packing and device.type == "cpu":
         attend_within_examples(model)
+    elif (training or frozen) and not spec.data.packing:
+        attend_causally_unmasked(model)
     # A frozen reference runs the trained model's slices of the rows with it.
     sequence_split = strategy.sequence_split(dims, device.type) if (training or frozen) and dims.cp > 1 else None
     if sequence_split:

@@ -54,9 +54,9 @@ class Pipeline:
     tied_group: Any = None
     scale: float = 1.0  # what the schedule's loss multiplies each micro batch's summed loss by
 
-    def train(self, batch: GlobalBatch, dp_size: int, autocast: Callable[[], ContextManager]) -> float:
+    def train(self, batch: GlobalBatch, dp_size: int, autocast: Callable[[], ContextManager]) -> torch.Tensor:
         """Forward and backward of every micro batch of the step; this rank's share of the step's mean loss (the
-        last stage's; 0 on the others)."""
+        last stage's; 0 on the others), on the device."""
         inputs = self._stacked(batch.micro_batches)
         self.scale = dp_size / batch.label_tokens
         losses: list[torch.Tensor] = []
@@ -64,7 +64,9 @@ class Pipeline:
             self._run(self.schedule.step, inputs, losses)
         if self.tied is not None:
             dist.all_reduce(local(self.tied.grad), group=self.tied_group)
-        return sum(float(loss.detach()) for loss in losses) / dp_size
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=inputs[0].device)
+        return torch.stack([loss.detach() for loss in losses]).double().sum() / dp_size
 
     def mean_loss(self, batches: Iterable[MicroBatch], autocast: Callable[[], ContextManager],
                   counted: bool) -> MeanLoss:
