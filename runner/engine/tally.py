@@ -98,4 +98,5 @@ def _first_over_ranks(first_bad: float, device: torch.device) -> float:
 
     earliest = torch.tensor([first_bad or math.inf], dtype=torch.float64, device=device)
     dist.all_reduce(earliest, op=dist.ReduceOp.MIN)
-    return earliest.item() if math.isfinite(earliest.item()) else 0.0
+    step = earliest.item()
+    return step if math.isfinite(step) else 0.0
