@@ -228,9 +228,9 @@ def instruction_note(data: Path) -> str:
 def prepare_configs(workload: Workload, args: argparse.Namespace, workdir: Path) -> tuple[list[Config], dict[str, str]]:
     """Each config's plan for the peers, and its rows file; configs this machine cannot run, with the reason."""
     import torch
-
-    from runner.config.model import architecture_config, byte_tokenizer
     from shared import instruction_rows, runner_rows
+
+    from runner.components.modeling import architecture_config, byte_tokenizer
 
     spec = workload.spec
     architecture_config(spec.model, byte_tokenizer()).save_pretrained(workdir / "model_config")

@@ -97,7 +97,7 @@ def measured(command: list[str], env: dict[str, str], cwd: Path, one_core: bool 
 
 DATASETS_MAP = """
 import sys, datasets
-from runner.config.model import byte_tokenizer
+from runner.components.modeling import byte_tokenizer
 tokenizer = byte_tokenizer()
 files = sorted(__import__("glob").glob(sys.argv[1] + "/*.txt"))
 documents = datasets.load_dataset("text", data_files=files, split="train", sample_by="document", cache_dir=sys.argv[2])

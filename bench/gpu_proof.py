@@ -54,12 +54,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from harness import ROOT, Config, child_env, contender_command, read_records, run_command, run_contender
-
 import context_parallel
 import memory_accuracy
 import precision_throughput
 from compare_loops import RATIO_TARGET, Workload, prepare_configs, real_tokens_seen, runner_spec, steady_throughput
+from harness import ROOT, Config, child_env, contender_command, read_records, run_command, run_contender
 
 DOC = ROOT / "docs" / "gpu.md"
 FIGURES_MARK = "<!-- figures: bench/gpu_proof.py writes everything below this line -->"
@@ -270,6 +269,7 @@ def dry_run(runs: list[Run], workdir: Path) -> list[tuple[Run, str, str | None]]
     """Every run's command line, its overrides composed and checked as `run` would check them (and, for the hand
     loop, the plan made from them), and each memory config's estimate: (run, command, why it was refused or None)."""
     from harness import peer_plan
+
     from runner.memory.facts import facts_of
     from runner.memory.terms import estimate
 

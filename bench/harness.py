@@ -105,7 +105,7 @@ def peer_plan(spec, workdir: Path, rows: Path | None, global_batch: int, steps: 
               eval_batches: int = 0) -> dict:
     """The runner's settings, as the peer scripts read them; `eval_batches`: evaluate that many micro batches of the
     runner's eval rows before the first step, as the runner does (start-up runs only)."""
-    from runner.config.model import byte_tokenizer
+    from runner.components.modeling import byte_tokenizer
     from runner.config.optim import AdamWConfig
     from runner.config.scheduler import Decay, warmup_steps
 

@@ -10,8 +10,17 @@ import sys
 import time
 from pathlib import Path
 
-from harness import ROOT, Config, child_env, contender_command, median, peer_plan, read_records, run_command, \
-    run_contender
+from harness import (
+    ROOT,
+    Config,
+    child_env,
+    contender_command,
+    median,
+    peer_plan,
+    read_records,
+    run_command,
+    run_contender,
+)
 
 CFG_JOB_TARGET_S = 0.5
 FIRST_STEP_MARGIN_S = 2.0

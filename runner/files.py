@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ def write_json_atomically(path: Path, value: Any) -> None:
 
 
 # The suffix of a directory that move_into_place moved aside, removed once the new one is in place.
+log = logging.getLogger("runner")
 ASIDE = ".previous"
 
 
@@ -148,3 +150,23 @@ def new_recipe(name: str, retry: str) -> Path:
     if target.exists():
         raise SpecError(f"{target} exists already; give the recipe another name: {retry}")
     return target
+
+
+PARTIAL = ".partial"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first; half-written ones are left out with a warning."""
+    found = []
+    for path in sorted(checkpoints_dir(run_dir).glob("step_*")):
+        if path.name.endswith(ASIDE):  # a step written again, its earlier copy not yet removed
+            continue
+        if path.name.endswith(PARTIAL) or not (path / "meta.json").is_file():
+            log.warning("skipping %s: it was not completely written", path)
+            continue
+        found.append(path)
+    return found

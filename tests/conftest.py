@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import warm_processes
 
 # One thread per process: two workers share the two cores, and each test's processes take one each. Two runs of the

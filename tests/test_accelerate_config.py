@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import run_cli
 from hydra import compose, initialize_config_dir
 
-from helpers import run_cli
 from runner.cli.compose import CONF_DIR, RECIPES_DIR, register
 from runner.config.spec import RunSpec, load_spec, to_plain, validate
 from runner.errors import SpecError
 from runner.memory.advice import fit
 from runner.memory.facts import facts_of
 from runner.memory.terms import estimate
-from runner.tools.accelerate.read import convert
-from runner.tools.accelerate.write import accelerate_file
+from runner.tools.accelerate.reader import convert
+from runner.tools.accelerate.writer import accelerate_file
 
 SEEDS = Path(__file__).parent / "data" / "accelerate"
 
@@ -209,9 +209,9 @@ def test_cpu_deepspeed_and_multi_node_files():
     }
 
 
-def test_readme_shows_the_mapping_the_fsdp_seed_really_prints():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = readme.split("## accelerate config files", 1)[1].split("an FSDP file:\n\n", 1)[1].split("\n\n", 1)[0]
+def test_the_docs_show_the_mapping_the_fsdp_seed_really_prints():
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "accelerate.md").read_text()
+    block = readme.split("# accelerate config files", 1)[1].split("an FSDP file:\n\n", 1)[1].split("\n\n", 1)[0]
     shown_lines = [line.removeprefix("    ") for line in block.splitlines()]
     _, lines = convert(yaml.safe_load((SEEDS / "fsdp_config.yaml").read_text()))
     assert shown_lines == [*lines, "wrote recipes/fsdp_config.yaml; run it with: run recipe=fsdp_config"]

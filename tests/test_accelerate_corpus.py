@@ -1,7 +1,7 @@
 """Real accelerate config files, collected from public repositories (tests/data/accelerate_corpus/SOURCES.md
 gives each file's repository, path and commit): each converts to a recipe that passes the checks of
 `run --cfg job` and `run task=estimate` (a GPU's values standing in where the file leaves them to the machine),
-or is refused in one line for one of the reasons the README lists."""
+or is refused in one line for one of the reasons docs/accelerate.md lists."""
 
 import importlib.util
 from pathlib import Path
@@ -13,15 +13,15 @@ from runner.cli.compose import RECIPES_DIR, checked_recipe, compose_config, regi
 from runner.config.spec import load_spec, to_plain
 from runner.errors import SpecError
 from runner.memory.report import report
-from runner.tools.accelerate.read import convert, recipe_of
+from runner.tools.accelerate.reader import convert, recipe_of
 from runner.tools.accelerate.sections import SECTIONS
-from runner.tools.accelerate.write import accelerate_file
+from runner.tools.accelerate.writer import accelerate_file
 
 CORPUS = Path(__file__).parent / "data" / "accelerate_corpus"
 FILES = sorted(p.name for p in CORPUS.glob("*.y*ml"))
 HAS_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not None
 
-# The files refused, and why: each reason is one the README lists.
+# The files refused, and why: each reason is one docs/accelerate.md lists.
 REFUSED = {
     **dict.fromkeys([
         "huggingface__accelerate__docs__source__usage_guides__megatron_lm.md__block7.yaml",

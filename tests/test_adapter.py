@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import QUICK, killed_and_resumed, resolved_spec, run_cli, step_losses, train_in_workers
 from safetensors import safe_open
 
-from helpers import QUICK, killed_and_resumed, resolved_spec, run_cli, step_losses, train_in_workers
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError

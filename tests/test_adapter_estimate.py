@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 import yaml
-
 from helpers import QUICK, composed, resolved_spec
+
 from runner.cli.compose import CONF_DIR
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT
 from runner.errors import SpecError
-from runner.memory.advice import changes, check_fit, cheapest_fits, fit
+from runner.memory.advice import changes, cheapest_fits, check_fit, fit
 from runner.memory.facts import facts_of
 from runner.memory.parameters import parameters_of
 from runner.memory.report import report
@@ -182,7 +182,7 @@ def test_gradients_and_states_count_the_adapters_only(strategy, targets):
 def test_the_placed_model_holds_what_the_estimate_counts(kind):
     """The runner's own pipeline places a tiny model with adapters (on the CPU, no step): its weights' bytes, and
     the parameters its optimizer holds, are the estimate's."""
-    from runner.config.model import build_tokenizer
+    from runner.components.modeling import build_tokenizer
     from runner.distributed import Ranks
     from runner.engine.placement import place
 
@@ -342,7 +342,7 @@ def held_bytes(tensors) -> int:
 
 
 def _held_after_a_step(ranks, specs):
-    from runner.config.model import build_tokenizer
+    from runner.components.modeling import build_tokenizer
     from runner.engine.placement import place
 
     held = {}

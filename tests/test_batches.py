@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from runner.components.modeling import byte_tokenizer
 from runner.config.data import DataConfig, DataFormat
-from runner.config.model import byte_tokenizer
 from runner.data.batches import MicroBatch, collate, eval_batches, train_batches
 from runner.data.prefetch import ahead
 from runner.data.rows import IGNORE
@@ -151,8 +151,9 @@ def test_an_attention_mask_only_where_a_row_is_padded(splits):
 def test_an_unpadded_batch_has_the_loss_and_gradients_it_has_with_an_all_ones_mask():
     """What transformers does with an all-ones mask is what it does with none: the same summed loss, exactly."""
     from helpers import QUICK, resolved_spec
-    from runner.config.model import build_model
-    from runner.config.train import LossKind
+
+    from runner.components.modeling import build_model
+    from runner.config.training import LossKind
     from runner.engine.loss import with_summed_loss
 
     tokenizer = byte_tokenizer()
@@ -176,7 +177,7 @@ def test_an_unpadded_batch_has_the_loss_and_gradients_it_has_with_an_all_ones_ma
 
 def test_a_pipeline_takes_an_unpadded_micro_batch_without_a_mask():
     """The pipeline pads every micro batch to one shape: an unpadded one's mask is ones, then the padding's zeros."""
-    from runner.engine.schedule import Pipeline
+    from runner.parallel.pipeline.schedule import Pipeline
 
     pipeline = Pipeline(None, first=True, last=True, microbatches=1, rows=2, length=5, pad_token_id=0, pp_group=None,
                         leads_stage=True)
@@ -262,7 +263,7 @@ def test_an_error_in_the_batches_is_raised_in_the_loop_with_where_it_happened():
 
 
 def test_a_wait_for_a_batch_that_stalls_is_reported_with_where_both_threads_are(tmp_path):
-    from runner.engine.stall_watch import StallWatch
+    from runner.processes.stall_watch import StallWatch
 
     release = threading.Event()
 

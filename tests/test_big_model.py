@@ -10,12 +10,13 @@ import pytest
 import torch
 import yaml
 
+from runner.components.modeling import build_model, build_tokenizer
 from runner.config.hardware import GIB
-from runner.config.model import ModelConfig, build_model, build_tokenizer
+from runner.config.model import ModelConfig
 from runner.config.task import MaxMemory
-from runner.engine.big_model import place_for_inference, placement_lines
-from runner.engine.generation import prompt_batches
 from runner.errors import SpecError
+from runner.generation.big_model import place_for_inference, placement_lines
+from runner.generation.decoding import prompt_batches
 from runner.memory.device_map import memory_limits
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"

@@ -8,9 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, run_cli
-from runner.engine.build_locks import STALE_AFTER_S, clear_stale_build_locks
+
+from runner.processes.build_locks import STALE_AFTER_S, clear_stale_build_locks
 
 BUILT = Path.home() / ".cache" / "torch_extensions"
 

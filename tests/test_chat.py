@@ -6,10 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli, run_dirs
+
+from runner.components.modeling import byte_tokenizer
 from runner.config.data import DataConfig, DataFormat
-from runner.config.model import byte_tokenizer
 from runner.data.chat import ChatRenderer, Conversation, conversation
 from runner.data.rows import IGNORE
 from runner.data.splits import token_splits
@@ -315,6 +315,7 @@ def chat_run(name: str, tokenizer_dir: Path) -> list[str]:
 @pytest.mark.distributed
 def test_real_chat_data_trains_to_the_same_losses_under_single_ddp_and_fsdp(chat_tokenizer_dir, tmp_path):
     from helpers import resolved_spec, step_losses, train_in_workers
+
     from runner.engine.job import prepare_job
     from runner.engine.loop import train
 

@@ -12,13 +12,24 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import (
+    QUICK,
+    hold_at_step,
+    kill_at_step,
+    logged,
+    resolved_spec,
+    run_cli,
+    run_dirs,
+    run_in_workers,
+    start_cli,
+    uninterrupted_losses,
+    wait_until,
+)
 
-from helpers import (QUICK, hold_at_step, kill_at_step, logged, resolved_spec, run_cli, run_dirs, run_in_workers,
-                     start_cli, uninterrupted_losses, wait_until)
-from runner.engine.checkpoint import complete_checkpoints
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import NonFiniteLoss
+from runner.files import complete_checkpoints
 
 STEPS = 12
 TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=1"]
@@ -219,7 +230,7 @@ def test_a_second_signal_stops_at_once(signal_name, tmp_path):
     probe = textwrap.dedent(f"""
         import os, signal, time
         signal.signal(signal.SIGUSR2, lambda *args: print("submitit's handler", flush=True))
-        from runner.engine.signals import GracefulStop
+        from runner.processes.signals import GracefulStop
         stop = GracefulStop()
         os.kill(os.getpid(), signal.{signal_name})
         time.sleep(1.2)

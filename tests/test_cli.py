@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import pytest
-
 from helpers import run_cli
 
 

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import QUICK, run_cli
 from hydra import compose, initialize_config_dir
 
-from helpers import QUICK, run_cli
 from runner.cli.compose import CONF_DIR
 
 SHORT = [*QUICK, "train.max_steps=6", "train.log_every=3", "train.eval_every=0", "train.eval_batches=2",
@@ -75,7 +75,7 @@ def test_a_missing_hydra_plugin_names_its_package(missing, package):
 
 
 def test_a_first_node_without_an_address_is_one_clear_error_not_a_wait():
-    from runner.engine.cluster import check_reachable
+    from runner.processes.cluster import check_reachable
 
     with pytest.raises(RuntimeError, match=r"the job's first node, node-that-is-not\.invalid \(SLURM_JOB_NODELIST\), "
                                            r"has no address on .*: its ranks cannot meet there"):
@@ -86,7 +86,7 @@ def test_a_first_node_without_an_address_is_one_clear_error_not_a_wait():
 def test_a_cluster_jobs_rendezvous_port_is_never_one_the_host_lends_to_outgoing_connections():
     """Every task draws the port alike from the job's id; a port in the host's ephemeral range may be held by any
     client socket (one such draw, 33791, failed with EADDRINUSE while a sweep's jobs ran side by side)."""
-    from runner.engine.launch import task_port
+    from runner.processes.launch import task_port
 
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     ids = [str(n) for n in range(1, 5000)] + [f"{n}_{i}" for n in range(1, 500) for i in range(4)]
@@ -103,9 +103,9 @@ def test_a_task_whose_peers_never_come_ends_its_wait_with_one_line(rank, cause):
     waited and for whom: task 0 for the others, the others for task 0 (which failed before it got there, say)."""
     import socket
 
-    from runner.engine.cluster import Task
-    from runner.engine.launch import join_task_group, task_port
     from runner.errors import WorkerFailed
+    from runner.processes.cluster import Task
+    from runner.processes.launch import join_task_group, task_port
 
     def free(port: int) -> bool:
         with socket.socket() as sock:
@@ -125,7 +125,7 @@ def test_a_task_whose_peers_never_come_ends_its_wait_with_one_line(rank, cause):
 
 def test_a_requeued_job_that_starts_over_writes_its_metrics_afresh(tmp_path):
     """A job requeued before its first checkpoint runs again from step 0 in its own run directory."""
-    from runner.config.tracker import MetricsFile
+    from runner.components.trackers import MetricsFile
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')

@@ -7,8 +7,12 @@ from types import SimpleNamespace
 import torch
 
 from runner.compat import (
-    checkpoint_activations, dtensor_flattens_a_sharded_sequence, no_mask_cache, pipeline_passes_integer_tensors,
-    shutdown_timeout)
+    checkpoint_activations,
+    dtensor_flattens_a_sharded_sequence,
+    no_mask_cache,
+    pipeline_passes_integer_tensors,
+    shutdown_timeout,
+)
 
 
 @dataclasses.dataclass

@@ -4,13 +4,14 @@ the recipes have their own tests, in test_recipes.py."""
 from pathlib import Path
 
 import pytest
+from helpers import composed
 from omegaconf import OmegaConf
 
-from helpers import composed
 from runner.cli.compose import GROUP_DIRS
 from runner.config.hardware import Accelerator
 from runner.config.spec import RunSpec, to_yaml, validate
 from runner.errors import SpecError
+
 
 def config_dir(tmp: Path) -> Path:
     """A directory with nothing but a transformers config.json: what validation reads of a pretrained model."""

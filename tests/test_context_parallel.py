@@ -11,8 +11,8 @@ import re
 
 import pytest
 import torch
-
 from helpers import resolved_spec, run_in_workers
+
 from runner.parallel.dims import ParallelDims
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import run_cli, start_cli, wait_until
+
+from runner.components.modeling import byte_tokenizer
 from runner.config.data import DataConfig, DataFormat
-from runner.config.model import byte_tokenizer
 from runner.data import read
 from runner.data.pack import GROUP, GROUP_TOKENS, groups
 from runner.data.splits import token_splits

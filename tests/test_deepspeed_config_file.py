@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, composed, resolved_spec, run_cli
+
 from runner.config.precision import Dtype
 from runner.config.scheduler import Decay
 from runner.config.spec import validate

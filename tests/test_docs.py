@@ -12,9 +12,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+from helpers import composed
 from omegaconf.errors import MissingMandatoryValue
 
-from helpers import composed
 from runner.config.spec import validate
 from runner.errors import SpecError
 

@@ -1,4 +1,4 @@
-"""task=dpo (runner/tasks/dpo.py, runner/engine/preference.py) on preference pairs (runner/data/preference.py): the
+"""task=dpo (runner/tasks/dpo.py, runner/engine/dpo_loss.py) on preference pairs (runner/data/preference.py): the
 losses, log-probs, rewards and gradients of TRL's DPOTrainer (the oracle), the layouts users have, the same losses
 under every strategy, an exact resume, and bad input refused in one line."""
 
@@ -10,7 +10,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from helpers import run_cli, run_dirs
 
 DATA = Path(__file__).parent / "data"
@@ -99,11 +98,11 @@ def runner_dpo(policy, reference, pairs, beta: float, loss_type: str, loss_kind:
     (chosen rows, then rejected rows), the reference a frozen copy."""
     import numpy as np
 
-    from runner.config.train import LossKind
+    from runner.config.training import LossKind
     from runner.data.batches import collate
     from runner.data.rows import columns, row_inputs
+    from runner.engine.dpo_loss import FrozenCopy, PreferenceLoss
     from runner.engine.loss import with_summed_loss
-    from runner.engine.preference import FrozenCopy, PreferenceLoss
 
     policy, reference = copy.deepcopy(policy), copy.deepcopy(reference)
     for model in (policy, reference):  # 5 label tokens a chunk: a row's tokens span chunks
@@ -172,7 +171,7 @@ def test_the_layouts_users_have_become_the_same_pairs():
     the field names."""
     from test_chat import chat_tokenizer
 
-    from runner.config.model import byte_tokenizer
+    from runner.components.modeling import byte_tokenizer
 
     template = TEMPLATES / "llama3.jinja"
     tokenizer = chat_tokenizer(template.read_text())
@@ -204,7 +203,7 @@ def test_text_pairs_are_the_tokens_trl_trains_on(tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    from runner.config.model import byte_tokenizer
+    from runner.components.modeling import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     records = [json.loads(line) for line in TRL_TEXT.read_text().splitlines()]
@@ -385,6 +384,7 @@ def test_the_estimate_counts_the_reference_model_and_both_rows_of_a_pair():
     from dataclasses import replace
 
     from helpers import composed
+
     from runner.config.spec import validate
     from runner.memory.facts import facts_of
     from runner.memory.report import report
@@ -435,7 +435,7 @@ def test_the_trackers_record_trls_metrics_of_a_dpo_run(workdir, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from test_trackers import jsonl_steps, wandb_records
 
-    from runner.engine.preference import METRICS
+    from runner.engine.dpo_loss import METRICS
 
     result = run_cli("task=dpo", "data=preference_files", f"data.files={TRL_TEXT}", "train.max_steps=2",
                      "train.log_every=1", "train.micro_batch_size=2", "train.eval_batches=1", "data.eval_fraction=0.2",

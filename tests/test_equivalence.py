@@ -8,8 +8,8 @@ none of them.
 
 
 import pytest
-
 from helpers import QUICK, logged, resolved_spec, step_losses, train_in_workers
+
 from runner.config.scheduler import lr_factor
 from runner.engine.job import prepare_job
 from runner.engine.loop import train

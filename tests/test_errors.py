@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli
 
 TRL_PAIRS = Path(__file__).parent / "data" / "trl" / "preference_standard.jsonl"

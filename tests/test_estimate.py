@@ -5,20 +5,19 @@ import math
 import subprocess
 import sys
 import textwrap
-
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import QUICK, composed, resolved_spec, run_cli, run_in_workers
+
 from runner.distributed import Ranks
 from runner.errors import SpecError
 from runner.memory import facts as model_facts
 from runner.memory.accelerate_view import accelerate_bytes, accelerate_sizes, format_accelerate_view
 from runner.memory.activations import ActivationDtypes, activation_bytes, layer_activation_bytes
-from runner.memory.advice import check_fit, cheapest_fits, fit
+from runner.memory.advice import cheapest_fits, check_fit, fit
 from runner.memory.facts import LayerShape, facts_of, meta_model
 from runner.memory.report import report
 from runner.memory.terms import estimate, gib
@@ -171,7 +170,7 @@ def test_run_task_estimate_prints_the_table_in_one_process_and_writes_nothing(wo
         sys.argv = ["run", "task=estimate", "model=bert_base_cased"]
         from runner.cli.main import main
         main()
-        print("launched:", "runner.engine.launch" in sys.modules or "runner.engine.job" in sys.modules)
+        print("launched:", "runner.processes.launch" in sys.modules or "runner.engine.job" in sys.modules)
         """
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=workdir, capture_output=True, text=True, timeout=300)
@@ -245,7 +244,7 @@ def tensors_in(value) -> list:
 def _held_bytes(ranks, specs):
     """After one step, then a forward and backward: the bytes of this rank's weights, gradients and states, the
     job placed by the runner's own pipeline."""
-    from runner.config.model import build_tokenizer
+    from runner.components.modeling import build_tokenizer
     from runner.engine.placement import place
 
     held = {}

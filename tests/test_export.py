@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import QUICK, resolved_spec, run_in_workers
 from transformers import AutoModelForCausalLM
 
-from helpers import QUICK, resolved_spec, run_in_workers
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.strategies.protocol import parameter_count, unwrapped

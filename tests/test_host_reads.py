@@ -5,7 +5,7 @@ with packed, chat-like (instruction), preference and streamed data, and with the
 
 Four kinds of read are of host tensors, which a GPU run keeps on the host too, and are left out by where they are
 made: torch's optimizers read their step counters (host tensors unless capturable, which the runner's are not); the
-stop vote is a host tensor summed over gloo and read a step late (runner/engine/signals.py); the batches are built on
+stop vote is a host tensor summed over gloo and read a step late (runner/processes/signals.py); the batches are built on
 the host, on a thread of their own (runner/data/: each epoch's seeded permutation); and the per-example attention of
 packed rows runs on the CPU alone (on GPUs transformers' own attention takes packed rows).
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, resolved_spec, run_in_workers
 from host_reads import counting_host_reads
 
@@ -31,7 +30,7 @@ BASE = [*QUICK, f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "tra
         "train.grad_accum_steps=2", "train.eval_batches=1"]
 INSTRUCTION = ["data=instruction_files", f"data.files={ALPACA}", "data.prompt_field=instruction",
                "data.response_field=output", "data.seq_len=256"]
-HOST_SIDE = ("/torch/optim/", "/runner/engine/signals.py", "/runner/data/", "/runner/engine/attention.py")
+HOST_SIDE = ("/torch/optim/", "/runner/processes/signals.py", "/runner/data/", "/runner/engine/attention.py")
 DEEPSPEEDS_OWN = ("/deepspeed/runtime/",)
 
 
@@ -114,7 +113,8 @@ def test_the_optimizers_step_counters_are_host_tensors():
     """What leaving torch/optim's reads out assumes: AdamW as the runner builds it keeps its step on the host."""
     import torch
 
-    from runner.config.optim import AdamWConfig, build_optimizer
+    from runner.components.optimizers import build_optimizer
+    from runner.config.optim import AdamWConfig
 
     model = torch.nn.Linear(4, 4)
     optimizer = build_optimizer(model, AdamWConfig())

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from helpers import run_cli, run_dirs
 
 pytestmark = pytest.mark.slow

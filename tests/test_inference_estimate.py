@@ -1,4 +1,4 @@
-"""The inference estimate (runner/memory/inference.py, inference_report.py): the KV cache and weights of
+"""The inference estimate (runner/memory/inference_estimate.py, inference_report.py): the KV cache and weights of
 Llama-3-8B, the layouts (replica, pipeline, sharded, a device_map placement), the report and the fit check, and the
 activations against the tensors a real CPU forward of tiny_llama holds. Fast: no process is started."""
 
@@ -6,12 +6,12 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-
 from helpers import composed
+
 from runner.config.task import DeviceMap
 from runner.errors import SpecError
 from runner.memory.facts import facts_of
-from runner.memory.inference import (
+from runner.memory.inference_estimate import (
     InferenceLoad,
     activations_part,
     inference_estimate,
@@ -194,7 +194,7 @@ def test_activations_bound_what_a_tiny_llama_forward_holds_on_the_cpu():
     at or above them, by less than a half."""
     import torch
 
-    from runner.config.model import build_model, build_tokenizer
+    from runner.components.modeling import build_model, build_tokenizer
 
     spec = composed(["model=tiny_llama"])
     facts = facts_of(spec.model)

@@ -10,10 +10,10 @@ import time
 import psutil
 import pytest
 import torch
+from helpers import QUICK, Started, run_cli, run_dirs, start_cli, step_losses, wait_until
 from transformers import AutoModelForCausalLM
 
-from helpers import QUICK, Started, run_cli, run_dirs, start_cli, step_losses, wait_until
-from runner.engine.launch import LOST_PEER
+from runner.processes.launch import LOST_PEER
 
 pytestmark = pytest.mark.distributed
 
@@ -92,7 +92,7 @@ def test_a_rank_that_lost_its_peer_is_not_reported_as_the_cause(tmp_path, monkey
     from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
 
     from runner.config.hardware import HardwareConfig
-    from runner.engine.launch import failures_report
+    from runner.processes.launch import failures_report
 
     error_file = tmp_path / "rank0.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))

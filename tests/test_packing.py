@@ -13,16 +13,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    QUICK,
+    killed_and_resumed,
+    logged,
+    resolved_spec,
+    run_cli,
+    run_dirs,
+    run_in_workers,
+    step_losses,
+    train_in_workers,
+)
 
-from helpers import (QUICK, killed_and_resumed, logged, resolved_spec, run_cli, run_dirs, run_in_workers, step_losses,
-                     train_in_workers)
+from runner.components.modeling import build_model, byte_tokenizer
 from runner.config.data import DataConfig, DataFormat
+from runner.config.model import ModelConfig
+from runner.config.training import LossKind
 from runner.data.batches import collate
 from runner.data.pack import best_fit_rows
 from runner.data.rows import IGNORE
 from runner.data.splits import token_splits
-from runner.config.model import ModelConfig, build_model, byte_tokenizer
-from runner.config.train import LossKind
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.engine.loss import with_summed_loss
@@ -250,8 +260,9 @@ def test_compile_under_deepspeed_is_refused_in_one_line():
 
 def test_the_estimate_counts_one_chunk_of_logits_under_the_chunked_loss():
     from helpers import composed
-    from runner.memory.terms import estimate
+
     from runner.memory.facts import facts_of
+    from runner.memory.terms import estimate
 
     def estimated(loss):
         spec = composed(["model=llama3_8b", "hardware=h100_80gb", "precision=bf16", f"train.loss={loss}",

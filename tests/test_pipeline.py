@@ -5,13 +5,13 @@ import dataclasses
 
 import pytest
 import torch
-
 from helpers import composed, run_in_workers
-from runner.config.model import build_model, build_tokenizer
-from runner.engine.generation import Decoding, next_tokens, prompt_batches
-from runner.engine.pipeline import pipeline_generate
-from runner.parallel.pipeline import stage_bounds
+
+from runner.components.modeling import build_model, build_tokenizer
 from runner.errors import SpecError
+from runner.generation.decoding import Decoding, next_tokens, prompt_batches
+from runner.generation.pipelined import pipeline_generate
+from runner.parallel.pipeline.layout import stage_bounds
 
 PROMPTS = ["Hello", "The quick brown fox", "a", "pipeline parallel", "12345 678"]
 MAX_NEW_TOKENS = 12

@@ -8,8 +8,8 @@ the last the other, their gradients summed.
 
 import pytest
 import torch
-
 from helpers import QUICK, logged, resolved_spec, run_cli, step_losses, train_in_workers
+
 from runner.compat import pipeline_passes_integer_tensors
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
@@ -130,7 +130,7 @@ def test_a_pipeline_pads_each_micro_batch_to_one_shape_without_changing_its_loss
     copies of its first row without labels."""
     from runner.data.batches import MicroBatch
     from runner.data.rows import IGNORE
-    from runner.engine.schedule import Pipeline
+    from runner.parallel.pipeline.schedule import Pipeline
 
     pipeline = Pipeline(None, first=True, last=True, microbatches=1, rows=3, length=6, pad_token_id=0, pp_group=None,
                         leads_stage=True)
@@ -158,8 +158,9 @@ def test_stages_are_balanced_by_the_parameters_they_hold():
     import math
 
     from helpers import composed
+
     from runner.memory.facts import meta_model
-    from runner.parallel.pipeline import balanced_bounds, stage_bounds, stage_parameters
+    from runner.parallel.pipeline.layout import balanced_bounds, stage_bounds, stage_parameters
 
     model = meta_model(composed(["model=llama3_8b"]).model)
     shapes = [tuple(parameter.shape) for parameter in model.parameters()]

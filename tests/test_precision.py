@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import QUICK, composed, resolved_spec, run_in_workers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from helpers import QUICK, composed, resolved_spec, run_in_workers
-from runner.config.float8 import Float8Config, fp8_layer_names
-from runner.config.model import build_model, build_tokenizer
+from runner.components.fp8 import fp8_layer_names
+from runner.components.modeling import build_model, build_tokenizer
+from runner.config.float8 import Float8Config
 from runner.config.spec import check_combination, validate
 from runner.distributed import Ranks
 from runner.engine.job import prepare_job

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import composed, run_cli
+
 from runner.cli import recipes
 from runner.cli.compose import CONF_DIR, RECIPES_DIR
-from runner.config.spec import RunSpec, validate
 from runner.config.hardware import Accelerator
+from runner.config.spec import RunSpec, validate
 from runner.memory.advice import check_fit, fit
 from runner.memory.facts import facts_of
 from runner.memory.terms import estimate

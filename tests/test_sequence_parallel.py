@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
+
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-
 from helpers import QUICK, Started, hold_at_step, last_step, run_cli, start_cli, step_losses, wait_until
 
 pytestmark = pytest.mark.cluster

@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, composed, logged, run_cli, run_dirs
+
 from runner.cli.app import validated
 from runner.cli.compose import compose_config
 from runner.config.hardware import StartMethod
 from runner.config.tracker import RunIdentity
-from runner.engine.launch import launch, start_method, worker
+from runner.processes.launch import launch, start_method, worker
 
 TRL_PAIRS = Path(__file__).parent / "data" / "trl" / "preference_standard.jsonl"
 # What a worker's spec may hold: every strategy, a tensor-parallel layout, adapters, trackers, streaming, DPO.

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import QUICK, resolved_spec, run_in_workers
-from runner.config.model import build_model, build_tokenizer
+
+from runner.components.modeling import build_model, build_tokenizer
 from runner.engine.job import prepare_job
 from runner.strategies.protocol import unwrapped
 
@@ -17,10 +17,9 @@ BASE = [*QUICK, "hardware.nproc_per_node=2", "strategy=fsdp", "train.micro_batch
 
 def _inspect(ranks, cases, run_dir):
     """Facts about the prepared model of each case, as this rank sees them."""
+    import transformers.modeling_utils as loading
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-
-    import transformers.modeling_utils as loading
 
     # Records the weight files transformers opens, and opens them as usual (safetensors reads them in Rust,
     # where Python's audit hooks do not reach).

@@ -7,10 +7,10 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, killed_and_resumed, run_cli, run_dirs
+
+from runner.components.modeling import byte_tokenizer
 from runner.config.data import DataConfig, DataFormat
-from runner.config.model import byte_tokenizer
 from runner.data.pack import GROUP
 from runner.data.read import read_item, values, work_items
 from runner.data.stream import StreamedRows, StreamPosition, held_out_every, shard
@@ -140,10 +140,36 @@ def test_streamed_input_problems_are_one_line_before_any_process(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.jsonl"]  # nothing written, no outputs/
 
 
-@pytest.mark.slow  # the hub's client retries for 23 s before it gives up
+@pytest.mark.slow  # may wait up to 10 s for the hub's host before launch (runner/data/stream.py: hub_unreachable)
 def test_a_hub_dataset_that_cannot_be_streamed_is_one_line(tmp_path):
     result = run_cli("data.hub_dataset=nobody/nothing", "data.files=null", "data.streaming=true", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("run: error: data.hub_dataset=nobody/nothing could not be streamed: ")
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreachable_hub_is_named_before_its_client_retries(monkeypatch):
+    """A refused connection is named at once (huggingface_hub would retry it for 23 s); a host that accepts, a
+    proxy (only the client can tell) and offline mode (datasets refuses at once itself) leave it to datasets."""
+    import socket
+
+    import datasets
+
+    from runner.data.stream import hub_unreachable
+
+    for name in ("http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setattr(datasets.config, "HF_ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert hub_unreachable() is None
+    assert hub_unreachable() == "127.0.0.1 cannot be reached (Connection refused)"  # the same port, now closed
+    monkeypatch.setenv("http_proxy", "http://proxy.invalid:3128")
+    assert hub_unreachable() is None
+    monkeypatch.delenv("http_proxy")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    assert hub_unreachable() is None

@@ -8,7 +8,6 @@ import signal
 
 import pytest
 import yaml
-
 from helpers import QUICK, run_cli, start_cli, wait_until
 
 pytestmark = pytest.mark.slow

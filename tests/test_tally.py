@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import run_in_workers
+
 from runner.engine.tally import DeviceTally
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
+
 from runner.compat import dtensor_flattens_a_sharded_sequence
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
@@ -184,6 +184,7 @@ def test_the_data_loader_is_told_its_place_on_the_mesh_batch_dimension():
     """On a 2 x 2 x 2 mesh of 8 processes (HYBRID_SHARD x tp): the data-parallel rank each process reads for is its
     coordinate along dp_replicate x dp_shard, and one rank of each tensor-parallel group counts in sums."""
     from helpers import run_in_workers
+
     from runner.parallel.dims import ParallelDims
 
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2)
@@ -212,8 +213,8 @@ def test_the_estimate_splits_parameters_and_activations_over_the_tensor_parallel
 
 
 def test_a_run_that_fits_only_split_is_told_to_split():
-    from runner.memory.advice import check_fit
     from runner.errors import SpecError
+    from runner.memory.advice import check_fit
 
     long = resolved_spec(["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16",
                           "hardware=8xh100_80gb", "data.seq_len=32768", "train.micro_batch_size=1"])

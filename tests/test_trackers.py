@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import QUICK, run_cli, run_dirs
 
 pytestmark = pytest.mark.slow
@@ -167,7 +166,7 @@ def test_an_mlflow_server_that_does_not_answer_is_refused_within_seconds(workdir
     import socket
     import time
 
-    from runner.config.reachable import WAIT_S
+    from runner.components.reachable import WAIT_S
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import QUICK, resolved_spec, run_cli, run_dirs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers import QUICK, resolved_spec, run_cli, run_dirs
+from runner.components.modeling import build_tokenizer
 from runner.data.rows import IGNORE
 from runner.data.splits import token_splits
-from runner.config.model import build_tokenizer
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 

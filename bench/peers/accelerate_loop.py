@@ -11,10 +11,9 @@ import functools
 import torch
 from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DistributedType
+from shared import StepLog, arguments, evaluate_first, initial_model, padded, token_rows, unsupported
 from torch.utils.data import DataLoader
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
-from shared import StepLog, arguments, evaluate_first, initial_model, padded, token_rows, unsupported
 
 
 def main() -> None:

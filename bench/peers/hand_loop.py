@@ -15,11 +15,10 @@ import os
 
 import torch
 import torch.distributed as dist
+from shared import StepLog, arguments, evaluate_first, initial_model, padded, token_rows
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
-
-from shared import StepLog, arguments, evaluate_first, initial_model, padded, token_rows
 
 
 def warmup_cosine(warmup: int, total: int, min_ratio: float):

@@ -73,9 +73,9 @@ def _runner_global_batches(data, seed: int, global_batch: int):
     """The runner's tokenizer, and its global batches of unpacked rows: one rank taking each whole global batch in
     one micro batch (runner/data/batches.py cuts each global batch into the ranks' contiguous slices, so that rank
     sees every rank's rows); and its eval split."""
+    from runner.components.modeling import byte_tokenizer
     from runner.data.batches import train_batches
     from runner.data.splits import token_splits
-    from runner.config.model import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     train_set, eval_set = token_splits(data, tokenizer, seed)

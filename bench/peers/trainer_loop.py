@@ -13,11 +13,9 @@ examples from the position_ids and keeps each to itself).
 import tempfile
 
 import torch
-from torch.utils.data import Dataset
-from transformers import (DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainerCallback,
-                          TrainingArguments)
-
 from shared import StepLog, arguments, initial_model, real_tokens, token_rows, unsupported
+from torch.utils.data import Dataset
+from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, Trainer, TrainerCallback, TrainingArguments
 
 
 class CausalLMRows(Dataset):
@@ -88,7 +86,7 @@ def main() -> None:
         log = StepLog(args.records)
         rows = token_rows(plan)[0]
         if isinstance(rows, list):  # instruction examples of their own lengths
-            from runner.config.model import byte_tokenizer
+            from runner.components.modeling import byte_tokenizer
 
             dataset = InstructionRows(rows)
             collator = (DataCollatorWithFlattening() if args.collator == "flattening"

@@ -19,11 +19,19 @@ from runner.cli.run_dir import chosen_options, discard_run_dir, run_identity, sc
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.hardware import check_rendezvous
 from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
-from runner.engine.checkpoint import complete_checkpoints
-from runner.engine.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
-from runner.engine.signals import SweepStop
-from runner.errors import (ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, SpecError, Stopped,
-                           SweepStopped, WorkerFailed)
+from runner.errors import (
+    ExitStatus,
+    LaunchRefused,
+    NonFiniteLoss,
+    NothingToLaunch,
+    SpecError,
+    Stopped,
+    SweepStopped,
+    WorkerFailed,
+)
+from runner.files import complete_checkpoints
+from runner.processes.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
+from runner.processes.signals import SweepStop
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report
 
@@ -38,7 +46,7 @@ def run_job(config: DictConfig) -> float:
     # The engine (and torch with it) is imported once a job runs: `run --help`, `run --cfg job` and the tasks that
     # launch nothing answer without it.
     from runner.distributed import Ranks
-    from runner.engine.launch import launch, run_task
+    from runner.processes.launch import launch, run_task
 
     task = current_task()  # a task of a submitit job is one rank; every task of the job runs this
     hydra_config = HydraConfig.get()

@@ -20,8 +20,16 @@ from runner.cli.help import help_text
 from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import load_spec
-from runner.errors import (ExitStatus, LaunchRefused, NonFiniteLoss, NothingToLaunch, SpecError, Stopped,
-                           SweepStopped, WorkerFailed)
+from runner.errors import (
+    ExitStatus,
+    LaunchRefused,
+    NonFiniteLoss,
+    NothingToLaunch,
+    SpecError,
+    Stopped,
+    SweepStopped,
+    WorkerFailed,
+)
 from runner.files import new_recipe
 from runner.quiet import quiet_libraries
 
@@ -104,7 +112,7 @@ def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
 def recipe_from_accelerate(recipe_dirs: list[Path], args: list[str]) -> None:
     if len(args) not in (1, 2):
         raise recipes.RecipeError("usage: run --from-accelerate <accelerate config .yaml> [<recipe name>]")
-    from runner.tools.accelerate.read import recipe_of  # only here: every other command starts faster
+    from runner.tools.accelerate.reader import recipe_of  # only here: every other command starts faster
 
     source = Path(args[0])
     target = new_recipe(args[1] if len(args) == 2 else source.stem, f"run --from-accelerate {source} <recipe name>")
@@ -121,7 +129,7 @@ def recipe_from_accelerate(recipe_dirs: list[Path], args: list[str]) -> None:
 
 def print_accelerate_config(recipe_dirs: list[Path], overrides: list[str]) -> None:
     """The accelerate config of the spec that `run <overrides>` would compose; what it cannot say, on stderr."""
-    from runner.tools.accelerate.write import accelerate_file  # only here: every other command starts faster
+    from runner.tools.accelerate.writer import accelerate_file  # only here: every other command starts faster
 
     text, notes = accelerate_file(load_spec(compose_config(overrides)))
     print(text, end="")
@@ -132,7 +140,7 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
     """Tokenizes the data of the spec that `run <overrides>` would compose into the token store, where its runs
     will read it: on a CPU or login node, before a GPU job starts."""
     from runner.cli.app import validated
-    from runner.config.model import build_tokenizer
+    from runner.components.modeling import build_tokenizer
     from runner.data.splits import token_splits
     from runner.data.store import size_on_disk
 
@@ -153,8 +161,8 @@ def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
     """Prints the first N (default 3) training rows of the spec that `run <overrides>` would compose, the tokens
     that train marked, and the counts of rows, tokens and trained tokens."""
     from runner.cli.app import validated
+    from runner.components.modeling import build_tokenizer
     from runner.config.data import DataFormat
-    from runner.config.model import build_tokenizer
     from runner.data.show import counts, shown_row
     from runner.data.splits import token_splits
 

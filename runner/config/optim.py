@@ -1,6 +1,6 @@
 """The `optim` group: the optimizer. Weight decay applies to matrices only, never to biases or norm weights.
 
-Each option's schema answers what the rest of the runner asks of an optimizer: how to build it, what it keeps per
+Each option's schema answers what the rest of the runner asks of an optimizer: which torch optimizer runs it, what it keeps per
 parameter (for the memory estimate), and whether its values make sense.
 """
 
@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any, List
 from runner.errors import require
 
 if TYPE_CHECKING:
-    import torch
-    from torch import nn
+    pass
 
 
 @dataclass
@@ -35,10 +34,9 @@ class AdamWConfig(OptimConfig):
                 f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
         require(self.eps >= 0, f"optim.eps={self.eps} must be >= 0")
 
-    def build(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        import torch
-
-        return torch.optim.AdamW(groups, lr=self.lr, betas=tuple(self.betas), eps=self.eps)
+    def torch_optimizer(self) -> tuple[str, dict[str, Any]]:
+        """The torch.optim class that runs this option, and its keywords."""
+        return "AdamW", {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps}
 
     def states(self) -> tuple[int, str]:
         """States per parameter, and their name."""
@@ -58,10 +56,8 @@ class SGDConfig(OptimConfig):
         _check_shared(self)
         require(self.momentum >= 0, f"optim.momentum={self.momentum} must be >= 0")
 
-    def build(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        import torch
-
-        return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+    def torch_optimizer(self) -> tuple[str, dict[str, Any]]:
+        return "SGD", {"lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
 
     def states(self) -> tuple[int, str]:
         if self.momentum > 0:
@@ -75,11 +71,3 @@ class SGDConfig(OptimConfig):
 def _check_shared(optim: OptimConfig) -> None:
     require(optim.lr > 0, f"optim.lr={optim.lr} must be > 0")
     require(optim.weight_decay >= 0, f"optim.weight_decay={optim.weight_decay} must be >= 0")
-
-
-def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return optim.build([
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 from runner.errors import require
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 class Decay(str, Enum):
@@ -53,11 +53,3 @@ def lr_factor(scheduler: SchedulerConfig, step: int, total_steps: int) -> float:
     progress = (step - warmup) / max(1, total_steps - warmup)
     shape = 0.5 * (1 + math.cos(math.pi * progress)) if scheduler.decay is Decay.cosine else 1 - progress
     return scheduler.min_lr_ratio + (1 - scheduler.min_lr_ratio) * shape
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, scheduler: SchedulerConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LRScheduler:
-    import torch
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(scheduler, step, total_steps))

@@ -14,7 +14,7 @@ from typing import Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from runner.config import adapter, data, hardware, model, precision, scheduler, train, tracker
+from runner.config import adapter, data, hardware, model, precision, scheduler, tracker, training
 from runner.config.adapter import AdapterConfig
 from runner.config.data import DataConfig
 from runner.config.hardware import HardwareConfig
@@ -25,14 +25,14 @@ from runner.config.scheduler import SchedulerConfig
 from runner.config.strategy import StrategyConfig
 from runner.config.task import TaskConfig
 from runner.config.tracker import TrackerConfig
-from runner.config.train import TrainConfig
+from runner.config.training import TrainConfig
 from runner.errors import SpecError, did_you_mean, require
 
 
 @dataclass
 class RunSpec:
     hardware: HardwareConfig = MISSING
-    # A Strategy and a Task (runner/strategies/protocol.py, runner/tasks/protocol.py): every option's schema is one.
+    # A Strategy and a Task (runner/strategies/protocol.py, runner/tasks/task_protocol.py): every option's schema is one.
     strategy: StrategyConfig = MISSING
     precision: PrecisionConfig = MISSING
     tracker: TrackerConfig = MISSING
@@ -103,7 +103,7 @@ def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:
     """
     spec = spec.strategy.resolved(spec)
     require(spec.seed >= 0, f"seed={spec.seed} must be >= 0")
-    train.check(spec.train)
+    training.check(spec.train)
     spec.optim.check()
     scheduler.check(spec.scheduler, spec.train.max_steps)
     model.check(spec.model)

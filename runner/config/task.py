@@ -1,5 +1,5 @@
 """The `task` group's base schemas: what `run` does with the composed spec. Its options (train, estimate,
-evaluate, generate) are in runner/tasks/, one file each behind the Task protocol (runner/tasks/protocol.py).
+evaluate, generate) are in runner/tasks/, one file each behind the Task protocol (runner/tasks/task_protocol.py).
 
 The inference tasks (evaluate, generate) share where their model comes from (`trained`) and how it is placed
 (`device_map`, `max_memory`, `offload_dir`)."""

@@ -161,3 +161,10 @@ def eval_batches(
     first = dp_rank * share
     for start in range(first, first + share, micro_batch_size):
         yield collate(rows.batch(range(start, min(start + micro_batch_size, first + share))), pad_token_id, pin)
+
+
+@dataclass
+class MeanLoss:
+    loss: float  # over every label token of every rank's rows
+    label_tokens: int
+    tokens: int  # the rows' tokens, padding aside

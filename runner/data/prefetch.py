@@ -16,7 +16,7 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
     more is being built. The thread starts at the first next(), and ends (closing `items`, on the thread that runs it)
     when this generator is closed or collected: the loop's end, or its exception; within one item's time, since it
     stops between items. An exception in `items` is raised here with its traceback, the thread's frames included.
-    The wait for an item is the loop's own: the stall watch (runner/engine/stall_watch.py) shows where both threads
+    The wait for an item is the loop's own: the stall watch (runner/processes/stall_watch.py) shows where both threads
     are; a thread that ended without an item is said in one line rather than waited on.
 
     `items` must run no collective: every rank issues those in the same order, from its main thread."""

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
 from runner.data.chat import ChatRenderer, chat_template, conversation, template_or_none
 from runner.data.preference import PairEncoder, pair
-from runner.data.read import (HUB_ROWS, WorkItem, error_source, fields, read_item, read_records, values,
-                              work_items)
+from runner.data.read import HUB_ROWS, WorkItem, error_source, fields, read_item, read_records, values, work_items
 from runner.errors import WorkerFailed
 
 if TYPE_CHECKING:

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from runner.distributed import Ranks, barrier
 from runner.errors import require
-from runner.files import ASIDE, move_into_place, save_tensors, write_json
+from runner.files import (
+    PARTIAL,
+    checkpoints_dir,
+    complete_checkpoints,
+    move_into_place,
+    save_tensors,
+    write_json,
+)
 from runner.strategies.protocol import CheckpointLayout
 
 if TYPE_CHECKING:
@@ -34,7 +41,6 @@ if TYPE_CHECKING:
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
-PARTIAL = ".partial"
 
 
 class Checkpointed(Protocol):
@@ -46,23 +52,6 @@ class Checkpointed(Protocol):
     stepper: Stepper
     scheduler: torch.optim.lr_scheduler.LRScheduler
     global_batch_size: int
-
-
-def checkpoints_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """The complete checkpoints of a run, oldest first; half-written ones are left out with a warning."""
-    found = []
-    for path in sorted(checkpoints_dir(run_dir).glob("step_*")):
-        if path.name.endswith(ASIDE):  # a step written again, its earlier copy not yet removed
-            continue
-        if path.name.endswith(PARTIAL) or not (path / "meta.json").is_file():
-            log.warning("skipping %s: it was not completely written", path)
-            continue
-        found.append(path)
-    return found
 
 
 def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position: Optional[dict[str, int]]) -> Path:

@@ -7,28 +7,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
+from runner.components.lr_schedule import build_scheduler
+from runner.components.modeling import build_tokenizer
+from runner.components.trackers import Tracker, build_trackers
 from runner.config.data import DataFormat
-from runner.config.model import build_tokenizer
-from runner.data.chat import chat_template, template_or_none
-from runner.config.scheduler import build_scheduler
 from runner.config.spec import RunSpec, to_plain
-from runner.config.tracker import RunIdentity, Tracker, build_trackers
+from runner.config.tracker import RunIdentity
 from runner.data import batches
+from runner.data.chat import chat_template, template_or_none
 from runner.data.prefetch import ahead
 from runner.data.splits import token_splits
 from runner.data.stream import StreamedRows, check_stream
 from runner.distributed import Ranks
 from runner.engine import checkpoint
 from runner.engine.placement import device_of, place
-from runner.strategies.protocol import parameter_count
 from runner.errors import SpecError
+from runner.strategies.protocol import parameter_count
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
-    from runner.config.precision import PrecisionInEffect
+    from runner.components.mixed_precision import PrecisionInEffect
     from runner.data.rows import RowSet
     from runner.parallel.dims import ParallelDims
     from runner.parallel.sequence import SequenceSplit
@@ -71,7 +72,7 @@ class PreparedJob:
     # What the steps minimise and the evaluations report (runner/engine/step.py's Objective, which imports this
     # module): None, the next-token loss, unless the task sets its own.
     objective: Any = None
-    # Under pipeline parallelism, the schedule of this rank's stages (runner/engine/schedule.py's Pipeline, which
+    # Under pipeline parallelism, the schedule of this rank's stages (runner/parallel/pipeline/schedule.py's Pipeline, which
     # imports step.py, which imports this module), which runs the steps' forward and backward and the evaluation;
     # `model` then holds this rank's stages only.
     pipeline: Any = None

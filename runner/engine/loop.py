@@ -13,18 +13,17 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from runner.config import adapter
+from runner.components import lora
 from runner.engine import checkpoint
-from runner.engine.metrics import (
-    MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib, training_flops_per_token)
+from runner.engine.metrics import MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib, training_flops_per_token
 from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
-from runner.engine.signals import GracefulStop, StopVote
-from runner.engine.stall_watch import StallWatch, process_watch
 from runner.engine.step import SHOWN_METRICS, evaluate, train_step
 from runner.engine.tally import DeviceTally
 from runner.errors import NonFiniteLoss, Stopped
-from runner.files import move_into_place, write_json_atomically
+from runner.files import complete_checkpoints, move_into_place, write_json_atomically
+from runner.processes.signals import GracefulStop, StopVote
+from runner.processes.stall_watch import StallWatch, process_watch
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
 
         reading = tally.read()  # waits for the device: the steps since the last reading are done
         if reading.first_non_finite is not None:
-            last_good = checkpoint.complete_checkpoints(job.run_dir)
+            last_good = complete_checkpoints(job.run_dir)
             raise NonFiniteLoss(f"the loss is {reading.loss} at step {reading.first_non_finite}; the last good "
                                 f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
         compiled = compile_seconds() if cfg.compile else 0.0
@@ -231,7 +230,7 @@ def save_adapter(job: PreparedJob, state: Optional[dict[str, Any]], directory: P
     base = frozen_base(spec, job.tokenizer) if needs_base else None
     if not spec.model.pretrained:
         base.save_pretrained(directory / "base")
-    adapter.export(directory, spec.adapter, trained, model, spec.model.pretrained or str(final / "base"))
+    lora.export(directory, spec.adapter, trained, model, spec.model.pretrained or str(final / "base"))
     if spec.adapter.merge:
-        adapter.export_merged(directory / "merged", spec.adapter, trained, base, spec.hardware.world_size)
+        lora.export_merged(directory / "merged", spec.adapter, trained, base, spec.hardware.world_size)
         job.tokenizer.save_pretrained(directory / "merged")

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from runner.config.training import LossKind, loss_kind_in_effect
 from runner.data.batches import shifted
 from runner.data.rows import IGNORE
-from runner.config.train import LossKind, loss_kind_in_effect
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from runner.config.train import TrainConfig
+    from runner.config.training import TrainConfig
     from runner.data.batches import MicroBatch
 
 
@@ -58,7 +58,7 @@ def loss_arguments(micro_batch: MicroBatch) -> dict[str, Any]:
 def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, hidden: torch.Tensor,
                             labels: torch.Tensor) -> torch.Tensor:
     """The same summed loss from the final hidden states and the LM head, as a pipeline's last stage computes it
-    (runner/parallel/stages.py)."""
+    (runner/parallel/pipeline/stages.py)."""
     if kind is LossKind.full:
         return summed_cross_entropy(head(hidden), labels)
     return chunked_summed_cross_entropy(hidden, head, labels, chunk_tokens)

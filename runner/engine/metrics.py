@@ -116,10 +116,3 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._redirect.__exit__(None, None, None)
-
-
-@dataclass
-class MeanLoss:
-    loss: float  # over every label token of every rank's rows
-    label_tokens: int
-    tokens: int  # the rows' tokens, padding aside

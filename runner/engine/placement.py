@@ -35,17 +35,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, ContextManager, Optional
 
-from runner.config.float8 import convert_to_fp8, summarize_names
-from runner.config.hardware import Accelerator
-from runner.config.adapter import add_adapter
 from runner.compat import checkpoint_activations
-from runner.config.model import blocks, build_model
-from runner.config.optim import build_optimizer
-from runner.config.precision import Dtype, PrecisionInEffect, autocast, cast_weights
-from runner.engine.attention import (
-    attend_causally_unmasked, attend_with, attend_within_examples, per_example_attention)
+from runner.components.fp8 import convert_to_fp8, summarize_names
+from runner.components.lora import add_adapter
+from runner.components.mixed_precision import PrecisionInEffect, autocast, cast_weights
+from runner.components.modeling import blocks, build_model
+from runner.components.optimizers import build_optimizer
+from runner.config.hardware import Accelerator
+from runner.config.precision import Dtype
+from runner.engine.attention import attend_causally_unmasked, attend_with, attend_within_examples, per_example_attention
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
-from runner.parallel.pipeline import balanced_bounds, stages_of
+from runner.parallel.pipeline.layout import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
 from runner.strategies.protocol import WholeWeights
 
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 
     from runner.config.spec import RunSpec
     from runner.distributed import Ranks
-    from runner.engine.schedule import Pipeline
     from runner.parallel.dims import ParallelDims
+    from runner.parallel.pipeline.schedule import Pipeline
     from runner.parallel.sequence import SequenceSplit
     from runner.strategies.protocol import Stepper
 
@@ -99,7 +99,7 @@ def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrain
     optimizer = build_optimizer(model, spec.optim)
     pipeline = None
     if on_layout.stages:
-        from runner.engine.schedule import build_pipeline
+        from runner.parallel.pipeline.schedule import build_pipeline
 
         pipeline = build_pipeline(on_layout.stages, on_layout.stage_ids, spec, dims, ranks.rank, device,
                                   tokenizer.pad_token_id)
@@ -167,7 +167,7 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
         model.tie_weights()  # moving to meta unties the LM head from the embeddings; the other ranks have them tied
     on_layout = ModelOnLayout(model, fp8_layers, sequence_split=sequence_split)
     if training and dims.pp > 1:
-        from runner.parallel.stages import cut_into_stages
+        from runner.parallel.pipeline.stages import cut_into_stages
 
         on_layout.stage_ids = stages_of(dims.pp_rank(ranks.rank), dims.pp, dims.stages_per_rank)
         bounds = balanced_bounds(model, dims.pp * len(on_layout.stage_ids))

@@ -7,9 +7,9 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, Protocol
 
+from runner.data.batches import MeanLoss
 from runner.distributed import all_ranks_sums, summed_on_device
 from runner.engine.loss import loss_arguments, loss_line
-from runner.engine.metrics import MeanLoss
 from runner.parallel.sequence import split_sequences
 from runner.strategies.protocol import unwrapped
 
@@ -29,7 +29,7 @@ SHOWN_METRICS = ("rewards/accuracies", "rewards/margins")
 
 class Objective(Protocol):
     """What a training step minimises and an evaluation reports: the next-token loss (NextTokenLoss), or a
-    preference loss (task=dpo: runner/engine/preference.py)."""
+    preference loss (task=dpo: runner/engine/dpo_loss.py)."""
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

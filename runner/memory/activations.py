@@ -31,10 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from runner.config.train import LossKind, loss_kind_in_effect
+from runner.config.training import LossKind, loss_kind_in_effect
 from runner.memory.parameters import parameters_of
 from runner.memory.terms import FP32, Part, micro_batch_tokens
-from runner.parallel.pipeline import PipelineSchedule, balanced_bounds, stages_of
+from runner.parallel.pipeline.layout import PipelineSchedule, balanced_bounds, stages_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec

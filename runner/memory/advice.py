@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
-from runner.config.adapter import AdapterConfig, AdapterKind, check as check_adapter
+from runner.config.adapter import AdapterConfig, AdapterKind
+from runner.config.adapter import check as check_adapter
 from runner.config.hardware import GIB, Accelerator
 from runner.config.precision import Dtype
 from runner.config.spec import check_combination

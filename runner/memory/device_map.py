@@ -1,5 +1,5 @@
 """Where accelerate's big-model placement (device_map="auto") puts each layer of a model, under the memory each
-device may use: what the inference estimate counts before launch and what runner/engine/big_model.py places."""
+device may use: what the inference estimate counts before launch and what runner/generation/big_model.py places."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from runner.config.float8 import fp8_layer_names
-from runner.config.model import ModelConfig, blocks, build_model, build_tokenizer
+from runner.components.fp8 import fp8_layer_names
+from runner.components.modeling import blocks, build_model, build_tokenizer
+from runner.config.model import ModelConfig
 from runner.config.precision import PrecisionConfig
 from runner.errors import SpecError
 

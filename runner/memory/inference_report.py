@@ -1,5 +1,5 @@
 """What an inference job (task=evaluate, task=generate) prints before it starts, and its fit check against the
-spec's hardware with the changes that fit; the estimate itself is runner/memory/inference.py."""
+spec's hardware with the changes that fit; the estimate itself is runner/memory/inference_estimate.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from runner.config.hardware import GIB, Accelerator
 from runner.errors import SpecError
 from runner.memory.facts import facts_of
-from runner.memory.inference import (
+from runner.memory.inference_estimate import (
     InferenceEstimate,
     InferenceLoad,
     activations_part,
@@ -209,7 +209,7 @@ def _planned(spec: RunSpec, task: InferenceTaskConfig, batch_size: int, tokens: 
 def device_map_placement(spec: RunSpec, facts: ModelFacts, task: InferenceTaskConfig,
                          weight_bytes_per_param: int) -> dict[str, int]:
     """Bytes of weights accelerate's device_map=auto puts on each GPU ("0", "1", ...), "cpu" and "disk", under
-    the limits the task would give it (runner/engine/big_model.py), from the model on the meta device."""
+    the limits the task would give it (runner/generation/big_model.py), from the model on the meta device."""
     from runner.memory.device_map import automatic_device_map, device_of, memory_limits
 
     hardware = spec.hardware

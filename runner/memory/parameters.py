@@ -21,10 +21,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runner.config.adapter import NF4_BYTES_PER_WEIGHT, nf4_fits, targets
-from runner.config.model import blocks
+from runner.components.lora import nf4_fits, targets
+from runner.components.modeling import blocks
+from runner.config.adapter import NF4_BYTES_PER_WEIGHT
 from runner.memory.terms import FP32, Part, sharded_elements
-from runner.parallel.pipeline import balanced_bounds, stage_parameters, stages_of
+from runner.parallel.pipeline.layout import balanced_bounds, stage_parameters, stages_of
 from runner.parallel.tensor import adapter_shapes, block_plan, split_shapes
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from runner.config.model import blocks
+from runner.components.modeling import blocks
 from runner.errors import SpecError, require
 
 if TYPE_CHECKING:
@@ -65,8 +65,7 @@ def block_plan(model: nn.Module, tp: int) -> dict[str, str]:
 def parallelize_tensors(model: nn.Module, mesh: DeviceMesh) -> None:
     """Splits the model over the 1-D `mesh` (the tp dimension), in place."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel(),
               "rowwise": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}

@@ -6,8 +6,9 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Optional
 
+from runner.components.mixed_precision import grad_scaler
 from runner.config.hardware import Accelerator
-from runner.config.precision import Dtype, PrecisionConfig, grad_scaler
+from runner.config.precision import Dtype, PrecisionConfig
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.replicated import whole_copies

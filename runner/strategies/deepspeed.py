@@ -10,22 +10,27 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional
 
-from runner.config.hardware import Accelerator
 from runner.config.float8 import Float8Backend
+from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.facts import facts_of, fp8_linears
 from runner.memory.parameters import host_loading, parameters_of
-from runner.memory.terms import (
-    FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change)
+from runner.memory.terms import FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change
 from runner.parallel.dims import ParallelDims
 from runner.quiet import deepspeed_setup
 from runner.strategies.deepspeed_json import config_with_file, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import (
-    CheckpointLayout, PipelineStages, StepOutcome, WholeWeights, has_frozen_parameters, trained_state)
+    CheckpointLayout,
+    PipelineStages,
+    StepOutcome,
+    WholeWeights,
+    has_frozen_parameters,
+    trained_state,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -13,7 +13,7 @@ where `group` is `hybrid_shard_size`: by default the data-parallel ranks of one 
 accelerate (shard within a node, replicate across nodes); on a single node that is FULL_SHARD unless a smaller group
 is given. `tp_size` > 1 splits every block over that many consecutive ranks first (runner/parallel/tensor.py), and
 FSDP then shards the split parameters: FSDP x TP, or HYBRID_SHARD x TP. `pp_size` > 1 cuts the layers into that
-many pipeline stages (runner/parallel/pipeline.py), each run by world / pp_size ranks that FSDP shards it over,
+many pipeline stages (runner/parallel/pipeline/layout.py), each run by world / pp_size ranks that FSDP shards it over,
 and `pp_schedule` orders the micro batches through them.
 """
 
@@ -25,19 +25,18 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, List, Optional
 
+from runner.components.mixed_precision import grad_scaler
 from runner.config.hardware import Accelerator
-from runner.config.precision import Dtype, PrecisionConfig, grad_scaler
+from runner.config.precision import Dtype, PrecisionConfig
 from runner.config.strategy import StrategyConfig
 from runner.distributed import local
 from runner.errors import SpecError, require
-from runner.memory.activations import (
-    ActivationDtypes, activations_part, loss_gradient_bytes, pipeline_activations_part)
+from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes, pipeline_activations_part
 from runner.memory.facts import fp8_linears, meta_model
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
-from runner.memory.terms import (
-    Change, Estimate, Part, dtype_name, processes, share, sharded_elements, strategy_change)
+from runner.memory.terms import Change, Estimate, Part, dtype_name, processes, sharded_elements, share, strategy_change
 from runner.parallel.dims import ParallelDims
-from runner.parallel.pipeline import PipelineSchedule
+from runner.parallel.pipeline.layout import PipelineSchedule
 from runner.parallel.tensor import block_plan
 from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper

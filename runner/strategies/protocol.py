@@ -93,7 +93,7 @@ class Stepper(Protocol):
 
 class PipelineStages(Protocol):
     """The pipeline stages a model's parameters are spread over, beyond the strategy's own shards
-    (runner/engine/schedule.py): what a stepper asks to take the gradients' norm and to write or export whole
+    (runner/parallel/pipeline/schedule.py): what a stepper asks to take the gradients' norm and to write or export whole
     state."""
 
     def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
-from runner.config.precision import grad_scaler
+from runner.components.mixed_precision import grad_scaler
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.replicated import whole_copies

@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 from runner.distributed import cpu_copy, local, process_group_up, whole_on_cpu
 from runner.files import read_shards, read_tensors, save_tensors, write_json, write_shards
 from runner.strategies.protocol import (
-    CheckpointLayout, PipelineStages, StepOutcome, has_frozen_parameters, trained_state)
+    CheckpointLayout,
+    PipelineStages,
+    StepOutcome,
+    has_frozen_parameters,
+    trained_state,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -126,7 +131,11 @@ class TorchStepper:
         """The current state dicts give this run's sharding; DCP reads each rank's part of them from whichever
         shards of the written ones hold it."""
         from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         options = self.options()
         model_state = self.trained(get_model_state_dict(self.model, options=options))
@@ -151,7 +160,10 @@ class TorchStepper:
         """Rank 0 reads the whole state and broadcasts it into whatever sharding this run uses; under a pipeline,
         each rank reads its own stages' entries."""
         from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict, set_model_state_dict, set_optimizer_state_dict)
+            get_model_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         distributed = process_group_up()
         options = self.options(full_state_dict=True, broadcast_from_rank0=distributed and not self.stages)

@@ -1,5 +1,5 @@
 """task=dpo: preference tuning on pairs of responses (data.format=preference), with the losses of TRL's DPOTrainer
-and its kin (runner/engine/preference.py). Before launch, what task=train checks, and the task's own keys."""
+and its kin (runner/engine/dpo_loss.py). Before launch, what task=train checks, and the task's own keys."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
     from runner.distributed import Ranks
+    from runner.engine.dpo_loss import PreferenceLoss, Reference
     from runner.engine.job import LoadedData, PreparedJob
-    from runner.engine.preference import PreferenceLoss, Reference
     from runner.memory.facts import ModelFacts
     from runner.memory.terms import Estimate
 
@@ -110,8 +110,8 @@ class DpoTask(TaskConfig):
     def objective(self, job: PreparedJob) -> PreferenceLoss:
         """The loss, and its reference: the policy with its adapters off, else a frozen copy of the initial model;
         with precompute_reference, their log-probs of every pair, computed once (the copy then freed)."""
+        from runner.engine.dpo_loss import AdaptersOff, FrozenCopy, PreferenceLoss, precomputed
         from runner.engine.placement import placed_model
-        from runner.engine.preference import AdaptersOff, FrozenCopy, PreferenceLoss, precomputed
 
         spec = job.spec
         reference: Optional[Reference] = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
-from runner.config.adapter import targets
+from runner.components.lora import targets
 from runner.config.task import TaskConfig
 from runner.memory.facts import meta_model
 from runner.memory.report import report

@@ -58,7 +58,7 @@ class EvaluateTask(InferenceTaskConfig):
 
     def inputs(self, spec: RunSpec) -> RowSet:
         """The tokenized rows to evaluate, at least one per rank."""
-        from runner.config.model import build_tokenizer
+        from runner.components.modeling import build_tokenizer
         from runner.data.rows import RowSet
         from runner.data.splits import token_splits
 
@@ -74,10 +74,10 @@ class EvaluateTask(InferenceTaskConfig):
     def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
             inputs: Optional[RowSet] = None) -> dict[str, Any]:
         from runner.data.batches import eval_batches
-        from runner.engine.inference import inference_model
         from runner.engine.metrics import peak_memory_gib
         from runner.engine.step import mean_loss
         from runner.files import write_json_atomically
+        from runner.generation.data_parallel import inference_model
 
         rows = inputs if inputs is not None else self.inputs(spec)
         spec = self.with_trained_model(spec)

@@ -78,7 +78,7 @@ class GenerateTask(InferenceTaskConfig):
         spec = self.with_trained_model(spec)
         check_causal_lm(spec.model)
         if self.pipeline_stages > 1:
-            from runner.parallel.pipeline import stage_bounds
+            from runner.parallel.pipeline.layout import stage_bounds
 
             stage_bounds(facts_of(spec.model).layers, self.pipeline_stages, self.split_points or None)
         return inference_answer(spec, self, **self.load(prompts))
@@ -96,8 +96,8 @@ class GenerateTask(InferenceTaskConfig):
             inputs: Optional[list[str]] = None) -> dict[str, Any]:
         import sys
 
-        from runner.engine.generation import Decoding, completion, prompt_batches
-        from runner.engine.inference import gathered, generate, inference_model, my_batches
+        from runner.generation.data_parallel import gathered, generate, inference_model, my_batches
+        from runner.generation.decoding import Decoding, completion, prompt_batches
 
         prompts = inputs if inputs is not None else self.inputs(spec)
         spec = self.with_trained_model(spec)
@@ -124,9 +124,9 @@ class GenerateTask(InferenceTaskConfig):
         loaded = time.perf_counter()
         try:
             if self.pipeline_stages > 1:
-                from runner.engine.pipeline import pipeline_generate
-                from runner.parallel.pipeline import stage_bounds
                 from runner.engine.placement import device_of
+                from runner.generation.pipelined import pipeline_generate
+                from runner.parallel.pipeline.layout import stage_bounds
 
                 bounds = stage_bounds(model.model.config.num_hidden_layers, self.pipeline_stages,
                                       self.split_points or None)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 from runner.compat import dtensor_flattens_a_sharded_sequence, pipeline_passes_integer_tensors
-from runner.config.adapter import targets
+from runner.components.lora import targets
+from runner.components.trackers import check_services
 from runner.config.data import DataFormat
 from runner.config.task import TaskConfig
-from runner.config.tracker import check_services
 from runner.engine.checkpoint import check_resumable
 from runner.errors import require
 from runner.memory.advice import check_fit
@@ -62,7 +62,7 @@ def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdenti
     next-token loss otherwise), trained; its summary, whose eval loss a sweeper minimises."""
     from runner.engine.job import prepare_job
     from runner.engine.loop import train
-    from runner.engine.stall_watch import process_watch
+    from runner.processes.stall_watch import process_watch
 
     # A rank stuck before the first step (a collective of the model's placement that another rank never joins) says
     # where, as the loop's steps do.

@@ -14,8 +14,8 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from runner.engine.cluster import is_first_task
 from runner.errors import Stopped
+from runner.processes.cluster import is_first_task
 
 COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib",
            "wall_time_s", "error"]

@@ -5,8 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from runner.tools.accelerate.values import (
-    Handler, Settings, accelerator, count, flag, fsdp2_sharding, mixed_precision, no_meaning, parallel_sizes,
-    transformer_engine)
+    Handler,
+    Settings,
+    accelerator,
+    count,
+    flag,
+    fsdp2_sharding,
+    mixed_precision,
+    no_meaning,
+    parallel_sizes,
+    transformer_engine,
+)
 
 # accelerate's distributed types and the strategy option each is here.
 DISTRIBUTED_TYPES = {"NO": "single", "MULTI_CPU": "ddp", "MULTI_GPU": "ddp", "FSDP": "fsdp", "DEEPSPEED": "deepspeed"}

@@ -12,8 +12,18 @@ from runner.strategies import STRATEGIES
 from runner.strategies.deepspeed import OffloadDevice
 from runner.strategies.fsdp import AutoWrapPolicy, ShardingStrategy, StateDictType
 from runner.tools.accelerate.values import (
-    Handler, Settings, count, flag, fsdp2_sharding, mixed_precision, named, no_meaning, parallel_sizes, setting,
-    transformer_engine)
+    Handler,
+    Settings,
+    count,
+    flag,
+    fsdp2_sharding,
+    mixed_precision,
+    named,
+    no_meaning,
+    parallel_sizes,
+    setting,
+    transformer_engine,
+)
 
 # accelerate's own orders: a file may give a value as its 1-based position in the list.
 SHARDING_STRATEGIES = [s.value for s in ShardingStrategy]

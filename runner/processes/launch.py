@@ -24,11 +24,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.compat import shutdown_timeout
 from runner.distributed import Ranks, free_port
-from runner.engine.build_locks import clear_stale_build_locks
-from runner.engine.checkpoint import complete_checkpoints
-from runner.engine.cluster import Task, check_reachable
-from runner.engine.stall_watch import StallWatch
 from runner.errors import ExitStatus, Stopped, WorkerFailed
+from runner.files import complete_checkpoints
+from runner.processes.build_locks import clear_stale_build_locks
+from runner.processes.cluster import Task, check_reachable
+from runner.processes.stall_watch import StallWatch
 from runner.quiet import name_deepspeed_accelerator, quiet_loggers
 
 if TYPE_CHECKING:

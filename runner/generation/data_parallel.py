@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
-from runner.config.model import build_tokenizer
-from runner.config.precision import autocast
+from runner.components.mixed_precision import autocast
+from runner.components.modeling import build_tokenizer
 from runner.config.task import DeviceMap, InferenceTaskConfig, TrainedModel, trained_model
-from runner.engine.generation import Batch, Decoding, up_to_eos
-from runner.engine.metrics import ProgressBar
 from runner.engine.loss import with_summed_loss
+from runner.engine.metrics import ProgressBar
 from runner.engine.placement import device_of, placed_model
 from runner.files import read_model_shards
+from runner.generation.decoding import Batch, Decoding, up_to_eos
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         return autocast(spec.precision, compute_device, compute_dtype=spec.strategy.forward_cast is None)
 
     if task.device_map is DeviceMap.auto:
-        from runner.engine.big_model import place_for_inference, placement_lines
+        from runner.generation.big_model import place_for_inference, placement_lines
         from runner.memory.device_map import memory_limits
 
         hardware = spec.hardware

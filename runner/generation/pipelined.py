@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from runner.distributed import Ranks
-from runner.engine.generation import Batch, Decoding, next_tokens, up_to_eos
-from runner.parallel.stages import decoder_of, run_layers
+from runner.generation.decoding import Batch, Decoding, next_tokens, up_to_eos
+from runner.parallel.pipeline.stages import decoder_of, run_layers
 
 
 class DecoderStage(nn.Module):

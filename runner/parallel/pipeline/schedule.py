@@ -1,5 +1,5 @@
 """Pipeline-parallel training's step and evaluation: this rank's micro batches through its stages, in the order of
-a torch.distributed.pipelining schedule (runner/parallel/pipeline.py: the layout; runner/parallel/stages.py: the
+a torch.distributed.pipelining schedule (runner/parallel/pipeline/layout.py: the layout; runner/parallel/pipeline/stages.py: the
 stages).
 
 The schedule runs all micro batches of an optimizer step in one call, each of them one of its microbatches. Every
@@ -24,18 +24,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from runner.data.batches import MicroBatch
+from runner.data.batches import MeanLoss, MicroBatch
 from runner.data.rows import IGNORE
 from runner.distributed import all_ranks_sums, local
-from runner.engine.metrics import MeanLoss
-from runner.parallel.pipeline import PipelineSchedule
-from runner.parallel.stages import INPUT_EMBEDDINGS, OUTPUT_EMBEDDINGS
+from runner.parallel.pipeline.layout import PipelineSchedule
+from runner.parallel.pipeline.stages import INPUT_EMBEDDINGS, OUTPUT_EMBEDDINGS
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.data.batches import GlobalBatch
     from runner.parallel.dims import ParallelDims
-    from runner.parallel.stages import TrainingStage
+    from runner.parallel.pipeline.stages import TrainingStage
 
 
 @dataclass
@@ -158,8 +157,7 @@ def _without_labels(micro_batch: MicroBatch) -> MicroBatch:
 def build_pipeline(stages: list[TrainingStage], stage_ids: list[int], spec: RunSpec, dims: ParallelDims,
                    rank: int, device: torch.device, pad_token_id: int) -> Pipeline:
     """The schedule of this rank's stages (already sharded by the strategy), with the shapes they exchange."""
-    from torch.distributed.pipelining import (
-        PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     strategy, train = spec.strategy, spec.train
     mesh = dims.mesh(device.type)

@@ -1,4 +1,4 @@
-"""A Llama-family transformers causal LM cut into pipeline stages for training (runner/parallel/pipeline.py says
+"""A Llama-family transformers causal LM cut into pipeline stages for training (runner/parallel/pipeline/layout.py says
 which): this rank keeps its stages' decoder layers and drops the others', and each of its stages runs as a module
 of its own, which torch.distributed.pipelining's schedule calls and FSDP shards as a root.
 

@@ -16,7 +16,7 @@ import yaml
 
 from runner.config.hardware import HardwareConfig
 from runner.config.precision import PrecisionConfig
-from runner.config.train import TrainConfig
+from runner.config.training import TrainConfig
 from runner.errors import SpecError
 from runner.strategies import STRATEGIES
 from runner.tools.accelerate.keys import DISTRIBUTED_TYPES, KEYS

@@ -1,6 +1,6 @@
 """Pipeline parallelism's layout: which decoder layers each stage holds, which stages each rank runs, and what a
 schedule asks of the micro batches. Plain rules, without torch: validation asks them before launch, and
-runner/parallel/stages.py runs them.
+runner/parallel/pipeline/stages.py runs them.
 
 A schedule of torch.distributed.pipelining runs the micro batches of one optimizer step through the stages: the
 rank's micro batches (train.grad_accum_steps of them) are the pipeline's microbatches.

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
-from runner.config.model import ModelConfig, build_model
+from runner.components.modeling import build_model
+from runner.config.model import ModelConfig
 from runner.errors import require
 from runner.memory.device_map import DISK, Device, automatic_device_map, device_of
 from runner.memory.terms import readable

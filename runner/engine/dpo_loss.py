@@ -62,7 +62,7 @@ class AdaptersOff:
     """The policy with its adapters switched off: the frozen base, which is the initial model."""
 
     def logps(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss) -> torch.Tensor:
-        from runner.config.adapter import adapters_off
+        from runner.components.lora import adapters_off
 
         with adapters_off(unwrapped(job.model)):
             return whole(row_logps(job.model, micro_batch))

@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
-from runner.config.model import blocks
+from runner.components.modeling import blocks
 from runner.errors import SpecError
 from runner.memory.terms import FP32, Part, dtype_name, sharded_elements
 
@@ -196,7 +196,7 @@ def stage_layers(layers: int, stages: int) -> list[int]:
 
 
 def pipeline_load(load: InferenceLoad) -> InferenceLoad:
-    """The runner's pipeline generation (runner/engine/pipeline.py) keeps no KV cache: each step runs the whole
+    """The runner's pipeline generation (runner/generation/pipelined.py) keeps no KV cache: each step runs the whole
     rows, prompt and new tokens, through the stages, and the last stage computes the logits of one position."""
     if not load.kv_cache:
         return load

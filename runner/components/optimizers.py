@@ -1,0 +1,23 @@
+"""The optimizer the `optim` group names (runner/config/optim.py). Weight decay applies to matrices only, never to
+biases or norm weights."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from runner.config.optim import OptimConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    import torch
+
+    name, options = optim.torch_optimizer()
+    return getattr(torch.optim, name)([
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ], **options)

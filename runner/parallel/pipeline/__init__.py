@@ -1,0 +1,2 @@
+"""Pipeline parallelism's training parts: the layout (schedules, stage bounds), the stages cut from a model, and
+the schedule that trains them."""
