@@ -142,7 +142,7 @@ def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
                           "main_process_ip: 10.0.0.1\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n")
         spec = checked_recipe(recipe_of(source, "hybrid")[0])
         assert to_plain(spec)["strategy"]["hybrid_shard_size"] is None
-        assert spec.strategy.dims(spec.hardware).shape == (1, *mesh, 1, 1)
+        assert spec.layout.shape == (1, *mesh, 1, 1)
 
 
 def test_transformer_engines_scaling_goes_back_to_accelerate_and_returns():
@@ -161,7 +161,7 @@ def test_accelerates_tensor_parallel_hsdp_example_is_the_same_mesh_here_and_back
     register(RECIPES_DIR)
     name = "huggingface__accelerate__examples__torch_native_parallelism__configs__tp_hsdp.yaml"
     spec = checked_recipe(recipe_of(CORPUS / name, "tp_hsdp")[0])
-    assert spec.strategy.dims(spec.hardware).shape == (1, 2, 2, 1, 2)
+    assert spec.layout.shape == (1, 2, 2, 1, 2)
     text, _ = accelerate_file(spec)
     assert yaml.safe_load(text)["parallelism_config"] == yaml.safe_load((CORPUS / name).read_text())[
         "parallelism_config"]
@@ -179,7 +179,7 @@ def test_context_parallel_examples_split_each_sequence_here_and_back(name, cp):
     no data-parallel split, and the same sizes written back."""
     register(RECIPES_DIR)
     spec = checked_recipe(recipe_of(CORPUS / name, "cp")[0])
-    assert spec.strategy.cp_size == cp and spec.strategy.dims(spec.hardware).shape == (1, 1, 1, cp, 1)
+    assert spec.strategy.cp_size == cp and spec.layout.shape == (1, 1, 1, cp, 1)
     text, _ = accelerate_file(spec)
     written = yaml.safe_load(text)["parallelism_config"]
     assert {key: written[key] for key in written if key.endswith("_size")} == {
@@ -198,7 +198,7 @@ def test_ulysses_examples_split_each_sequence_under_deepspeed_here_and_back(name
     register(RECIPES_DIR)
     spec = checked_recipe(recipe_of(CORPUS / name, "ulysses")[0])
     assert (spec.strategy.name, spec.strategy.zero_stage, spec.strategy.sp_size) == ("deepspeed", 3, 2)
-    assert spec.strategy.dims(spec.hardware).shape == (1, 1, 2, 2, 1) and spec.precision.reduce_dtype.value == "bf16"
+    assert spec.layout.shape == (1, 1, 2, 2, 1) and spec.precision.reduce_dtype.value == "bf16"
     text, _ = accelerate_file(spec)
     written = yaml.safe_load(text)
     assert {key: value for key, value in written["parallelism_config"].items() if key.endswith("_size")} == {

@@ -103,3 +103,63 @@ def test_every_package_of_the_code_ships():
     listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     packages = {module_name(path) for path in PACKAGE.rglob("__init__.py")}
     assert packages - listed == set()
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60  # its docstring and decorators included
+
+
+def test_no_module_and_no_function_outgrows_its_size():
+    too_long = []
+    for module, path in MODULES.items():
+        source = path.read_text()
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{module}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
+                if node.end_lineno - first + 1 > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: {node.end_lineno - first + 1} lines")
+    assert too_long == []
+
+
+# What a schema module may import when it is imported: no engine (torch, transformers, ...) and nothing that talks
+# to the network; what runs at run time lives in runner/components/ and the stages' packages.
+SCHEMA_IMPORTS_REFUSED = {"torch", "transformers", "datasets", "peft", "torchao", "deepspeed", "wandb", "mlflow",
+                          "tensorboard", "urllib", "socket", "http", "requests", "huggingface_hub", "netrc"}
+
+
+def test_config_holds_schemas_and_checks_only():
+    engines = []
+    for module, path in MODULES.items():
+        if part(module) != "config":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level: what importing the schema costs
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            engines += [f"{module} imports {name}" for name in names if name.split(".")[0] in SCHEMA_IMPORTS_REFUSED]
+        for node in ast.walk(tree):  # inside functions too: a schema asks no service
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                engines += [f"{module} imports {name} to talk to a service" for name in names
+                            if name.split(".")[0] in {"urllib", "socket", "http", "requests", "netrc"}]
+    assert engines == []
+
+
+def test_no_two_modules_share_a_name():
+    """A name says which module is meant: `inference.py` is never two files."""
+    by_name: dict[str, list[str]] = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.name, []).append(module)
+    assert {name: modules for name, modules in by_name.items() if len(modules) > 1} == {}
+
+
+def test_the_layout_is_worked_out_in_one_place():
+    """The job's parallel dimensions come from RunSpec.layout (runner/config/spec.py), which the prepared job holds;
+    no other code asks a strategy for them again."""
+    asked = [f"{module}:{node.lineno}" for module, path in MODULES.items() if module != "runner.config.spec"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dims"]
+    assert asked == []

@@ -13,7 +13,7 @@ from runner.config.scheduler import Decay
 from runner.config.spec import validate
 from runner.errors import SpecError
 from runner.memory.facts import facts_of
-from runner.strategies.deepspeed import deepspeed_config
+from runner.strategies.deepspeed_json import deepspeed_config
 
 CORPUS = Path(__file__).parent / "data" / "accelerate_corpus"
 TRANSFORMERS_ZERO3 = CORPUS / "huggingface__transformers__tests__deepspeed__ds_config_zero3.json"

@@ -332,14 +332,14 @@ def test_hybrid_shard_groups_the_processes_of_a_node_as_torch_and_accelerate_do(
     base = ["model=llama3_8b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb"]
     hybrid = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD"])
     full = composed(base)
-    assert hybrid.strategy.dims(hybrid.hardware).shape == (1, 1, 8, 1, 1)
+    assert hybrid.layout.shape == (1, 1, 8, 1, 1)
     assert estimate(hybrid, facts_of(hybrid.model)).peak == estimate(full, facts_of(full.model)).peak
-    assert hybrid.strategy.describe(hybrid.hardware).endswith(
+    assert hybrid.strategy.describe(hybrid).endswith(
         "mesh 1 x 8 (dp_replicate x dp_shard), TRANSFORMER_BASED_WRAP; one shard group of the node's 8 data-parallel "
         "ranks is FULL_SHARD: strategy.hybrid_shard_size=<a divisor of 8> gives replicas")
     two_nodes = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD_ZERO2", "hardware.nnodes=2"])
-    assert two_nodes.strategy.dims(two_nodes.hardware).shape == (1, 2, 8, 1, 1)
-    assert "gives replicas" not in two_nodes.strategy.describe(two_nodes.hardware)
+    assert two_nodes.layout.shape == (1, 2, 8, 1, 1)
+    assert "gives replicas" not in two_nodes.strategy.describe(two_nodes)
     in_fours = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=4"])
-    assert in_fours.strategy.dims(in_fours.hardware).shape == (1, 2, 4, 1, 1)
+    assert in_fours.layout.shape == (1, 2, 4, 1, 1)
     assert estimate(in_fours, facts_of(in_fours.model)).peak > estimate(full, facts_of(full.model)).peak

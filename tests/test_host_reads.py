@@ -61,7 +61,7 @@ def quiet_steps(reads: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
 
 STREAMED = ["data.streaming=true", "data.eval_fraction=0.25"]
 SINGLE = {
-    "text, chunked loss": [],
+    "text, chunked loss": ["train.loss=chunked"],
     "text, streamed": STREAMED,
     "text, full loss": ["train.loss=full"],
     "instruction rows, padded": INSTRUCTION,

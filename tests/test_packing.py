@@ -235,13 +235,16 @@ def test_the_chunked_loss_is_the_full_loss_with_its_gradients(pairs):
         torch.testing.assert_close(chunked_grad, full_grad, rtol=1e-3, atol=1e-5)
 
 
-def test_the_loss_in_effect_follows_the_model_type():
-    gpt2 = build_model(ModelConfig(architecture={"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2},
-                                   tokenizer="bytes"), byte_tokenizer())
+def test_the_loss_in_effect_follows_the_model_type_and_its_vocabulary():
+    gpt2 = build_model(ModelConfig(architecture={"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                 "vocab_size": 32_000}, tokenizer="bytes"), byte_tokenizer())
     assert with_summed_loss(gpt2, LossKind.auto, 1024) is LossKind.full  # not on the list of plain heads
     llama = tiny_model()
     assert llama.config.model_type == "llama"
-    assert with_summed_loss(llama, LossKind.auto, 1024) is LossKind.chunked
+    assert with_summed_loss(llama, LossKind.auto, 1024) is LossKind.full  # 259 byte tokens: no logits worth chunking
+    large = build_model(ModelConfig(architecture={**resolved_spec(QUICK).model.architecture, "vocab_size": 32_000},
+                                    tokenizer="bytes"), byte_tokenizer())
+    assert with_summed_loss(large, LossKind.auto, 1024) is LossKind.chunked
 
 
 @pytest.mark.parametrize("override,message", [

@@ -22,7 +22,7 @@ from runner.distributed import Ranks
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
-from runner.strategies.deepspeed import deepspeed_config
+from runner.strategies.deepspeed_json import deepspeed_config
 from runner.strategies.protocol import unwrapped
 
 STEPS = 6

@@ -129,7 +129,7 @@ def test_ulysses_is_estimated_by_its_slices_and_refused_where_it_cannot_split():
     alone, split = estimate(whole, facts), estimate(sliced, facts)
     assert split.activations.bytes == pytest.approx(alone.activations.bytes / 2, rel=1e-3)
     assert "a 1/2 slice of each sequence (context parallel)" in split.activations.note
-    assert sliced.strategy.describe(sliced.hardware) == ("deepspeed ZeRO-3, 8 processes, mesh 1 x 4 x 2 (dp_replicate x "
+    assert sliced.strategy.describe(sliced) == ("deepspeed ZeRO-3, 8 processes, mesh 1 x 4 x 2 (dp_replicate x "
                                                          "dp_shard x cp), Ulysses sequence parallel")
     for given, refusal in (([*overrides, "strategy.sp_size=3"], "strategy.sp_size=3 does not divide the 8 processes"),
                            ([*overrides, "strategy.sp_size=4", "model.architecture.num_key_value_heads=6"],

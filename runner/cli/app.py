@@ -38,32 +38,62 @@ from runner.tools.sweep_report import record_error, write_report
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
 
+    from runner.config.tracker import RunIdentity
+
 
 def run_job(config: DictConfig) -> float:
+    """Hydra's task function: the job of `config`, checked and its input read, then run; its objective."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    # The engine (and torch with it) is imported once a job runs: `run --help`, `run --cfg job` and the tasks that
-    # launch nothing answer without it.
-    from runner.distributed import Ranks
-    from runner.processes.launch import launch, run_task
-
     task = current_task()  # a task of a submitit job is one rank; every task of the job runs this
     hydra_config = HydraConfig.get()
+    run_dir = Path(hydra_config.runtime.output_dir)
     if task is not None:  # started by submitit, not by `run`
-        quiet_libraries()
-        # submitit reports the task's end in its own files; in run.log, its "completed" would follow a failure that
-        # Hydra caught.
-        logging.getLogger("submitit").propagate = False
-        resume_requeued(config, task, Path(hydra_config.runtime.output_dir))
+        start_cluster_task(config, task, run_dir)
     sweeping = hydra_config.mode == RunMode.MULTIRUN and task is None
     if sweeping:
         stop_if_asked(hydra_config, "started")  # by a signal between the jobs
+    spec, identity, inputs = prepared_job(config, hydra_config, first=task is None or task.rank == 0)
+    if sweeping:
+        stop_if_asked(hydra_config, "trained")  # by a signal while the job read its data
+    log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
+    try:
+        return job_objective(spec, run_dir, identity, inputs, task, log_format)
+    except Stopped as stop:
+        if task is not None:
+            end_if_requeued(task, stop)
+        if not sweeping:
+            raise
+        record_error(run_dir, stop)
+        raise stopped_sweep(hydra_config, f"job {hydra_config.job.num} {stop}", next_job=hydra_config.job.num + 1)
+    except Exception as error:
+        failure = job_failure(error, task, run_dir, sweep_job=hydra_config.mode == RunMode.MULTIRUN)
+        if failure is None:
+            raise
+        raise failure from None
+    finally:
+        if sweeping:  # the elastic launcher leaves its own signal handlers behind
+            SWEEP.stop.install()
+
+
+def start_cluster_task(config: DictConfig, task: Task, run_dir: Path) -> None:
+    """A task of a submitit job (one rank), started by submitit rather than by `run`: the libraries kept quiet,
+    and a job that SLURM started again resumed."""
+    quiet_libraries()
+    # submitit reports the task's end in its own files; in run.log, its "completed" would follow a failure that
+    # Hydra caught.
+    logging.getLogger("submitit").propagate = False
+    resume_requeued(config, task, run_dir)
+
+
+def prepared_job(config: DictConfig, hydra_config: DictConfig, first: bool) -> tuple[RunSpec, RunIdentity, Any]:
+    """The job's checked spec (its task's pre-launch step run), its identity and what it reads. The first of its
+    processes (`first`) writes the run directory's spec.yaml; input that cannot be read refuses the launch."""
     spec = validated(config, Path(hydra_config.runtime.cwd))
     name_deepspeed_accelerator(spec.hardware.accelerator.value)
     spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
     run_dir = Path(hydra_config.runtime.output_dir)
-    first = task is None or task.rank == 0
     if first:
         (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
         scrub_secrets(run_dir, spec)
@@ -75,33 +105,35 @@ def run_job(config: DictConfig) -> float:
         if first and not spec.resume:  # a new run's directory holds nothing yet: leave nothing behind
             discard_run_dir(run_dir)
         raise LaunchRefused(str(error)) from None
-    if sweeping:
-        stop_if_asked(hydra_config, "trained")  # by a signal while the job read its data
-    log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
-    try:
-        if not spec.strategy.distributed:
-            return spec.task.run(spec, run_dir, Ranks(), identity, inputs)["objective"]
-        if task is not None:
-            return run_task(task, spec, run_dir, log_format, identity)["objective"]
-        return launch(spec, run_dir, log_format, identity)["objective"]
-    except Stopped as stop:
-        if task is not None:
-            end_if_requeued(task, stop)
-        if not sweeping:
-            raise
-        record_error(run_dir, stop)
-        raise stopped_sweep(hydra_config, f"job {hydra_config.job.num} {stop}", next_job=hydra_config.job.num + 1)
-    except Exception as error:
-        # Hydra holds a sweep job's error until the whole sweep has run: its log says why it failed now.
-        if hydra_config.mode == RunMode.MULTIRUN:
-            logging.getLogger("runner").exception("the job failed")
-        if task is not None and not isinstance(error, (WorkerFailed, NonFiniteLoss)):  # `run` says it in one line
-            raise WorkerFailed(f"rank {task.rank} failed (SLURM job {task.job_id}): {one_line(error)} (its "
-                               f"traceback: the logs in {run_dir})") from None
-        raise
-    finally:
-        if sweeping:  # the elastic launcher leaves its own signal handlers behind
-            SWEEP.stop.install()
+    return spec, identity, inputs
+
+
+def job_objective(spec: RunSpec, run_dir: Path, identity: RunIdentity, inputs: Any, task: Optional[Task],
+                  log_format: Any) -> float:
+    """The job run in this process (one process), as this task of a cluster job, or through the elastic launcher
+    (several processes); its objective."""
+    # The engine (and torch with it) is imported once a job runs: `run --help`, `run --cfg job` and the tasks that
+    # launch nothing answer without it.
+    from runner.distributed import Ranks
+    from runner.processes.launch import launch, run_task
+
+    if not spec.strategy.distributed:
+        return spec.task.run(spec, run_dir, Ranks(), identity, inputs)["objective"]
+    if task is not None:
+        return run_task(task, spec, run_dir, log_format, identity)["objective"]
+    return launch(spec, run_dir, log_format, identity)["objective"]
+
+
+def job_failure(error: Exception, task: Optional[Task], run_dir: Path, sweep_job: bool) -> Optional[WorkerFailed]:
+    """What a failed job raises in place of `error` (None: `error` itself): a cluster task's error in one line, as
+    WorkerFailed. A sweep's job logs its error here."""
+    # Hydra holds a sweep job's error until the whole sweep has run: its log says why it failed now.
+    if sweep_job:
+        logging.getLogger("runner").exception("the job failed")
+    if task is not None and not isinstance(error, (WorkerFailed, NonFiniteLoss)):  # `run` says it in one line
+        return WorkerFailed(f"rank {task.rank} failed (SLURM job {task.job_id}): {one_line(error)} (its "
+                            f"traceback: the logs in {run_dir})")
+    return None
 
 
 def end_if_requeued(task: Task, stop: Stopped) -> None:

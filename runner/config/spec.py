@@ -9,6 +9,7 @@ check the whole spec as it applies to it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Optional
 
@@ -46,6 +47,13 @@ class RunSpec:
     seed: int = 0
     # The checkpoint to continue from; the command line's resume=auto or resume=<run dir> is resolved to it.
     resume: Optional[str] = None
+
+    @cached_property
+    def layout(self):
+        """The job's parallel layout (runner/parallel/dims.py's ParallelDims), worked out once from the strategy
+        and the hardware: the prepared job holds it and every other part asks it. A changed spec (dataclasses'
+        replace) is a new RunSpec, which works out its own."""
+        return self.strategy.dims(self.hardware)
 
 
 # Groups and keys of lightning-hydra-template (and Lightning), and where the same thing is here.

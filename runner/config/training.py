@@ -11,7 +11,8 @@ from runner.errors import require
 class LossKind(str, Enum):
     """How the summed next-token loss is computed (runner/engine/loss.py)."""
 
-    # chunked where it is exact for the model type (Llama, Mistral, Qwen 2 and 3), else full
+    # chunked where it is exact for the model type (Llama, Mistral, Qwen 2 and 3) and the vocabulary is large enough
+    # for the logits to matter, else full
     auto = "auto"
     # the head on the label positions only, chunk by chunk: the whole batch's fp32 logits never exist
     chunked = "chunked"
@@ -22,11 +23,15 @@ class LossKind(str, Enum):
 # Model types whose causal-LM forward is exactly `lm_head(last_hidden_state)`: no logit soft-capping or scaling and
 # no auxiliary loss, so the chunked sum equals the full one. Others keep the full loss under train.loss=auto.
 PLAIN_HEADS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Below this vocabulary the logits cost about what the hidden states do (a byte-level model's 259 against 128), and
+# chunking, which runs the head again in backward, saves no memory worth that time.
+CHUNKED_FROM_VOCAB = 16_384
 
 
-def loss_kind_in_effect(requested: LossKind, model_type: str) -> LossKind:
+def loss_kind_in_effect(requested: LossKind, model_type: str, vocab_size: int) -> LossKind:
     if requested is LossKind.auto:
-        return LossKind.chunked if model_type in PLAIN_HEADS else LossKind.full
+        chunked = model_type in PLAIN_HEADS and vocab_size >= CHUNKED_FROM_VOCAB
+        return LossKind.chunked if chunked else LossKind.full
     return requested
 
 

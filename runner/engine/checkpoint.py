@@ -72,7 +72,7 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position
         write_json(partial / "meta.json", {
             "step": step,
             "world_size": job.ranks.world_size,
-            "mesh": list(job.spec.strategy.dims(job.spec.hardware).shape),
+            "mesh": list(job.dims.shape),
             "layout": job.spec.strategy.checkpoint_layout.value,
             "strategy": job.spec.strategy.name,
             "adapter": job.spec.adapter.kind.value,

@@ -177,7 +177,7 @@ class PreferenceLoss:
         gamma = f", gamma {self.simpo_gamma:g}" if self.kind == "simpo" else ""
         reference = self.reference.line() if self.reference is not None else "none"
         return (f"{self.kind} preference loss, beta {self.beta:g}{smoothing}{gamma}; reference model: {reference}; "
-                f"log-probs {loss_line(job.spec.train, unwrapped(job.model).config.model_type)}")
+                f"log-probs {loss_line(job.spec.train, unwrapped(job.model).config)}")
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
         """The mean loss and metrics over every rank's eval pairs, as `eval_loss` and `eval_<metric>`."""

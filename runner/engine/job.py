@@ -110,7 +110,7 @@ def load_data(spec: RunSpec) -> LoadedData:
     The controller calls it before starting workers, so that data problems stop the job early and the workers
     read the token store it wrote. A streamed run's source is checked to stream, with the format's fields.
     """
-    train, dp_size = spec.train, spec.strategy.dims(spec.hardware).dp_size
+    train, dp_size = spec.train, spec.layout.dp_size
     tokenizer = build_tokenizer(spec.model)
     if spec.data.format is DataFormat.chat:  # saved with the model: what generation renders prompts with
         tokenizer.chat_template = chat_template(spec.data, tokenizer)
@@ -139,35 +139,11 @@ def prepare_job(
     loaded: Optional[LoadedData] = None,
 ) -> PreparedJob:
     """`loaded`: what load_data returned for this spec in this process, when it has been called already."""
-    import torch
 
     device = device_of(spec, ranks)
     tokenizer, train_set, eval_set = loaded or load_data(spec)
     placed = place(spec, ranks, device, tokenizer)
-    # The data-parallel ranks split each global batch (single has one); the ranks of a tensor-parallel group run
-    # the same rows.
-    dp_rank, dp_size, train = placed.dims.dp_rank(ranks.rank), placed.dims.dp_size, spec.train
-    pad = tokenizer.pad_token_id
-    # On CUDA, batches are built in pinned memory: their copies to the device need not wait.
-    pin = device.type == "cuda" and torch.cuda.is_available()
-    # The next global batch is built on a thread while the step runs.
-    if spec.data.streaming:
-        stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
-        # Each rank evaluates its share of the eval rows from its own held-out documents.
-        eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
-
-        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
-            return ahead(batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
-                                                  grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
-                                                  position=position, pin=pin))
-        eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
-    else:
-        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
-            return ahead(batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
-                                               grad_accum_steps=train.grad_accum_steps, dp_rank=dp_rank,
-                                               dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
-                                               start_step=start_step, pin=pin))
-        eval_rank, eval_size, eval_sequences = dp_rank, dp_size, len(eval_set)
+    train_batches, eval_batches, eval_sequences = batch_sources(spec, tokenizer, train_set, eval_set, ranks, device)
     job = PreparedJob(
         spec=spec,
         run_dir=run_dir,
@@ -176,13 +152,10 @@ def prepare_job(
         model=placed.model,
         tokenizer=tokenizer,
         optimizer=placed.optimizer,
-        scheduler=build_scheduler(placed.optimizer, spec.scheduler, train.max_steps),
+        scheduler=build_scheduler(placed.optimizer, spec.scheduler, spec.train.max_steps),
         stepper=placed.stepper,
         train_batches=train_batches,
-        eval_batches=lambda: batches.eval_batches(
-            eval_set, micro_batch_size=train.micro_batch_size, max_batches=train.eval_batches,
-            dp_rank=eval_rank, dp_size=eval_size, pad_token_id=pad, pin=pin,
-        ),
+        eval_batches=eval_batches,
         autocast=placed.autocast,
         trackers=[],
         dims=placed.dims,
@@ -204,3 +177,40 @@ def prepare_job(
         config = {**to_plain(spec), "precision_in_effect": job.precision_in_effect().as_dict()}
         job.trackers = build_trackers(spec.tracker, run_dir, config, identity, job.start_step)
     return job
+
+
+def batch_sources(spec: RunSpec, tokenizer: PreTrainedTokenizerBase, train_set: Optional[RowSet],
+                  eval_set: Optional[RowSet], ranks: Ranks, device: torch.device):
+    """This rank's train batches (a function of the step and stream position it starts from), its eval batches,
+    and the eval sequences of all ranks together. The data-parallel ranks split each global batch (single has
+    one); the ranks of a tensor-parallel group run the same rows. The next global batch is built on a thread
+    while the step runs."""
+    import torch
+
+    dims, train, pad = spec.layout, spec.train, tokenizer.pad_token_id
+    dp_rank, dp_size = dims.dp_rank(ranks.rank), dims.dp_size
+    # On CUDA, batches are built in pinned memory: their copies to the device need not wait.
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    if spec.data.streaming:
+        stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
+        # Each rank evaluates its share of the eval rows from its own held-out documents.
+        eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
+
+        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
+            return ahead(batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
+                                                  grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
+                                                  position=position, pin=pin))
+        eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
+    else:
+        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
+            return ahead(batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
+                                               grad_accum_steps=train.grad_accum_steps, dp_rank=dp_rank,
+                                               dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
+                                               start_step=start_step, pin=pin))
+        eval_rank, eval_size, eval_sequences = dp_rank, dp_size, len(eval_set)
+
+    def eval_batches() -> Iterator[batches.MicroBatch]:
+        return batches.eval_batches(eval_set, micro_batch_size=train.micro_batch_size,
+                                    max_batches=train.eval_batches, dp_rank=eval_rank, dp_size=eval_size,
+                                    pad_token_id=pad, pin=pin)
+    return train_batches, eval_batches, eval_sequences

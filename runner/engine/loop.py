@@ -29,6 +29,8 @@ from runner.strategies.protocol import unwrapped
 if TYPE_CHECKING:
     from runner.data.batches import GlobalBatch
     from runner.engine.job import PreparedJob
+    from runner.engine.tally import Reading
+    from runner.strategies.protocol import StepOutcome
 
 log = logging.getLogger("runner")
 
@@ -60,19 +62,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
            ) -> dict[str, Any]:
     cfg = job.spec.train
     window = _start(job)
-    if job.start_step:
-        log.info("resuming from step %d of %s", job.start_step, job.spec.resume)
-        written = job.progress.get("global_batch", job.global_batch_size)  # older checkpoints do not say
-        if written != job.global_batch_size:
-            log.warning("resuming with a global batch of %d (micro batch %d x %d data-parallel ranks x %d "
-                        "accumulation steps) where the checkpoint's run had %d: the steps from here train on other "
-                        "batches than that run's own; set train.micro_batch_size or train.grad_accum_steps to give "
-                        "%d again for the same losses", job.global_batch_size, cfg.micro_batch_size, job.dp_size,
-                        cfg.grad_accum_steps, written, written)
-        progress = Progress(**{f.name: job.progress[f.name] for f in fields(Progress)})
-    else:
-        watch.entering("evaluating before the first step")
-        progress = Progress(first_eval_loss=evaluate(job, step=0)["eval_loss"])
+    progress = _starting_progress(job, watch)
     job.model.train()  # from_pretrained leaves a model in eval mode
     evaluated, train_loss = {"eval_loss": progress.first_eval_loss}, math.nan
     started = time.perf_counter()
@@ -86,12 +76,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         watch.entering(f"in step {step}")
         batch = next(batches)
         result = train_step(job, batch)
-        if result.outcome.applied:
-            job.scheduler.step()
-        else:  # fp16's loss scale overflowed: no update, so the schedule does not advance either
-            progress.skipped_steps += 1
-            log.warning("step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
-                        step, cfg.max_steps, result.outcome.loss_scale)
+        _advance_schedule(job, result.outcome, step, progress)
         tally.add(step, result.loss, result.metrics, result.outcome.grad_norm, result.tokens)
         stopping = vote.after_step()
         logging_step = step % cfg.log_every == 0 or step == cfg.max_steps
@@ -102,14 +87,8 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
             continue
 
         reading = tally.read()  # waits for the device: the steps since the last reading are done
-        if reading.first_non_finite is not None:
-            last_good = complete_checkpoints(job.run_dir)
-            raise NonFiniteLoss(f"the loss is {reading.loss} at step {reading.first_non_finite}; the last good "
-                                f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
-        compiled = compile_seconds() if cfg.compile else 0.0
-        if compiled > compiled_before:
-            log.info("step %d/%d | torch.compile: %.1f s, left out of the step times", step, cfg.max_steps,
-                     compiled - compiled_before)
+        _stop_if_non_finite(job, reading)
+        compiled = _compile_seconds_logged(job, step, compiled_before)
         seconds = time.perf_counter() - read_at - (compiled - compiled_before)
         progress.train_time, progress.tokens_seen = progress.train_time + seconds, progress.tokens_seen + reading.tokens
         window.add(reading, seconds)
@@ -138,6 +117,52 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
     bar.close()
     watch.entering("saving the model")
     return _finish(job, progress, train_loss, evaluated, started)
+
+
+def _starting_progress(job: PreparedJob, watch: StallWatch) -> Progress:
+    """A resumed run's progress from its checkpoint (warning when the global batch changed); a new run's, with
+    its evaluation before the first step."""
+    cfg = job.spec.train
+    if not job.start_step:
+        watch.entering("evaluating before the first step")
+        return Progress(first_eval_loss=evaluate(job, step=0)["eval_loss"])
+    log.info("resuming from step %d of %s", job.start_step, job.spec.resume)
+    written = job.progress.get("global_batch", job.global_batch_size)  # older checkpoints do not say
+    if written != job.global_batch_size:
+        log.warning("resuming with a global batch of %d (micro batch %d x %d data-parallel ranks x %d "
+                    "accumulation steps) where the checkpoint's run had %d: the steps from here train on other "
+                    "batches than that run's own; set train.micro_batch_size or train.grad_accum_steps to give "
+                    "%d again for the same losses", job.global_batch_size, cfg.micro_batch_size, job.dp_size,
+                    cfg.grad_accum_steps, written, written)
+    return Progress(**{f.name: job.progress[f.name] for f in fields(Progress)})
+
+
+def _advance_schedule(job: PreparedJob, outcome: StepOutcome, step: int, progress: Progress) -> None:
+    """The LR schedule steps once per applied optimizer step; fp16's overflowed loss scale skips the update, so
+    the schedule does not advance either."""
+    if outcome.applied:
+        job.scheduler.step()
+        return
+    progress.skipped_steps += 1
+    log.warning("step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
+                step, job.spec.train.max_steps, outcome.loss_scale)
+
+
+def _stop_if_non_finite(job: PreparedJob, reading: Reading) -> None:
+    if reading.first_non_finite is not None:
+        last_good = complete_checkpoints(job.run_dir)
+        raise NonFiniteLoss(f"the loss is {reading.loss} at step {reading.first_non_finite}; the last good "
+                            f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
+
+
+def _compile_seconds_logged(job: PreparedJob, step: int, compiled_before: float) -> float:
+    """torch.compile's time so far, its growth since the last reading logged: the step times leave it out."""
+    cfg = job.spec.train
+    compiled = compile_seconds() if cfg.compile else 0.0
+    if compiled > compiled_before:
+        log.info("step %d/%d | torch.compile: %.1f s, left out of the step times", step, cfg.max_steps,
+                 compiled - compiled_before)
+    return compiled
 
 
 def _start(job: PreparedJob) -> MetricsWindow:

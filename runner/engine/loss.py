@@ -20,6 +20,7 @@ from runner.data.rows import IGNORE
 if TYPE_CHECKING:
     import torch
     from torch import nn
+    from transformers import PretrainedConfig
 
     from runner.config.training import TrainConfig
     from runner.data.batches import MicroBatch
@@ -29,7 +30,7 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
     """Sets the model's forward to return the summed loss when it is given `loss_labels` (each row's, with
     `per_row`: minus the row's summed log-probability of its labels, as preference losses take it), and to be its
     own forward otherwise; the kind in effect."""
-    kind = loss_kind_in_effect(requested, model.config.model_type)
+    kind = loss_kind_in_effect(requested, model.config.model_type, model.config.vocab_size)
     own_forward = model.forward
 
     def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, labels_shifted: bool = False,
@@ -113,9 +114,9 @@ def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, pe
                            reduction="none" if per_token else "sum")
 
 
-def loss_line(train: TrainConfig, model_type: str) -> str:
+def loss_line(train: TrainConfig, model_config: PretrainedConfig) -> str:
     """How the forward computes its loss, for the run's overview: chunked or from the full logits, compiled or not."""
-    kind = loss_kind_in_effect(train.loss, model_type)
+    kind = loss_kind_in_effect(train.loss, model_config.model_type, model_config.vocab_size)
     how = (f"chunked ({train.loss_chunk_tokens:,} label tokens a chunk; no whole-batch logits)"
            if kind is LossKind.chunked else "full logits")
     compiled = "; transformer blocks compiled (train.compile)" if train.compile else ""

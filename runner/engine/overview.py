@@ -29,7 +29,7 @@ def overview(job: PreparedJob, parameters: int) -> list[str]:
                  f"{'' if rows_are_full(job) else 'up to '}"
                  f"{job.global_batch_size * spec.data.seq_len:,} tokens",
         "loss": objective_of(job).line(job),
-        "strategy": spec.strategy.describe(spec.hardware),
+        "strategy": spec.strategy.describe(spec),
         "precision": job.precision_in_effect().line(),
         "trackers": ", ".join(["metrics.jsonl", *(name for name, _ in spec.tracker.chosen())]),
     }

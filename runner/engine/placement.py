@@ -43,6 +43,7 @@ from runner.components.modeling import blocks, build_model
 from runner.components.optimizers import build_optimizer
 from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype
+from runner.config.training import LossKind
 from runner.engine.attention import attend_causally_unmasked, attend_with, attend_within_examples, per_example_attention
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
 from runner.parallel.pipeline.layout import balanced_bounds, stages_of
@@ -93,8 +94,8 @@ class Placed:
 
 
 def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase) -> Placed:
-    dims = spec.strategy.dims(spec.hardware)
-    on_layout = placed_model(spec, ranks, device, tokenizer, dims, training=True)
+    dims = spec.layout
+    on_layout = placed_model(spec, ranks, device, tokenizer, training=True)
     model = on_layout.model
     optimizer = build_optimizer(model, spec.optim)
     pipeline = None
@@ -120,44 +121,17 @@ class ModelOnLayout:
 
 
 def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase,
-                 dims: ParallelDims, training: bool, weights: Optional[dict[str, torch.Tensor]] = None,
+                 training: bool, weights: Optional[dict[str, torch.Tensor]] = None,
                  frozen: bool = False) -> ModelOnLayout:
-    """The model wrapped or sharded by its strategy on the layout `dims`, and its fp8 layers. `weights`: a whole
+    """The model wrapped or sharded by its strategy on the spec's layout, and its fp8 layers. `weights`: a whole
     state dict to load (a checkpoint's model). For inference (not `training`), no activation checkpointing, and a
     whole replica on this rank's device unless the strategy shards inference too; `frozen` (task=dpo's reference),
     sharded as the strategy shards what it trains. In training under pipeline parallelism, this rank's stages."""
-    import torch
-
-    strategy = spec.strategy
+    strategy, dims = spec.strategy, spec.layout
     sharded = training or frozen or strategy.shards_inference
-    torch.manual_seed(spec.seed)
-    # Build fp32 master weights on the CPU; on the meta device on the ranks that receive rank 0's weights.
-    builds_weights = strategy.loads_weights(ranks.rank)
-    # A frozen base is built in the dtype it is kept in; trained weights in fp32. Inference reads what an adapter
-    # run saved merged, and adds no adapter.
-    adapted = training and spec.adapter.active
-    base_dtype = spec.precision.compute_dtype.torch if adapted else None
-    model = build_model(spec.model, tokenizer, weights=builds_weights, dtype=base_dtype)
-    if weights is not None and builds_weights:
-        model.load_state_dict(weights)
-    loss_kind = with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
-    if adapted:
-        log.info("adapter %s", add_adapter(model, spec.adapter, spec.precision.param_dtype.torch,
-                                           spec.hardware.world_size))
-    fp8_layers = convert_to_fp8(model, spec.precision.fp8) if spec.precision.fp8 else []
-    if fp8_layers:
-        log.info("fp8: %d linear layers converted: %s", len(fp8_layers), summarize_names(fp8_layers))
-    if not adapted:  # the adapters are in param_dtype already, the frozen base in its own
-        model = cast_weights(model, spec.precision)
-    if training and spec.data.packing and device.type == "cpu":
-        attend_within_examples(model)
-    elif (training or frozen) and not spec.data.packing:
-        attend_causally_unmasked(model)
+    model, loss_kind, fp8_layers = built_model(spec, ranks, tokenizer, training, weights)
     # A frozen reference runs the trained model's slices of the rows with it.
-    sequence_split = strategy.sequence_split(dims, device.type) if (training or frozen) and dims.cp > 1 else None
-    if sequence_split:
-        within_examples = per_example_attention if spec.data.packing else None
-        attend_with(model, sequence_split.name, sequence_split.attention(model, within_examples))
+    sequence_split = attention_of(model, spec, device, training, frozen)
     whole = None
     if sharded and not all(strategy.loads_weights(rank) for rank in range(ranks.world_size)):
         # Rank 0 sets its weights aside whole, and every rank lays the model out on the meta device: the split and
@@ -189,6 +163,49 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     else:
         on_layout.model = model.to(device)
     return on_layout
+
+
+def built_model(spec: RunSpec, ranks: Ranks, tokenizer: PreTrainedTokenizerBase, training: bool,
+                weights: Optional[dict[str, torch.Tensor]]) -> tuple[nn.Module, LossKind, list[str]]:
+    """The model as its precision and adapter have it, before any layout: fp32 master weights built on the CPU (on
+    the meta device on the ranks that receive rank 0's), the loss it computes, and its fp8 layers."""
+    import torch
+
+    torch.manual_seed(spec.seed)
+    builds_weights = spec.strategy.loads_weights(ranks.rank)
+    # A frozen base is built in the dtype it is kept in; trained weights in fp32. Inference reads what an adapter
+    # run saved merged, and adds no adapter.
+    adapted = training and spec.adapter.active
+    base_dtype = spec.precision.compute_dtype.torch if adapted else None
+    model = build_model(spec.model, tokenizer, weights=builds_weights, dtype=base_dtype)
+    if weights is not None and builds_weights:
+        model.load_state_dict(weights)
+    loss_kind = with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
+    if adapted:
+        log.info("adapter %s", add_adapter(model, spec.adapter, spec.precision.param_dtype.torch,
+                                           spec.hardware.world_size))
+    fp8_layers = convert_to_fp8(model, spec.precision.fp8) if spec.precision.fp8 else []
+    if fp8_layers:
+        log.info("fp8: %d linear layers converted: %s", len(fp8_layers), summarize_names(fp8_layers))
+    if not adapted:  # the adapters are in param_dtype already, the frozen base in its own
+        model = cast_weights(model, spec.precision)
+    return model, loss_kind, fp8_layers
+
+
+def attention_of(model: nn.Module, spec: RunSpec, device: torch.device, training: bool,
+                 frozen: bool) -> Optional[SequenceSplit]:
+    """The attention the model runs on its rows (within packed examples, or causally without a mask), and under
+    context parallelism how its group splits every sequence."""
+    dims = spec.layout
+    if training and spec.data.packing and device.type == "cpu":
+        attend_within_examples(model)
+    elif (training or frozen) and not spec.data.packing:
+        attend_causally_unmasked(model)
+    sequence_split = spec.strategy.sequence_split(dims, device.type) if (training or frozen) and dims.cp > 1 else None
+    if sequence_split:
+        within_examples = per_example_attention if spec.data.packing else None
+        attend_with(model, sequence_split.name, sequence_split.attention(model, within_examples))
+    return sequence_split
 
 
 def set_aside(model: nn.Module, rank: int) -> WholeWeights:

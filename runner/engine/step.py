@@ -62,7 +62,7 @@ class NextTokenLoss:
                                        job.sequence_split).loss}
 
     def line(self, job: PreparedJob) -> str:
-        return f"next-token cross entropy, {loss_line(job.spec.train, unwrapped(job.model).config.model_type)}"
+        return f"next-token cross entropy, {loss_line(job.spec.train, unwrapped(job.model).config)}"
 
 
 def objective_of(job: PreparedJob) -> Objective:

@@ -91,8 +91,7 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         from safetensors.torch import load_file
 
         weights = load_file(trained.checkpoint / "model.safetensors")
-    model = placed_model(spec, ranks, device, tokenizer, spec.strategy.dims(spec.hardware), training=False,
-                         weights=weights).model
+    model = placed_model(spec, ranks, device, tokenizer, training=False, weights=weights).model
     if shards is not None and shards.is_dir():
         read_model_shards(model, shards)
     # Frozen: autocast would otherwise keep a low-precision copy of every weight that requires grad.

@@ -98,7 +98,7 @@ def pipeline_activations_part(spec: RunSpec, facts: ModelFacts, dtypes: Activati
                               schedule: PipelineSchedule) -> Part:
     """Under pipeline parallelism, the activations of the pipeline rank that holds the most: its stages' layers
     for each microbatch in flight under the schedule (the first rank's, under 1F1B), and the last rank's head."""
-    dims = spec.strategy.dims(spec.hardware)
+    dims = spec.layout
     stages = dims.pp * dims.stages_per_rank
     bounds = balanced_bounds(facts.model, stages)
     one = activations_part(spec, facts, dtypes)
@@ -120,7 +120,7 @@ def pipeline_activations_part(spec: RunSpec, facts: ModelFacts, dtypes: Activati
 
 
 def chunked_loss(spec: RunSpec, facts: ModelFacts) -> bool:
-    return loss_kind_in_effect(spec.train.loss, facts.model_type) is LossKind.chunked
+    return loss_kind_in_effect(spec.train.loss, facts.model_type, facts.vocab) is LossKind.chunked
 
 
 def loss_gradient_bytes(spec: RunSpec, facts: ModelFacts) -> int:
@@ -141,7 +141,7 @@ def activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes)
     rows = "packed rows" if spec.data.packing else "rows"
     parameters = parameters_of(spec, facts)
     adapters = parameters.activation_bytes(dtypes.compute)
-    dims = spec.strategy.dims(spec.hardware)
+    dims = spec.layout
     tp = dims.tp
     split = f", split {tp} ways (tensor and sequence parallel)" if tp > 1 else ""
     split += f", a 1/{dims.cp} slice of each sequence (context parallel)" if dims.cp > 1 else ""

@@ -143,12 +143,12 @@ def parameters_of(spec: RunSpec, facts: ModelFacts) -> Parameters:
     re-estimates ask again)."""
     adapter = spec.adapter
     if not adapter.active:  # under tensor parallelism, each rank's parts (no adapter composes with pipelines)
-        dims = spec.strategy.dims(spec.hardware)
+        dims = spec.layout
         if dims.pp > 1:
             return _heaviest_pipeline_rank(facts, dims)
         shapes = facts.parameter_shapes if dims.tp == 1 else split_shapes(facts.model, dims.tp)
         return Parameters(trained_shapes=tuple(shapes), trained_linear=facts.linear_parameters // dims.tp, tp=dims.tp)
-    tp = spec.strategy.dims(spec.hardware).tp
+    tp = spec.layout.tp
     key = (id(facts), repr(adapter), spec.precision.compute_dtype, spec.hardware.world_size, tp)
     if key not in _PARAMETERS:
         if len(_PARAMETERS) >= 16:

@@ -31,7 +31,7 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
 
     lines = [
         f"memory estimate: {type(facts.model).__name__} ({facts.parameters:,} parameters), "
-        f"{spec.strategy.describe(hardware)}, {dtypes}, {type(spec.optim).__name__.removesuffix('Config')}, "
+        f"{spec.strategy.describe(spec)}, {dtypes}, {type(spec.optim).__name__.removesuffix('Config')}, "
         f"micro batch {spec.train.micro_batch_size} x {spec.data.seq_len} tokens",
         f"parameters: {parameters_of(spec, facts).describe(precision.param_dtype.value)}",
         f"per device ({hardware.device_name or hardware.accelerator.value}, {memory}), rank 0:",

@@ -99,7 +99,7 @@ def strategy_change(override: str, cost: float, **keys: Any) -> Change:
 
 def micro_batch_tokens(spec: RunSpec) -> int:
     """The tokens of a micro batch that one rank runs: under context parallelism, its slice of every sequence."""
-    return spec.train.micro_batch_size * spec.data.seq_len // spec.strategy.dims(spec.hardware).cp
+    return spec.train.micro_batch_size * spec.data.seq_len // spec.layout.cp
 
 
 def dtype_name(size: int) -> str:

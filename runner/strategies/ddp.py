@@ -53,8 +53,8 @@ class DDPStrategy(StrategyConfig):
                     f"precision.reduce_dtype={precision.reduce_dtype.value} under strategy=ddp uses torch's gradient "
                     "compression hook, which needs NCCL (a GPU); leave precision.reduce_dtype=fp32 on a CPU")
 
-    def describe(self, hardware: HardwareConfig) -> str:
-        return f"ddp, {processes(hardware.world_size)}"
+    def describe(self, spec: RunSpec) -> str:
+        return f"ddp, {processes(spec.hardware.world_size)}"
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
         return ParallelDims(dp_replicate=hardware.world_size)
@@ -69,7 +69,7 @@ class DDPStrategy(StrategyConfig):
                whole: Optional[WholeWeights] = None) -> nn.Module:
         return model.to(device)  # no gradients to reduce: a replica as it is
 
-    def frozen_shards(self, hardware: HardwareConfig) -> int:
+    def frozen_shards(self, spec: RunSpec) -> int:
         return 1
 
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,

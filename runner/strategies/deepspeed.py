@@ -1,36 +1,29 @@
 """strategy=deepspeed: `deepspeed.initialize` with a config made from the spec (ZeRO stage, offload, accumulation,
-clipping, precision); its engine wraps model and optimizer together and keeps the fp32 master weights."""
+clipping, precision); its engine wraps model and optimizer together and keeps the fp32 master weights.
+
+The schema (the dataclass conf/strategy/deepspeed.yaml fills) and its checks are here; the config in
+runner/strategies/deepspeed_json.py, the engine and its stepper in runner/strategies/deepspeed_engine.py, the memory
+terms in runner/strategies/deepspeed_memory.py."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from runner.config.float8 import Float8Backend
 from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
-from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
-from runner.memory.facts import facts_of, fp8_linears
-from runner.memory.parameters import host_loading, parameters_of
-from runner.memory.terms import FP32, Change, Estimate, Part, dtype_name, processes, share, strategy_change
+from runner.memory.facts import facts_of
+from runner.memory.terms import Change, processes, strategy_change
 from runner.parallel.dims import ParallelDims
-from runner.quiet import deepspeed_setup
-from runner.strategies.deepspeed_json import config_with_file, read_into_spec
+from runner.strategies import deepspeed_engine, deepspeed_memory
+from runner.strategies.deepspeed_json import OffloadDevice, deepspeed_config, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import (
-    CheckpointLayout,
-    PipelineStages,
-    StepOutcome,
-    WholeWeights,
-    has_frozen_parameters,
-    trained_state,
-)
+from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
 
 if TYPE_CHECKING:
     import torch
@@ -39,27 +32,8 @@ if TYPE_CHECKING:
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
-    from runner.memory.parameters import Parameters
+    from runner.memory.terms import Estimate
     from runner.parallel.sequence import SequenceSplit
-
-# DeepSpeed's defaults for the zero_optimization keys the estimate reads (deepspeed/runtime/zero/config.py).
-ZERO_DEFAULTS = {
-    "reduce_bucket_size": 500_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_max_live_parameters": 1_000_000_000,
-    "stage3_param_persistence_threshold": 100_000,
-    "stage3_model_persistence_threshold": 2**63 - 1,
-    "sub_group_size": 1_000_000_000,
-}
-# ZeRO-0 all-reduces the gradients through flat copies of at most this many elements
-# (engine.buffered_allreduce_fallback's elements_per_buffer).
-ALLREDUCE_BUCKET = 500_000_000
-
-
-class OffloadDevice(str, Enum):
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
 
 
 @dataclass
@@ -113,7 +87,8 @@ class DeepSpeedStrategy(StrategyConfig):
                 f"strategy.offload_optimizer={self.offload_optimizer.value} needs strategy.zero_stage >= 1")
         nvme = OffloadDevice.nvme in (self.offload_optimizer, self.offload_param)
         require(not nvme or (self.nvme_path and Path(self.nvme_path).is_dir()),
-                f"NVMe offload needs strategy.nvme_path=<an existing directory on the NVMe drive>, not {self.nvme_path}")
+                "NVMe offload needs strategy.nvme_path=<an existing directory on the NVMe drive>, not "
+                f"{self.nvme_path}")
         if self.sp_size != 1:
             self._check_sequence_parallel(spec)
         if self.config_file:
@@ -138,10 +113,10 @@ class DeepSpeedStrategy(StrategyConfig):
         """What the config file decides where the spec does not (runner/strategies/deepspeed_json.py)."""
         return read_into_spec(spec) if self.config_file else spec
 
-    def describe(self, hardware: HardwareConfig) -> str:
-        described = f"deepspeed ZeRO-{self.zero_stage}, {processes(hardware.world_size)}"
+    def describe(self, spec: RunSpec) -> str:
+        described = f"deepspeed ZeRO-{self.zero_stage}, {processes(spec.hardware.world_size)}"
         if self.sp_size > 1:
-            described += f", {self.dims(hardware).describe()}, Ulysses sequence parallel"
+            described += f", {spec.layout.describe()}, Ulysses sequence parallel"
         return described
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
@@ -169,59 +144,17 @@ class DeepSpeedStrategy(StrategyConfig):
         and gathers them layer by layer in the forward (as TRL places its reference); otherwise a replica."""
         if self.zero_stage < 3:
             return model.to(device)
-        return self._engine(model, None, spec)
+        return deepspeed_engine.initialized(model, None, spec, self.sp_size)
 
-    def frozen_shards(self, hardware: HardwareConfig) -> int:
-        return hardware.world_size if self.zero_stage == 3 else 1
+    def frozen_shards(self, spec: RunSpec) -> int:
+        return spec.hardware.world_size if self.zero_stage == 3 else 1
 
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
-                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, DeepSpeedStepper]:
-        engine = self._engine(model, optimizer, spec)
-        engine.checkpoint_engine = WeightsOnlyLoading(engine.checkpoint_engine)
-        return engine, DeepSpeedStepper(engine, self.zero_stage)
-
-    def _engine(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], spec: RunSpec) -> Any:
-        """DeepSpeed's engine of the model (and its optimizer). Under Ulysses, the engine reads DeepSpeed's
-        sequence-parallel groups, made at placement."""
-        import deepspeed
-
-        from runner.parallel.ulysses import deepspeed_groups
-
-        with deepspeed_setup():
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec),
-                                                   mpu=deepspeed_groups() if self.sp_size > 1 else None)
-        return engine
+                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, deepspeed_engine.DeepSpeedStepper]:
+        return deepspeed_engine.stepper(model, optimizer, spec, self.zero_stage, self.sp_size)
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
-        """ZeRO-0: as single in fp32; in bf16/fp16 weights 2P + 4P (fp32 master), gradients 2P, states 4k.P.
-        ZeRO-1, 2: weights m.P + 4.P/N (m = 2 in bf16/fp16, else 4), gradients m.P/N (+ the whole gradient of a
-        parameter that straddles the partition's edge, at most 2), states 4k.P/N.
-        ZeRO-3: weights m.P/N + m.P_persist + 4.P/N, gradients m.P/N, states 4k.P/N (P_persist: parameters of at
-        most stage3_param_persistence_threshold elements stay whole).
-        offload_optimizer moves the fp32 master, its gradients and the states ((8 + 4k).P/N) to CPU RAM;
-        offload_param the ZeRO-3 weight partitions (m.P/N).
-        With an adapter P is the adapters' parameters; the frozen base F, cast to m with the module, adds m.F to
-        the weights (whole under ZeRO-0, 1, 2; m.F/N under ZeRO-3, which partitions every parameter)."""
-        parameters = parameters_of(spec, facts)
-        m = 2 if spec.precision.compute_dtype is not Dtype.fp32 else FP32  # DeepSpeed casts the module itself
-        _, fp8_blocks = fp8_linears(facts.model, spec.precision)
-        dtypes = ActivationDtypes(compute=m, stream=m, casts=False, fp8=fp8_blocks)
-        module = parameters.trained + parameters.frozen_parameters
-        common = dict(
-            activations=activations_part(spec, facts, dtypes),
-            loading=Part(m * module + facts.buffer_bytes, "deepspeed.initialize moves the whole module onto each device"),
-            host_loading=host_loading(spec, facts, spec.hardware.nproc_per_node or 1),
-        )
-        if self.zero_stage == 0:
-            return _stage0(spec, facts, parameters, m, common)
-        zero = {**ZERO_DEFAULTS, **deepspeed_config(spec).get("zero_optimization", {})}
-        if self.zero_stage in (1, 2):
-            result, partition = _stages_1_2(spec, facts, parameters, m, zero, common)
-        else:
-            result, partition = _stage3(spec, facts, parameters, m, zero, common)
-        if self.offload_optimizer is not OffloadDevice.none:
-            _offload_optimizer(result, spec, partition)
-        return result
+        return deepspeed_memory.estimate_memory(spec, facts, self.zero_stage, self.offload_optimizer)
 
     def memory_changes(self, spec: RunSpec) -> list[Change]:
         changes = [switch_to_fsdp()]
@@ -237,228 +170,3 @@ class DeepSpeedStrategy(StrategyConfig):
             changes += [strategy_change(f"strategy.sp_size={sp}", 1.0 + 0.5 * math.log2(sp), sp_size=sp)
                         for sp in (2, 4, 8)]
         return changes
-
-
-def _frozen(parameters: Parameters, m: int) -> tuple[int, str]:
-    """The frozen base in DeepSpeed's module dtype, whole (ZeRO-0, 1, 2), and its note."""
-    if not parameters.frozen:
-        return 0, ""
-    return m * parameters.frozen_parameters, f" + the frozen base, {dtype_name(m)}, whole"
-
-
-def _adapters(parameters: Parameters) -> str:
-    return "adapters " if parameters.frozen else ""
-
-
-def _stage0(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, common: dict) -> Estimate:
-    P, module = parameters.trained, dtype_name(m)
-    k, states = spec.optim.states()
-    master = FP32 * P if m < FP32 else 0  # 16-bit: DeepSpeed's FP16_Optimizer keeps whole fp32 weights
-    frozen, frozen_note = _frozen(parameters, m)
-    return Estimate(
-        weights=Part(m * P + master + frozen + facts.buffer_bytes,
-                     f"{_adapters(parameters)}{module}, whole" + (" + fp32 master weights" if master else "")
-                     + frozen_note),
-        gradients=Part(m * P, f"{module}, whole"),
-        optimizer_states=Part(k * FP32 * P, f"{states}, fp32, whole"),
-        backward_start=Part(loss_gradient_bytes(spec, facts), "the loss gradient"),
-        backward_end=Part(min(P, ALLREDUCE_BUCKET) * m, "the all-reduce's flat gradient bucket"),
-        step=Part((2 if master else 1) * FP32 * P, "the step's temporaries" + (", fp32 gradients" if master else "")),
-        **common,
-    )
-
-
-def _stages_1_2(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict,
-                common: dict) -> tuple[Estimate, int]:
-    P, N, module, stage = parameters.trained, spec.hardware.world_size, dtype_name(m), spec.strategy.zero_stage
-    k, states = spec.optim.states()
-    partition = math.ceil(P / N)
-    # A parameter that straddles a partition's edge keeps its whole gradient on both ranks.
-    straddling = min(N - 1, 2) * parameters.largest_trained
-    reduce_bucket = int(zero["reduce_bucket_size"])
-    overlap = zero.get("overlap_comm", False)
-    frozen, frozen_note = _frozen(parameters, m)
-    return Estimate(
-        weights=Part(m * P + FP32 * partition + frozen + facts.buffer_bytes,
-                     f"{_adapters(parameters)}{module}, whole, + fp32 master weights{share(N)}{frozen_note}"),
-        gradients=Part(m * (partition + straddling), f"{module}{share(N)} (+ whole gradients at its edges)"),
-        optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
-        buffers=Part(reduce_bucket * m * (2 if overlap else 1),
-                     f"the reduce bucket of {reduce_bucket:.0e} elements" + (", twice (overlap_comm)" if overlap else "")),
-        backward_start=Part(loss_gradient_bytes(spec, facts), "the loss gradient"),
-        # ZeRO-1 reduces once, after backward: the whole gradients exist until then.
-        backward_end=Part(m * P, "ZeRO-1's whole gradients before their reduction") if stage == 1 else Part(0, ""),
-        step=Part(2 * FP32 * partition, "fp32 gradients of the partition, the step's temporaries"),
-        **common,
-    ), partition
-
-
-def _stage3(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict,
-            common: dict) -> tuple[Estimate, int]:
-    strategy, N, module = spec.strategy, spec.hardware.world_size, dtype_name(m)
-    k, states = spec.optim.states()
-    # Every parameter of the module is partitioned and gathered alike; the frozen ones have no master or states.
-    shapes = [*parameters.trained_shapes, *(shape for group in parameters.frozen for shape in group.shapes)]
-    partitioned = sum(math.ceil(math.prod(shape) / N) for shape in shapes)
-    partition = sum(math.ceil(math.prod(shape) / N) for shape in parameters.trained_shapes)
-    persistent = _persistent_parameters(shapes, zero)
-    live = min(int(zero["stage3_max_live_parameters"]), facts.largest_module + int(zero["stage3_prefetch_bucket_size"]))
-    reduce_bucket = int(zero["reduce_bucket_size"])
-    frozen = ", the frozen base included" if parameters.frozen else ""
-    result = Estimate(
-        weights=Part(m * (partitioned + persistent) + FP32 * partition + facts.buffer_bytes,
-                     f"{module}{share(N)}{frozen} (+ {persistent:,} small parameters whole), + fp32 master weights"
-                     f"{share(N)}"),
-        gradients=Part(m * partition, f"{module}{share(N)}"),
-        optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
-        buffers=Part(reduce_bucket * m, f"the reduce bucket of {reduce_bucket:.0e} elements"),
-        backward_start=Part(live * m + loss_gradient_bytes(spec, facts),
-                            "gathered parameters (the largest module + the prefetch bucket); the loss gradient"),
-        backward_end=Part(live * m, "gathered parameters"),
-        # The optimizer steps the partition in sub-groups of sub_group_size elements.
-        step=Part(2 * FP32 * min(partition, int(zero["sub_group_size"])),
-                  "fp32 gradients of a sub-group, the step's temporaries"),
-        **common,
-    )
-    if strategy.offload_param is not OffloadDevice.none:
-        result.weights = Part(m * persistent + FP32 * partition + facts.buffer_bytes,
-                              f"{persistent:,} small parameters whole, + fp32 master weights{share(N)}; "
-                              f"the weight partitions on {strategy.offload_param.value} (offload_param)")
-        if strategy.offload_param is OffloadDevice.cpu:
-            result.host_offload = Part((spec.hardware.nproc_per_node or 1) * m * partitioned,
-                                       f"offload_param: {module} weight partitions")
-    return result, partition
-
-
-def _offload_optimizer(result: Estimate, spec: RunSpec, partition: int) -> None:
-    """The fp32 master weights, their gradients and the states leave the device for offload_optimizer's."""
-    device, N = spec.strategy.offload_optimizer, spec.hardware.world_size
-    k, states = spec.optim.states()
-    note = result.weights.note.replace(f", + fp32 master weights{share(N)}", f"; fp32 master on {device.value}")
-    result.weights = Part(result.weights.bytes - FP32 * partition, note)
-    result.gradients = Part(0, f"reduced into {device.value} buffers (offload_optimizer)")
-    result.optimizer_states = Part(0, f"on {device.value} (offload_optimizer); the step runs on the CPU")
-    result.step = Part(0, "on the CPU")
-    if device is OffloadDevice.cpu:
-        moved = (spec.hardware.nproc_per_node or 1) * (2 * FP32 + k * FP32) * partition
-        note = f"offload_optimizer: fp32 master weights, their gradients and {states}{share(N)}"
-        if result.host_offload.bytes:
-            note += f"; {result.host_offload.note}"
-        result.host_offload = Part(result.host_offload.bytes + moved, note)
-
-
-def _persistent_parameters(shapes: list[tuple[int, ...]], zero: dict) -> int:
-    """ZeRO-3 keeps parameters of at most stage3_param_persistence_threshold elements whole on every rank, up to
-    stage3_model_persistence_threshold elements in all (DeepSpeed's mark_persistent_parameters)."""
-    threshold, budget = int(zero["stage3_param_persistence_threshold"]), int(zero["stage3_model_persistence_threshold"])
-    kept = 0
-    for numel in (math.prod(shape) for shape in shapes):
-        if numel <= threshold and numel + kept <= budget:
-            kept += numel
-    return kept
-
-
-def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
-    """The DeepSpeed config the spec implies, with the user's config file's other keys added."""
-    strategy, train, precision = spec.strategy, spec.train, spec.precision
-    zero: dict[str, Any] = {"stage": strategy.zero_stage}
-    for key in ("offload_optimizer", "offload_param"):
-        device = getattr(strategy, key)
-        if device is not OffloadDevice.none:
-            zero[key] = {"device": device.value, **({"nvme_path": strategy.nvme_path} if device.value == "nvme" else {})}
-    generated = {
-        "train_micro_batch_size_per_gpu": train.micro_batch_size,
-        "gradient_accumulation_steps": train.grad_accum_steps,
-        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * strategy.dims(spec.hardware).dp_size,
-        "gradient_clipping": train.max_grad_norm,
-        "zero_optimization": zero,
-        "bf16": {"enabled": precision.compute_dtype is Dtype.bf16},
-        "fp16": {
-            "enabled": precision.compute_dtype is Dtype.fp16,
-            "loss_scale": 0,  # dynamic
-            "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
-            "loss_scale_window": precision.loss_scale_growth_interval,
-        },
-        "communication_data_type": precision.reduce_dtype.value,
-        # What DeepSpeed reduces the gradients in instead, under sequence parallelism.
-        **({"seq_parallel_communication_data_type": precision.reduce_dtype.value}
-           if strategy.sp_size > 1 else {}),
-        # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam), and
-        # ZeRO partitions any torch optimizer's states (DeepSpeed lists Adam's variants as tested, not SGD).
-        "zero_force_ds_cpu_optimizer": False,
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2**31 - 1,
-    }
-    if not strategy.config_file:
-        return generated
-    return config_with_file(spec, generated, lambda: facts_of(spec.model).layer.hidden)
-
-
-@dataclass
-class DeepSpeedStepper:
-    """DeepSpeed's engine steps after every backward and updates only at the accumulation boundary, which it
-    counts itself (gradient_accumulation_steps in its config matches train.grad_accum_steps). Its checkpoint, fp16's
-    loss scale included, is its own."""
-
-    engine: Any
-    zero_stage: int
-    grad_norm: Optional[torch.Tensor] = None
-
-    def micro_batch(self, last: bool) -> ContextManager:
-        return contextlib.nullcontext()  # the engine reduces at the boundary it counts
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss, scale_wrt_gas=False)  # the loss is already a share of the global batch
-        if self.engine.is_gradient_accumulation_boundary() and not hasattr(self.engine.optimizer, "_global_grad_norm"):
-            # ZeRO-0 in fp32 steps the torch optimizer itself and keeps no norm: the reduced gradients', before
-            # the engine clips them
-            import torch
-
-            self.grad_norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in self.engine.module.parameters() if p.grad is not None]).detach()
-        self.engine.step()
-
-    def step(self) -> StepOutcome:
-        # Every fp16 optimizer of DeepSpeed has loss_scale; ZeRO-0's FP16_UnfusedOptimizer has no cur_scale.
-        scale = self.engine.optimizer.loss_scale if self.engine.fp16_enabled() else None
-        norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            norm = math.nan if self.grad_norm is None else self.grad_norm
-        return StepOutcome(norm, self.engine.was_step_applied(), scale)
-
-    # A frozen base (adapter=lora) is left out of what is written, read and exported.
-    def save(self, directory: Path, rank: int) -> None:
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="engine",
-                                    exclude_frozen_parameters=has_frozen_parameters(self.engine))
-
-    def load(self, directory: Path, rank: int, written: CheckpointLayout) -> None:
-        self.engine.load_checkpoint(str(directory / "deepspeed"), tag="engine", load_lr_scheduler_states=False,
-                                    load_module_strict=not has_frozen_parameters(self.engine))
-
-    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
-        if self.zero_stage == 3:  # gathers the partitioned parameters
-            frozen = has_frozen_parameters(self.engine)
-            return self.engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=frozen) or {}
-        return trained_state(self.engine, self.engine.module.state_dict())
-
-
-class WeightsOnlyLoading:
-    """DeepSpeed's checkpoint engine, except that loading unpickles nothing but tensors, containers and the few
-    DeepSpeed types its checkpoints hold (DeepSpeed's own loader unpickles anything)."""
-
-    def __init__(self, engine: Any):
-        self._engine = engine
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    def load(self, path: str, map_location: Any = None) -> Any:
-        import torch
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-        from deepspeed.runtime.zero.config import ZeroStageEnum
-        from deepspeed.utils.tensor_fragment import fragment_address
-
-        # The non-tensor types in DeepSpeed's ZeRO 0-3 checkpoints (found with get_unsafe_globals_in_checkpoint):
-        # fp16's dynamic loss scaling saves a DynamicLossScaler (fp16 DeepSpeed runs only on GPUs); others a LossScaler.
-        with torch.serialization.safe_globals([DynamicLossScaler, LossScaler, ZeroStageEnum, fragment_address]):
-            return torch.load(path, map_location=map_location, weights_only=True)

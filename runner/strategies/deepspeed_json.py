@@ -1,4 +1,6 @@
-"""strategy.config_file: a DeepSpeed JSON as Hugging Face users write them, full of "auto".
+"""strategy=deepspeed's DeepSpeed config: `deepspeed_config`, the JSON the spec implies (ZeRO stage, offload,
+accumulation, clipping, precision), and strategy.config_file: a DeepSpeed JSON as Hugging Face users write them,
+full of "auto".
 
 Its ZeRO stage, offload devices and NVMe paths, precision blocks and scheduler type are read into the spec where
 the spec leaves them at their defaults; every "auto" is filled from the spec as the Trainer and accelerate fill it
@@ -10,6 +12,7 @@ naming both.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from enum import Enum
 from pathlib import Path
@@ -18,9 +21,17 @@ from typing import TYPE_CHECKING, Any, Callable
 from runner.config.precision import Dtype, PrecisionConfig
 from runner.config.scheduler import Decay, SchedulerConfig
 from runner.errors import SpecError
+from runner.memory.facts import facts_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
+
+
+class OffloadDevice(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
 
 AUTO = "auto"
 # (JSON key, strategy field, the field's value from the JSON's): the JSON says them when the spec does not.
@@ -53,6 +64,43 @@ SPEC_KEYS = {
 }
 # Generated keys the file may set otherwise: DeepSpeed's own logging.
 FILE_DECIDES = {"steps_per_print"}
+
+
+def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
+    """The DeepSpeed config the spec implies, with the user's config file's other keys added."""
+    strategy, train, precision = spec.strategy, spec.train, spec.precision
+    zero: dict[str, Any] = {"stage": strategy.zero_stage}
+    for key in ("offload_optimizer", "offload_param"):
+        device = getattr(strategy, key)
+        if device is not OffloadDevice.none:
+            zero[key] = {"device": device.value,
+                         **({"nvme_path": strategy.nvme_path} if device.value == "nvme" else {})}
+    generated = {
+        "train_micro_batch_size_per_gpu": train.micro_batch_size,
+        "gradient_accumulation_steps": train.grad_accum_steps,
+        "train_batch_size": train.micro_batch_size * train.grad_accum_steps * spec.layout.dp_size,
+        "gradient_clipping": train.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision.compute_dtype is Dtype.bf16},
+        "fp16": {
+            "enabled": precision.compute_dtype is Dtype.fp16,
+            "loss_scale": 0,  # dynamic
+            "initial_scale_power": int(math.log2(precision.initial_loss_scale)),
+            "loss_scale_window": precision.loss_scale_growth_interval,
+        },
+        "communication_data_type": precision.reduce_dtype.value,
+        # What DeepSpeed reduces the gradients in instead, under sequence parallelism.
+        **({"seq_parallel_communication_data_type": precision.reduce_dtype.value}
+           if strategy.sp_size > 1 else {}),
+        # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam), and
+        # ZeRO partitions any torch optimizer's states (DeepSpeed lists Adam's variants as tested, not SGD).
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+    }
+    if not strategy.config_file:
+        return generated
+    return config_with_file(spec, generated, lambda: facts_of(spec.model).layer.hidden)
 
 
 def load(path: str) -> dict:

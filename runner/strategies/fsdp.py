@@ -15,71 +15,38 @@ is given. `tp_size` > 1 splits every block over that many consecutive ranks firs
 FSDP then shards the split parameters: FSDP x TP, or HYBRID_SHARD x TP. `pp_size` > 1 cuts the layers into that
 many pipeline stages (runner/parallel/pipeline/layout.py), each run by world / pp_size ranks that FSDP shards it over,
 and `pp_schedule` orders the micro batches through them.
+
+The schema (the dataclass conf/strategy/fsdp.yaml fills) and its checks are here; `wrap`, which calls `fully_shard`,
+and the stepper are in runner/strategies/fsdp_placement.py; the memory terms in runner/strategies/fsdp_memory.py;
+the values of the keys in runner/strategies/fsdp_settings.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 from dataclasses import dataclass, field, replace
-from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, List, Optional
+from typing import TYPE_CHECKING, ClassVar, List, Optional
 
-from runner.components.mixed_precision import grad_scaler
 from runner.config.hardware import Accelerator
-from runner.config.precision import Dtype, PrecisionConfig
+from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
-from runner.distributed import local
-from runner.errors import SpecError, require
-from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes, pipeline_activations_part
-from runner.memory.facts import fp8_linears, meta_model
-from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
-from runner.memory.terms import Change, Estimate, Part, dtype_name, processes, sharded_elements, share, strategy_change
+from runner.errors import require
+from runner.memory.terms import Change, processes
 from runner.parallel.dims import ParallelDims
 from runner.parallel.pipeline.layout import PipelineSchedule
-from runner.parallel.tensor import block_plan
+from runner.strategies import fsdp_memory, fsdp_placement
+from runner.strategies.fsdp_settings import AutoWrapPolicy, ShardingStrategy, StateDictType
 from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
-from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
-    from runner.memory.parameters import Parameters
+    from runner.memory.terms import Estimate
     from runner.parallel.sequence import SequenceSplit
-
-
-class ShardingStrategy(str, Enum):
-    FULL_SHARD = "FULL_SHARD"
-    SHARD_GRAD_OP = "SHARD_GRAD_OP"
-    NO_SHARD = "NO_SHARD"
-    HYBRID_SHARD = "HYBRID_SHARD"
-    HYBRID_SHARD_ZERO2 = "HYBRID_SHARD_ZERO2"
-
-    @property
-    def reshards_after_forward(self) -> bool:
-        """ZeRO-3's way: free the gathered parameters after forward and gather them again for backward."""
-        return self not in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD_ZERO2)
-
-    @property
-    def hybrid(self) -> bool:
-        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy.HYBRID_SHARD_ZERO2)
-
-
-class AutoWrapPolicy(str, Enum):
-    TRANSFORMER_BASED_WRAP = "TRANSFORMER_BASED_WRAP"
-    SIZE_BASED_WRAP = "SIZE_BASED_WRAP"
-    NO_WRAP = "NO_WRAP"
-
-
-class StateDictType(str, Enum):
-    FULL = "FULL"
-    SHARDED = "SHARDED"
+    from runner.strategies.torch_stepper import TorchStepper
 
 
 @dataclass
@@ -163,8 +130,8 @@ class FSDPStrategy(StrategyConfig):
             self._check_tensor_parallel(spec)
         if self.async_tp:
             require(self.tp_size > 1 and spec.train.compile and spec.hardware.accelerator is Accelerator.cuda,
-                    f"strategy.async_tp=true overlaps tensor parallelism's collectives in the compiled blocks, on CUDA: "
-                    f"it needs strategy.tp_size > 1 (not {self.tp_size}), train.compile=true (not "
+                    f"strategy.async_tp=true overlaps tensor parallelism's collectives in the compiled blocks, on "
+                    f"CUDA: it needs strategy.tp_size > 1 (not {self.tp_size}), train.compile=true (not "
                     f"{str(spec.train.compile).lower()}) and CUDA GPUs (not {spec.hardware.accelerator.value})")
         if self.pp_size > 1:
             self._check_pipeline(spec)
@@ -244,9 +211,9 @@ class FSDPStrategy(StrategyConfig):
         ):
             require(not refused, f"{cp} with {why}")
 
-    def describe(self, hardware: HardwareConfig) -> str:
-        dims = self.dims(hardware)
-        described = (f"fsdp {self.sharding_strategy.value}, {processes(hardware.world_size)}, {dims.describe()}, "
+    def describe(self, spec: RunSpec) -> str:
+        dims = spec.layout
+        described = (f"fsdp {self.sharding_strategy.value}, {processes(spec.hardware.world_size)}, {dims.describe()}, "
                      f"{self.auto_wrap_policy.value}")
         if self.pp_size > 1:
             described += f"; pipeline schedule {self.pp_schedule}"
@@ -284,245 +251,29 @@ class FSDPStrategy(StrategyConfig):
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
              whole: Optional[WholeWeights] = None) -> nn.Module:
         """`fully_shard` on each unit, then on the root, over the mesh's data-parallel dimensions; rank 0's weights
-        in every shard."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
-        if self.async_tp:  # read when the blocks compile, at their first forward
-            import torch._inductor.config
-
-            torch._inductor.config._micro_pipeline_tp = True
-        if whole is None and self.sync_module_states:
-            _broadcast_from_rank0(model, dims.mesh(device.type))
-        mesh = dims.sharding_mesh(device.type)
-        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.offload_params else OffloadPolicy()
-        options = {"mesh": mesh, "reshard_after_forward": self.sharding_strategy.reshards_after_forward,
-                   "mp_policy": mixed_precision_policy(spec.precision), "offload_policy": offload}
-        units = wrap_units(model, self)
-        for unit in units:
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
-        set_prefetch(units, self)
-        if whole is not None:  # the model was laid out on the meta device; rank 0's weights go into its shards
-            _load_whole(model, whole, "cpu" if self.offload_params else device)
-        return model
+        in every shard (runner/strategies/fsdp_placement.py)."""
+        return fsdp_placement.wrap(self, model, spec, device, dims, whole)
 
     def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
                whole: Optional[WholeWeights] = None) -> nn.Module:
         return self.wrap(model, spec, device, dims, whole)
 
-    def frozen_shards(self, hardware: HardwareConfig) -> int:
-        dims = self.dims(hardware)
+    def frozen_shards(self, spec: RunSpec) -> int:
+        dims = spec.layout
         return dims.dp_shard * dims.cp * dims.tp
 
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
                 stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
-        def sync(last: bool) -> ContextManager:
-            model.set_requires_gradient_sync(last)
-            return contextlib.nullcontext()
-
-        scaler = grad_scaler(spec.precision, device, sharded=True)
-        return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler, sync,
-                                   stages)
+        return fsdp_placement.stepper(model, optimizer, spec, device, self.checkpoint_layout, stages)
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
-        """weights P_S.w, gradients P_S.w, states k.P_S.w, with P_S = sum over parameters of ceil(rows / S) x
-        columns (FSDP2 shards dim 0, padded evenly) and S the shard group: N (FULL_SHARD, SHARD_GRAD_OP), 1
-        (NO_SHARD), the group (HYBRID_SHARD*). offload_params moves (2 + k).P_S.w per process to CPU RAM.
-        With an adapter P is the adapters' parameters, and the frozen base is sharded alike in its stored dtypes
-        (NF4 included: torchao's NF4 shards and all-gathers as NF4)."""
-        precision, parameters = spec.precision, parameters_of(spec, facts)
-        dims = self.dims(spec.hardware)
-        shards = dims.dp_shard * dims.cp  # FSDP shards over the context-parallel ranks too
-        w = precision.param_dtype.bytes
-        gathered = min(w, precision.compute_dtype.bytes)  # FSDP's mixed-precision policy gathers in compute dtype
-        reduce = precision.reduce_dtype.bytes
-        k, states = spec.optim.states()
-        held = sharded_elements(list(parameters.trained_shapes), shards)
-        frozen = parameters.frozen_bytes(shards)
-        (root, root_trained), (largest, largest_trained), whole = unit_sizes(facts.model, self, parameters, gathered,
-                                                                            self.tp_size)
-        _, fp8_blocks = fp8_linears(facts.model, precision)
-        dtypes = ActivationDtypes(compute=gathered, stream=gathered, casts=False, fp8=fp8_blocks)
-        if not self.sharding_strategy.reshards_after_forward:
-            all_gathered = whole + largest
-            gather_note = f"{dtype_name(gathered)} all-gathers: every unit stays gathered from forward to backward"
-        else:
-            # The root unit stays gathered from forward to backward; each other unit is gathered, copied out of the
-            # all-gather buffer, and the next ones prefetched.
-            prefetch = max(self.forward_prefetch, self.backward_prefetch)
-            all_gathered = root + (2 + prefetch) * largest
-            gather_note = f"{dtype_name(gathered)} all-gathers: the root unit and {2 + prefetch} x the largest unit"
-        if parameters.frozen:
-            gather_note = gather_note.replace(dtype_name(gathered), parameters.frozen_note() + " base", 1)
-        dequantized, dequantized_note = adapter_transients(parameters, precision.compute_dtype.bytes)
-        part_of = share(shards, self.tp_size) + (" of a pipeline rank's stages" if self.pp_size > 1 else "")
-        nproc = spec.hardware.nproc_per_node or 1
-        loaders = 1 if self.cpu_ram_efficient_loading else nproc
-        loss_gradient = loss_gradient_bytes(spec, facts)
-        result = Estimate(
-            weights=Part(held * w + frozen + facts.buffer_bytes,
-                         weights_note(parameters, dtype_name(w), f"{part_of} ({self.sharding_strategy.value})")),
-            gradients=Part(held * w, f"{dtype_name(w)}{part_of}"),
-            optimizer_states=Part(k * held * w, f"{states}, {dtype_name(w)}{part_of}"),
-            activations=(pipeline_activations_part(spec, facts, dtypes, self.pipeline_schedule) if self.pp_size > 1
-                         else activations_part(spec, facts, dtypes)),
-            backward_start=Part(all_gathered + loss_gradient + largest_trained * (gathered + reduce) + dequantized,
-                                f"{gather_note}; the loss gradient; a unit's reduce-scatter{dequantized_note}"),
-            # The root unit's gradients are reduced last, its parameters still gathered.
-            backward_end=Part(root + root_trained * (gathered + reduce) + largest, "the root unit's reduce-scatter"),
-            step=Part(spec.optim.step_copies() * held * w, "the optimizer's foreach temporaries"),
-            host_loading=host_loading(spec, facts, loaders),
-        )
-        if self.offload_params:
-            frozen_note = f", and the frozen base{part_of}" if frozen else ""
-            result.host_offload = Part(nproc * ((2 + k) * held * w + frozen),
-                                       f"offload_params: each process's weights, gradients and {states}{part_of}"
-                                       + frozen_note)
-            result.weights = Part(facts.buffer_bytes, "in CPU RAM (offload_params); buffers only")
-            result.gradients = Part(0, "in CPU RAM (offload_params)")
-            result.optimizer_states = Part(0, "in CPU RAM (offload_params); the step runs on the CPU")
-            result.step = Part(0, "on the CPU")
-        return result
+        return fsdp_memory.estimate_memory(self, spec, facts)
 
     def memory_changes(self, spec: RunSpec) -> list[Change]:
-        changes = []
-        if self.sharding_strategy is not ShardingStrategy.FULL_SHARD and spec.hardware.world_size > 1:
-            changes.append(strategy_change("strategy.sharding_strategy=FULL_SHARD", 1.0,
-                                           sharding_strategy=ShardingStrategy.FULL_SHARD, hybrid_shard_size=None))
-        if not self.offload_params:
-            changes.append(strategy_change("strategy.offload_params=true", 3.0, offload_params=True))
-        if not self.cpu_ram_efficient_loading and not spec.adapter.quantized:  # qlora: each process quantizes
-            changes.append(strategy_change("strategy.cpu_ram_efficient_loading=true", 0.5,
-                                           cpu_ram_efficient_loading=True, sync_module_states=True))
-        return changes + self._tensor_parallel_changes(spec)
-
-    def _tensor_parallel_changes(self, spec: RunSpec) -> list[Change]:
-        """Splitting each block over 2, 4 or 8 of a node's processes, where the model's heads allow: it divides the
-        activations too, which no sharding does. Its collectives at every layer cost more the more ranks share them.
-        (Pipeline stages are no such change: with FSDP over the other ranks, each rank holds the same share of
-        weights, gradients and states, and under 1F1B the first stage keeps as many layers' activations in flight.)"""
-        if self.tp_size > 1:
-            return []
-        model, nproc = meta_model(spec.model), spec.hardware.nproc_per_node or 1
-        changes = []
-        for tp in (2, 4, 8):
-            try:
-                if nproc % tp == 0 and block_plan(model, tp):
-                    changes.append(strategy_change(f"strategy.tp_size={tp}", 1.0 + 0.5 * math.log2(tp), tp_size=tp))
-            except SpecError:
-                pass
-        return changes
+        return fsdp_memory.memory_changes(self, spec)
 
 
 def switch_to_fsdp() -> Change:
     """The other strategies' way out when they do not fit: FSDP's defaults, sharding everything across the ranks."""
     return Change(("strategy=fsdp",), 1.5, lambda spec: replace(
         spec, strategy=FSDPStrategy(activation_checkpointing=spec.strategy.activation_checkpointing)))
-
-
-def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
-    """Parameters all-gathered and computed in compute_dtype (the fp32 shards stay the master weights), gradients
-    reduced in reduce_dtype."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    low = precision.compute_dtype is not Dtype.fp32 and precision.param_dtype is Dtype.fp32
-    return MixedPrecisionPolicy(param_dtype=precision.compute_dtype.torch if low else None,
-                                reduce_dtype=precision.reduce_dtype.torch)
-
-
-def _broadcast_from_rank0(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Rank 0's trained parameters and buffers, over the data-parallel dimensions: each rank gets those of the rank
-    with its tensor-parallel part. A frozen base is left alone: every rank builds the same one, and QLoRA's NF4
-    tensors cannot be broadcast."""
-    import torch
-    import torch.distributed as dist
-
-    with torch.no_grad():
-        for tensor in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
-            for dimension in ("cp", "dp_shard", "dp_replicate"):
-                dist.broadcast(local(tensor), group=mesh.get_group(dimension), group_src=0)
-
-
-def _load_whole(model: nn.Module, whole: WholeWeights, device: Any) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    model.to_empty(device=device)
-    set_model_state_dict(model, whole.state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in whole.buffers:
-                buffer.copy_(whole.buffers[name])
-            dist.broadcast(buffer, src=0)
-
-
-def wrap_units(model: nn.Module, strategy: FSDPStrategy) -> list[nn.Module]:
-    """The submodules that become their own FSDP units, in forward order.
-
-    A module holding a tied parameter (input embeddings shared with the LM head) stays with the root, which
-    holds both ends of the tie.
-    """
-    match strategy.auto_wrap_policy:
-        case AutoWrapPolicy.NO_WRAP:
-            return []
-        case AutoWrapPolicy.TRANSFORMER_BASED_WRAP:
-            names = set(strategy.transformer_layer_cls or getattr(model, "_no_split_modules", None) or [])
-            units = [m for m in model.modules() if type(m).__name__ in names]
-        case AutoWrapPolicy.SIZE_BASED_WRAP:
-            units = []
-            _collect_by_size(model, strategy.min_num_params, units)
-    tied = _tied_parameters(model)
-    return [u for u in units if u is not model and not any(id(p) in tied for p in u.parameters())]
-
-
-def _tied_parameters(model: nn.Module) -> set[int]:
-    names: dict[int, int] = {}
-    for _, parameter in model.named_parameters(remove_duplicate=False):
-        names[id(parameter)] = names.get(id(parameter), 0) + 1
-    return {key for key, count in names.items() if count > 1}
-
-
-def _collect_by_size(module: nn.Module, min_num_params: int, units: list[nn.Module]) -> int:
-    """Post-order: a module whose parameters not yet in a unit reach min_num_params becomes a unit (containers
-    without a forward of their own, such as ModuleList, pass their count up instead)."""
-    from torch import nn
-
-    remaining = sum(_collect_by_size(child, min_num_params, units) for child in module.children())
-    remaining += sum(p.numel() for p in module.parameters(recurse=False))
-    if remaining >= min_num_params and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        units.append(module)
-        return 0
-    return remaining
-
-
-def set_prefetch(units: list[nn.Module], strategy: FSDPStrategy) -> None:
-    if strategy.forward_prefetch:
-        for i, unit in enumerate(units):
-            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + strategy.forward_prefetch])
-    if strategy.backward_prefetch != 1:
-        for i, unit in enumerate(units):
-            unit.set_modules_to_backward_prefetch(units[max(0, i - strategy.backward_prefetch) : i][::-1])
-
-
-def unit_sizes(model: nn.Module, strategy: FSDPStrategy, parameters: Parameters, gathered: int,
-               tp: int = 1) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """(all-gathered bytes, trained parameters) of the root unit and of the largest other unit under the strategy's
-    wrap policy, and the whole model's all-gathered bytes. Trained parameters gather in `gathered` bytes, as do the
-    adapters beside an adapted linear (each rank's parts already); frozen ones in the dtype they are stored in (NF4
-    as NF4). Under tensor parallelism FSDP gathers a rank's parts: a tp-th of each unit (its norms, whole on every
-    rank, are a rounding error)."""
-    def size(module: nn.Module, prefix: str) -> tuple[int, int]:
-        gathered_bytes, trained = 0.0, 0
-        for name, parameter in module.named_parameters(prefix=prefix):
-            stored = parameters.stored.get(name)
-            gathered_bytes += parameter.numel() * (gathered if stored is None else stored)
-            trained += parameter.numel() if stored is None else 0
-        adapters = sum(parameters.adapters.get(name, 0) for name, _ in module.named_modules(prefix=prefix))
-        return math.ceil(gathered_bytes / tp) + adapters * gathered, trained // tp + adapters
-
-    names = {id(module): name for name, module in model.named_modules()}
-    units = [size(unit, names[id(unit)]) for unit in wrap_units(model, strategy)]
-    whole = size(model, "")
-    root = (whole[0] - sum(unit[0] for unit in units), whole[1] - sum(unit[1] for unit in units))
-    return root, max(units, default=(0, 0)), whole[0]

@@ -1,7 +1,8 @@
 """What the runner asks of a strategy. Each option of the `strategy` group is one file here (single, ddp, fsdp,
 deepspeed) whose schema, the dataclass conf/strategy/<name>.yaml fills, implements `Strategy`; the rest of the
-runner asks it and never looks at which one it is. Adding a strategy is a new file, its conf file and its entry
-in runner/strategies/__init__.py.
+runner asks it and never looks at which one it is. Where a strategy's placement and memory terms are long, its
+methods call them in modules of their own beside it (fsdp_placement.py, fsdp_memory.py, deepspeed_engine.py,
+deepspeed_memory.py). Adding a strategy is a new file, its conf file and its entry in runner/strategies/__init__.py.
 
 A prepared job steps through the strategy's `Stepper`: backward, the optimizer step and what a checkpoint holds.
 """
@@ -141,7 +142,7 @@ class Strategy(Protocol):
         """Raises SpecError for a spec the strategy cannot run: its keys, the hardware, the precision."""
         ...
 
-    def describe(self, hardware: HardwareConfig) -> str:
+    def describe(self, spec: RunSpec) -> str:
         """Its line in the log and the estimate: `fsdp FULL_SHARD, 8 processes, mesh 1 x 8 ...`."""
         ...
 
@@ -171,7 +172,7 @@ class Strategy(Protocol):
         one's weights are: whole, or in the same shards (FSDP's units, ZeRO-3's partitions)."""
         ...
 
-    def frozen_shards(self, hardware: HardwareConfig) -> int:
+    def frozen_shards(self, spec: RunSpec) -> int:
         """How many shards `frozen` splits a model's weights into (1: whole on every rank)."""
         ...
 

@@ -47,8 +47,8 @@ class SingleStrategy(StrategyConfig):
                 f"{machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node}); choose strategy=ddp or "
                 "strategy=fsdp, or set hardware.nproc_per_node=1")
 
-    def describe(self, hardware: HardwareConfig) -> str:
-        return f"single, {processes(hardware.world_size)}"
+    def describe(self, spec: RunSpec) -> str:
+        return f"single, {processes(spec.hardware.world_size)}"
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
         return ParallelDims()
@@ -63,7 +63,7 @@ class SingleStrategy(StrategyConfig):
                whole: Optional[WholeWeights] = None) -> nn.Module:
         return model.to(device)  # no gradients to reduce: a replica as it is
 
-    def frozen_shards(self, hardware: HardwareConfig) -> int:
+    def frozen_shards(self, spec: RunSpec) -> int:
         return 1
 
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,

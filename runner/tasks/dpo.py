@@ -64,7 +64,7 @@ class DpoTask(TaskConfig):
         require(spec.data.format is DataFormat.preference,
                 f"task=dpo trains on preference pairs, and data.format={spec.data.format.value} has none; set "
                 "data.format=preference (records with a prompt, a chosen and a rejected response)")
-        dims = spec.strategy.dims(spec.hardware)
+        dims = spec.layout
         require(dims.pp == 1, f"task=dpo with {dims.pp} pipeline stages (strategy.pp_size): the preference loss of a "
                               "pair's two rows is not computed through a pipeline yet; use strategy.pp_size=1")
         require(self.beta > 0, f"task.beta={self.beta} must be > 0")
@@ -92,7 +92,7 @@ class DpoTask(TaskConfig):
         switched off, simpo, or precomputed log-probs)."""
         from runner.memory.terms import Part, dtype_name, share
 
-        shards = spec.strategy.frozen_shards(spec.hardware)
+        shards = spec.strategy.frozen_shards(spec)
         if not self.has_reference:
             reference = Part(0, "none (task.loss=simpo)")
         elif self.precompute_reference:
@@ -120,8 +120,7 @@ class DpoTask(TaskConfig):
             if spec.adapter.active:
                 reference = AdaptersOff()
             elif not (self.precompute_reference and cached.exists()):
-                model = placed_model(spec, job.ranks, job.device, job.tokenizer, job.dims, training=False,
-                                        frozen=True).model
+                model = placed_model(spec, job.ranks, job.device, job.tokenizer, training=False, frozen=True).model
                 model.eval()  # (DeepSpeed's engine returns None)
                 reference = FrozenCopy(model)
             if self.precompute_reference:

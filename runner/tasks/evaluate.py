@@ -87,7 +87,7 @@ class EvaluateTask(InferenceTaskConfig):
         for line in model.placement:
             log.info("placed %s", line)
         max_batches = spec.train.eval_batches if self.max_batches is None else self.max_batches or len(rows)
-        dims = spec.strategy.dims(spec.hardware)
+        dims = spec.layout
         batches = eval_batches(rows, micro_batch_size=spec.train.micro_batch_size, max_batches=max_batches,
                                dp_rank=dims.dp_rank(ranks.rank), dp_size=dims.dp_size,
                                pad_token_id=model.tokenizer.pad_token_id)

@@ -1,32 +1,25 @@
 """task=generate: completions of the prompts in a file (one per line, or a JSONL field) by what was trained, in
 input order, as JSONL in the run directory. One process; data-parallel ranks (strategy=ddp,
 hardware.nproc_per_node=N: each takes whole batches, so greedy output is one process's); pipeline stages over N
-processes (task.pipeline_stages=N); or one model placed over GPUs, CPU RAM and disk (task.device_map=auto)."""
+processes (task.pipeline_stages=N); or one model placed over GPUs, CPU RAM and disk (task.device_map=auto).
+Here: the schema and its checks; reading the prompts, and the job itself, are in runner/generation/completions.py."""
 
 from __future__ import annotations
 
-import json
-import logging
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Optional
 
-from runner.config.data import DataFormat
 from runner.config.task import InferenceTaskConfig
-from runner.data.chat import ChatRenderer, chat_template
-from runner.errors import SpecError, require
-from runner.files import absolute_path, move_into_place, write_json_atomically
+from runner.errors import require
+from runner.files import absolute_path
 from runner.memory.facts import check_causal_lm, facts_of
-from runner.memory.inference_report import inference_answer, planned_report
-from runner.memory.terms import processes
+from runner.memory.inference_report import inference_answer
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
     from runner.distributed import Ranks
-
-log = logging.getLogger("runner")
 
 
 @dataclass
@@ -90,103 +83,13 @@ class GenerateTask(InferenceTaskConfig):
                 "kv_cache": True, "stages": self.pipeline_stages, "prompt_tokens": longest}
 
     def inputs(self, spec: RunSpec) -> list[str]:
+        from runner.generation.completions import read_prompts
+
         return read_prompts(self.prompts, self.prompt_field)
 
     def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
             inputs: Optional[list[str]] = None) -> dict[str, Any]:
-        import sys
-
-        from runner.generation.data_parallel import gathered, generate, inference_model, my_batches
-        from runner.generation.decoding import Decoding, completion, prompt_batches
+        from runner.generation.completions import generate_completions
 
         prompts = inputs if inputs is not None else self.inputs(spec)
-        spec = self.with_trained_model(spec)
-        if ranks.rank == 0:
-            log.info("%s", planned_report(spec, self, **self.load(prompts)))
-        started = time.perf_counter()
-        # A pipeline stage builds the whole model on the CPU and takes its own blocks to the device.
-        model = inference_model(spec, self, ranks, run_dir, on_cpu=self.pipeline_stages > 1)
-        for line in model.placement:
-            log.info("placed %s", line)
-        tokenizer = model.tokenizer
-        texts, end = prompts, tokenizer.eos_token_id
-        if spec.data.format is DataFormat.chat:  # as the model was trained: the template, and its end of turn
-            renderer = ChatRenderer(tokenizer, chat_template(spec.data, tokenizer), spec.data.train_on.value)
-            texts = [renderer.prompt(prompt, f"prompt {index}") for index, prompt in enumerate(prompts)]
-            end = renderer.end_of_turn
-        decoding = Decoding(self.max_new_tokens, self.do_sample, self.temperature, self.top_p, self.top_k,
-                            end, tokenizer.pad_token_id)
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        batches = prompt_batches(ids, self.batch_size, tokenizer.pad_token_id)
-        log.info("generating %d prompts in %d batch%s of up to %d, on %s%s", len(prompts), len(batches),
-                 "es" if len(batches) > 1 else "", self.batch_size, processes(ranks.world_size),
-                 " (pipeline stages)" if self.pipeline_stages > 1 else "")
-        loaded = time.perf_counter()
-        try:
-            if self.pipeline_stages > 1:
-                from runner.engine.placement import device_of
-                from runner.generation.pipelined import pipeline_generate
-                from runner.parallel.pipeline.layout import stage_bounds
-
-                bounds = stage_bounds(model.model.config.num_hidden_layers, self.pipeline_stages,
-                                      self.split_points or None)
-                new_tokens = pipeline_generate(model.model, batches, decoding, ranks, bounds, self.microbatches,
-                                               self.seed, device_of(spec, ranks), model.autocast)
-            else:
-                mine = my_batches(len(batches), ranks)
-                by_batch = gathered(generate(model, batches, mine, decoding, self.seed,
-                                             progress=ranks.rank == 0 and sys.stdout.isatty()))
-                new_tokens = [row for index in range(len(batches)) for row in by_batch[index]]
-        finally:
-            model.release()
-        seconds = time.perf_counter() - loaded
-        records = []
-        for index, (prompt, tokens) in enumerate(zip(prompts, new_tokens)):
-            text, count = completion(tokens, tokenizer, decoding.eos_token_id, self.stop)
-            records.append({"index": index, "prompt": prompt, "completion": text, "new_tokens": count})
-        generated = sum(record["new_tokens"] for record in records)
-        summary = {
-            "prompts": len(records), "new_tokens": generated, "seconds": seconds,
-            "prompts_per_s": len(records) / seconds, "tokens_per_s": generated / seconds,
-            "processes": ranks.world_size, "load_seconds": loaded - started,
-            "completions": str(run_dir / "completions.jsonl"),
-        }
-        if ranks.rank == 0:
-            write_outputs(run_dir, records, summary)
-            log.info("done: %d completions, %s new tokens in %.1f s | %.2f prompts/s | %s tokens/s",
-                     len(records), f"{generated:,}", seconds, summary["prompts_per_s"],
-                     f"{summary['tokens_per_s']:,.0f}")
-            log.info("outputs: %s", run_dir / "completions.jsonl")
-        return {**summary, "objective": None}
-
-
-def write_outputs(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    """completions.jsonl, a record per line, moved into place once complete; then summary.json."""
-    partial = run_dir / "completions.jsonl.partial"
-    partial.write_text("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
-    move_into_place(partial, run_dir / "completions.jsonl")
-    write_json_atomically(run_dir / "summary.json", summary)
-
-
-def read_prompts(path: Optional[str], field_name: str) -> list[str]:
-    """The prompts of a text file (a line each, blank lines skipped) or a .jsonl file (`field_name` of each
-    line's object), or a one-line SpecError naming the file and line."""
-    require(bool(path), "task.prompts is not set: give a text file (a prompt per line) or a .jsonl file")
-    file = Path(path)
-    require(file.is_file(), f"task.prompts={path} is not a file")
-    lines = [(number, line) for number, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
-    require(bool(lines), f"task.prompts={path} holds no prompt")
-    if file.suffix.lower() != ".jsonl":
-        return [line for _, line in lines]
-    prompts = []
-    for number, line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise SpecError(f"task.prompts={path}: line {number} is not JSON ({error.msg})") from None
-        if not isinstance(record, dict) or field_name not in record:
-            keys = ", ".join(record) if isinstance(record, dict) else "not an object"
-            raise SpecError(f"task.prompts={path}: line {number} has no field '{field_name}' (it has: {keys}); "
-                            "set task.prompt_field")
-        prompts.append(str(record[field_name]))
-    return prompts
+        return generate_completions(self, spec, run_dir, ranks, prompts)

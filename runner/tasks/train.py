@@ -84,7 +84,7 @@ def check_training(spec: RunSpec, fit_check: bool) -> None:
     if spec.resume:
         check_resumable(spec)
     check_causal_lm(spec.model)
-    dims = spec.strategy.dims(spec.hardware)
+    dims = spec.layout
     if dims.tp > 1:  # the model's plan, and heads that split evenly
         block_plan(meta_model(spec.model), dims.tp)
     check_torch_features(spec, dims.tp, dims.pp)

@@ -4,6 +4,7 @@ composed spec, and on stderr what of the spec such a file cannot say. FSDP keys 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import yaml
@@ -21,7 +22,9 @@ from runner.tools.accelerate.values import shown
 
 def accelerate_file(spec: RunSpec) -> tuple[str, list[str]]:
     """`run --to-accelerate`: the accelerate config YAML of a composed spec, and lines on what it cannot say."""
-    hardware = planned_hardware(spec.hardware)
+    declared = spec.hardware
+    spec = replace(spec, hardware=planned_hardware(declared))
+    hardware = spec.hardware
     on_cpu = hardware.accelerator is Accelerator.cpu
     notes: list[str] = []
     on_cpus, on_gpus, write_keys = WRITTEN_AS[spec.strategy.name]
@@ -47,7 +50,7 @@ def accelerate_file(spec: RunSpec) -> tuple[str, list[str]]:
         file["fp8_config"] = fp8_section(spec.precision, notes)
     described = [f"hardware.{key}={value}" for key in ("device_name", "device_memory_gib", "host_memory_gib",
                                                         "peak_bf16_tflops", "compute_capability")
-                 if (value := getattr(spec.hardware, key))]
+                 if (value := getattr(declared, key))]
     if described:
         notes.append(f"{', '.join(described)}: what the spec says of the machine, for the memory estimate; "
                      "accelerate reads the machine it runs on")
@@ -113,7 +116,7 @@ def fsdp_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) -> dict
         if getattr(strategy, key) > 1:
             notes.append(f"strategy.{key}={getattr(strategy, key)}: FSDP1 prefetches one block; the file says so")
     if strategy.tp_size > 1 or strategy.cp_size > 1:
-        dims = strategy.dims(hardware)
+        dims = spec.layout
         return {"fsdp_config": section, "parallelism_config": {
             "parallelism_config_dp_replicate_size": dims.dp_replicate,
             "parallelism_config_dp_shard_size": dims.dp_shard, "parallelism_config_tp_size": dims.tp,
@@ -148,7 +151,7 @@ def deepspeed_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) ->
         return {"deepspeed_config": section}
     if not strategy.config_file:
         section["seq_parallel_communication_data_type"] = spec.precision.reduce_dtype.value
-    dims = strategy.dims(hardware)
+    dims = spec.layout
     return {"deepspeed_config": section, "parallelism_config": {
         "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": dims.dp_shard,
         "parallelism_config_tp_size": 1, "parallelism_config_sp_size": dims.cp,
