@@ -87,8 +87,20 @@ def pending(pid: int, signum: int) -> bool:
 
 
 TIME_LIMIT_TEST = "test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses"
-TIME_LIMITED = ["strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=40", "train.log_every=1",
+TIME_LIMITED = ["strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=12", "train.log_every=1",
                 "train.eval_every=0", "train.save_model=false"]
+
+
+# A job at most this old (SLURM's clock) when its ranks are held: cut to a one-minute limit, it still has 31 s or
+# more left, so that one of SLURM's next two time checks finds less than 31 s left and none finds it past its end.
+YOUNG_S = 28
+
+
+def run_time_s(job_id: str) -> int:
+    """How long the job has run, by SLURM's clock (`scontrol show job`'s RunTime)."""
+    shown = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    days, hours, minutes, seconds = re.search(r"RunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", shown).groups()
+    return ((int(days or 0) * 24 + int(hours)) * 60 + int(minutes)) * 60 + int(seconds)
 
 
 class TimeLimitedJob:
@@ -96,13 +108,18 @@ class TimeLimitedJob:
     (every 30 s) find less than 31 s left, 89 to 119 s into the run. Its ranks are held still (SIGSTOP) from
     their third step until the warning reaches them, so that it comes mid-run on a machine of any speed: SLURM
     continues them as it signals them, or the signal waits for them and the thread continues them. The thread
-    does that while the module's other tests use the cluster."""
+    does that while the module's other tests use the cluster; their jobs are submitted once the ranks are held,
+    so that these start alone. A job held within YOUNG_S of its start has its limit cut to one minute as its
+    ranks stop (`scontrol update`, as an administrator may): SLURM's warning then comes 29 to 59 s into the run,
+    a minute sooner. Once warned it has its two minutes back, for the run after the requeue. A job held later
+    keeps its two minutes throughout."""
 
     def __init__(self, cwd: Path) -> None:
         self.cwd = cwd
         self.job = start(*ON_SLURM, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=1",
                          *TIME_LIMITED, cwd=cwd)
         self.error: Optional[BaseException] = None
+        self.held = threading.Event()  # its ranks are held (or the thread failed)
         self.thread = threading.Thread(target=self._hold_until_warned, name="time limit", daemon=True)
         self.thread.start()
 
@@ -114,6 +131,11 @@ class TimeLimitedJob:
             ranks = rank_processes(self.run_dir, 2)
             for pid in ranks:
                 os.kill(pid, signal.SIGSTOP)
+            [job_id] = slurm_jobs(self.cwd)
+            self.cut_short = run_time_s(job_id) <= YOUNG_S
+            if self.cut_short:
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"], check=True)
+            self.held.set()
 
             def warned() -> bool:
                 return (any(pending(pid, signal.SIGUSR2) for pid in ranks)
@@ -123,8 +145,11 @@ class TimeLimitedJob:
             for pid in ranks:  # SLURM may have continued them itself, and they may have ended since
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
+            if self.cut_short:  # not checked: without it, the run after the requeue may be warned once more
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=2"], capture_output=True)
         except BaseException as error:  # raised again in the test
             self.error = error
+            self.held.set()
 
     def finished(self) -> tuple[int, str, str]:
         self.thread.join(timeout=900)
@@ -146,8 +171,10 @@ def time_limited_job(request, tmp_path_factory):
     job.job.kill()
 
 
-def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, tmp_path):
+def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, time_limited_job, tmp_path):
     """A 2-point sweep of 2-task jobs, a job that fails, and a job over SLURM's two nodes, side by side."""
+    if time_limited_job is not None:  # its ranks start alone, to be held while it is young (TimeLimitedJob)
+        time_limited_job.held.wait(timeout=900)
     sweep = start(*ON_SLURM, "hardware.nproc_per_node=2", "strategy=ddp,fsdp", *SHORT, cwd=tmp_path / "sweep")
     # 4 query heads cannot share 3 key-value heads: the spec is valid, the first forward fails.
     failing = start(*ON_SLURM, "hardware.nproc_per_node=2", "strategy=ddp", *SHORT,
@@ -247,4 +274,4 @@ def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_unint
     resumed_at = [int(step) for step in re.findall(r"resuming from step (\d+)", log)]
     assert stopped_at and set(resumed_at) == set(stopped_at) and "requeued SLURM job" in log, log
     [here] = (tmp_path / "here").glob("outputs/*/*")
-    assert step_losses(run_dir) == step_losses(here) and len(step_losses(here)) == 40
+    assert step_losses(run_dir) == step_losses(here) and len(step_losses(here)) == 12

@@ -33,7 +33,7 @@ def arguments() -> tuple[argparse.Namespace, dict]:
 
 def initial_model(plan: dict):
     """The plan's model in fp32 on the CPU with the runner's initial weights: seeded with its seed and built as
-    runner/config/model.py builds it, each weight drawn once by transformers' own init (torch's per-layer init
+    runner/components/modeling.py builds it, each weight drawn once by transformers' own init (torch's per-layer init
     skipped). A plain `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config)` draws torch's init first
     and then transformers', so the same seed gives other weights: on the default tiny model its step-1 loss is
     5.4557 where the runner's is 5.4107, on the same rows, before any update."""

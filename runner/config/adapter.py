@@ -9,6 +9,8 @@ Only the adapters train: the base gets no gradients and no optimizer states, and
 precision.compute_dtype (it is never updated, so it needs no fp32 master copy). The adapters keep
 precision.param_dtype (fp32 master weights under bf16 compute). A checkpoint holds the adapters and their
 optimizer; the run's model/ holds the adapter in peft's format, and with adapter.merge=true the merged model.
+
+The schema and its checks; runner/components/lora.py builds what it names.
 """
 
 from __future__ import annotations

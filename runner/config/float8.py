@@ -1,5 +1,8 @@
 """The `precision.fp8` section: linear layers' matmuls in float8 (torchao, or TransformerEngine on CUDA), the
-rest in the precision's compute dtype."""
+rest in the precision's compute dtype.
+
+The schema and its checks; runner/components/fp8.py builds what it names.
+"""
 
 from __future__ import annotations
 

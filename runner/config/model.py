@@ -1,4 +1,7 @@
-"""The `model` group: a transformers causal LM, from pretrained weights or initialised from an architecture config."""
+"""The `model` group: a transformers causal LM, from pretrained weights or initialised from an architecture config.
+
+The schema and its checks; runner/components/modeling.py builds what it names.
+"""
 
 from __future__ import annotations
 

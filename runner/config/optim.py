@@ -2,6 +2,8 @@
 
 Each option's schema answers what the rest of the runner asks of an optimizer: which torch optimizer runs it, what it keeps per
 parameter (for the memory estimate), and whether its values make sense.
+
+The schema and its checks; runner/components/optimizers.py builds what it names.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """The `precision` group: the dtype of the forward pass, of the weights the optimizer updates, and fp8 matmuls
-(runner/config/float8.py)."""
+(runner/config/float8.py).
+
+The schema and its checks; runner/components/mixed_precision.py builds what it names.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The `scheduler` group: the learning-rate schedule, stepped once per optimizer step."""
+"""The `scheduler` group: the learning-rate schedule, stepped once per optimizer step.
+
+The schema and its checks; runner/components/lr_schedule.py builds what it names.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Each option fills its own section of the tracker config, so several combine: `tracker=[wandb,tensorboard]`.
 Only the main process tracks. A tracker's files live inside the run directory, and a resumed run continues the
 same tracker run.
+
+The schema and its checks; runner/components/trackers.py builds what it names.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ class StreamPosition:
         return asdict(self)
 
 
+# The hub client's own time limit for a request (huggingface_hub's DEFAULT_REQUEST_TIMEOUT).
+HUB_WAIT_S = 10.0
+
+
 def held_out_every(data: DataConfig) -> int:
     return max(2, round(1 / data.eval_fraction))
 
@@ -80,6 +84,8 @@ def first_line(error: Exception) -> str:
 
 def check_stream(data: DataConfig) -> None:
     """Before launch: the source streams, and its first document is one of the format's."""
+    if data.hub_dataset and (reason := hub_unreachable()):
+        raise SpecError(f"{source_name(data)} could not be streamed: {reason}")
     first = next(shard(data, rank=0, size=1), None)
     if first is None:
         raise SpecError(f"{source_name(data)} holds no document")
@@ -88,6 +94,30 @@ def check_stream(data: DataConfig) -> None:
         conversation(record, data.chat_format.value, source_name(data), where)
     else:
         values(record, fields(data), source_name(data), where)
+
+
+def hub_unreachable() -> Optional[str]:
+    """Why the hub's host cannot be reached (its name does not resolve, it refuses or drops the connection), asked
+    before launch within HUB_WAIT_S; None when it can, or when only the hub client can tell: through a proxy, or
+    offline (HF_HUB_OFFLINE), where datasets refuses at once. Unasked, huggingface_hub retries such a failure five
+    times over 23 s, a warning each, before datasets gives up. Only before launch: a running stream keeps the
+    client's retries for a moment's fault."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    import datasets
+
+    endpoint = urlsplit(datasets.config.HF_ENDPOINT)
+    proxies = urllib.request.getproxies()
+    if datasets.config.HF_HUB_OFFLINE or proxies.get(endpoint.scheme) or proxies.get("all") or not endpoint.hostname:
+        return None
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)),
+                                 timeout=HUB_WAIT_S).close()
+    except OSError as error:
+        return f"{endpoint.hostname} cannot be reached ({error.strerror or f'no answer within {HUB_WAIT_S:g} s'})"
+    return None
 
 
 def shard(data: DataConfig, rank: int, size: int) -> Iterator[tuple[Any, str]]:
