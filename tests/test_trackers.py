@@ -191,6 +191,7 @@ def test_an_mlflow_server_that_answers_its_health_check_passes():
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
+    from runner.components.trackers import check_mlflow_service
     from runner.config.tracker import MLflowConfig
 
     class Health(BaseHTTPRequestHandler):
@@ -205,6 +206,6 @@ def test_an_mlflow_server_that_answers_its_health_check_passes():
     server = HTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        MLflowConfig(tracking_uri=f"http://127.0.0.1:{server.server_port}").check_service()
+        check_mlflow_service(MLflowConfig(tracking_uri=f"http://127.0.0.1:{server.server_port}"))
     finally:
         server.shutdown()
