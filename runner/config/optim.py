@@ -1,7 +1,7 @@
 """The `optim` group: the optimizer. Weight decay applies to matrices only, never to biases or norm weights.
 
-Each option's schema answers what the rest of the runner asks of an optimizer: which torch optimizer runs it, what it keeps per
-parameter (for the memory estimate), and whether its values make sense.
+Each option's schema answers what the rest of the runner asks of an optimizer: which torch optimizer runs it, what it
+keeps per parameter (for the memory estimate), and whether its values make sense.
 
 The schema and its checks; runner/components/optimizers.py builds what it names.
 """

@@ -33,7 +33,8 @@ from runner.errors import SpecError, did_you_mean, require
 @dataclass
 class RunSpec:
     hardware: HardwareConfig = MISSING
-    # A Strategy and a Task (runner/strategies/protocol.py, runner/tasks/task_protocol.py): every option's schema is one.
+    # A Strategy and a Task (runner/strategies/protocol.py, runner/tasks/task_protocol.py): every option's schema
+    # is one.
     strategy: StrategyConfig = MISSING
     precision: PrecisionConfig = MISSING
     tracker: TrackerConfig = MISSING

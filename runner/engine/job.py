@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from runner.components.mixed_precision import PrecisionInEffect
     from runner.data.rows import RowSet
     from runner.parallel.dims import ParallelDims
+    from runner.parallel.pipeline.schedule import Pipeline
     from runner.parallel.sequence import SequenceSplit
     from runner.strategies.protocol import Stepper
 
@@ -72,10 +73,9 @@ class PreparedJob:
     # What the steps minimise and the evaluations report (runner/engine/step.py's Objective, which imports this
     # module): None, the next-token loss, unless the task sets its own.
     objective: Any = None
-    # Under pipeline parallelism, the schedule of this rank's stages (runner/parallel/pipeline/schedule.py's Pipeline, which
-    # imports step.py, which imports this module), which runs the steps' forward and backward and the evaluation;
-    # `model` then holds this rank's stages only.
-    pipeline: Any = None
+    # Under pipeline parallelism, the schedule of this rank's stages, which runs the steps' forward and backward and
+    # the evaluation; `model` then holds this rank's stages only.
+    pipeline: Optional[Pipeline] = None
     # Under context parallelism, how every sequence is split over this rank's group; None without one.
     sequence_split: Optional[SequenceSplit] = None
 

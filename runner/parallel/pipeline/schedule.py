@@ -1,5 +1,5 @@
 """Pipeline-parallel training's step and evaluation: this rank's micro batches through its stages, in the order of
-a torch.distributed.pipelining schedule (runner/parallel/pipeline/layout.py: the layout; runner/parallel/pipeline/stages.py: the
+a torch.distributed.pipelining schedule (layout.py beside it: the schedules and stage bounds; stages.py: the
 stages).
 
 The schedule runs all micro batches of an optimizer step in one call, each of them one of its microbatches. Every
