@@ -170,7 +170,7 @@ def test_parquet_text_is_packed_into_blocks(tmp_path):
 @pytest.mark.slow
 def test_the_start_shows_what_the_run_is_at_a_glance(cli_run):
     _, run_dir, result = cli_run
-    lines = [line.split(" ", 1)[1] for line in (run_dir / "run.log").read_text().splitlines()[1:11]]
+    lines = [line.split(" ", 1)[1] for line in (run_dir / "run.log").read_text().splitlines()]
     tree = lines[lines.index(f"run {run_dir}"):][:9]
     assert [line.split()[:2] for line in tree[1:]] == [
         ["├─", "model"], ["├─", "data"], ["├─", "optimizer"], ["├─", "batch"], ["├─", "loss"], ["├─", "strategy"],
@@ -180,7 +180,7 @@ def test_the_start_shows_what_the_run_is_at_a_glance(cli_run):
     assert "AdamW lr 0.003, weight decay 0.1; 3 warmup steps, then cosine decay to 0.1 x lr" in tree[3]
     assert "global batch 4 = micro batch 4 x 1 data-parallel ranks x 1 accumulation steps; 30 steps of 512 " \
            "tokens" in tree[4]
-    assert "chunked (1,024 label tokens a chunk; no whole-batch logits) (train.loss=auto)" in tree[5]
+    assert "full logits (train.loss=auto)" in tree[5]  # a 259-token vocabulary: nothing to chunk
     assert tree[6].endswith("single, 1 process") and tree[8].endswith("metrics.jsonl")
 
 
