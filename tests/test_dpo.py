@@ -141,6 +141,44 @@ def test_the_loss_log_probs_rewards_and_gradients_are_trls(loss_type, loss_kind,
     assert max(grad.abs().max().item() for grad in expected["grads"].values()) > 1e-3
 
 
+def test_evaluation_computes_the_references_log_probs_of_the_eval_rows_once():
+    """The eval rows and the frozen reference are the same at every evaluation: the reference's forward runs at the
+    first only, and later evaluations give what computing it again would."""
+    import contextlib
+
+    import numpy as np
+    import torch
+
+    from runner.config.training import LossKind
+    from runner.data.batches import collate
+    from runner.data.rows import columns, row_inputs
+    from runner.engine.dpo_loss import FrozenCopy, PreferenceLoss
+    from runner.engine.loss import with_summed_loss
+
+    policy, reference = tiny_llama(0), trained_further(tiny_llama(0))
+    for model in (policy, reference):
+        with_summed_loss(model, LossKind.full, chunk_tokens=1024)
+    rows = [row_inputs(np.array(pair["prompt_ids"] + pair[response]),
+                       np.array([0] * len(pair["prompt_ids"]) + [1] * len(pair[response]), dtype=np.uint8),
+                       [0], [0], len(pair[response]), packed=False)
+            for response in ("chosen_ids", "rejected_ids") for pair in PAIRS]
+    batches = [collate(columns(rows), pad_token_id=0)] * 2
+
+    class Counted(FrozenCopy):
+        calls = 0
+
+        def logps(self, job, micro_batch, whole):
+            Counted.calls += 1
+            return super().logps(job, micro_batch, whole)
+
+    job = SimpleNamespace(model=policy, device=torch.device("cpu"), sequence_split=None, counted=True,
+                          autocast=contextlib.nullcontext, eval_batches=lambda: iter(batches))
+    kept = PreferenceLoss(0.1, "sigmoid", 0.0, 0.5, Counted(reference))
+    first, second = kept.evaluate(job), kept.evaluate(job)
+    assert Counted.calls == len(batches)  # the first evaluation's, none after
+    assert first == second == PreferenceLoss(0.1, "sigmoid", 0.0, 0.5, FrozenCopy(reference)).evaluate(job)
+
+
 # ---- preference data
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Protocol
 
@@ -148,6 +148,9 @@ class PreferenceLoss:
     label_smoothing: float
     simpo_gamma: float
     reference: Optional[Reference]  # None: simpo's, which has none
+    # The reference's log-probs of each eval micro batch, kept from the first evaluation: the eval rows, the frozen
+    # reference and the order are the same at every evaluation, so its forward on them would give the same values.
+    eval_reference: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -156,15 +159,14 @@ class PreferenceLoss:
         pairs = job.global_batch_size
         return losses.sum() / pairs, {name: value.sum() / pairs for name, value in metrics.items()}
 
-    def pair_losses(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_losses(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss,
+                    reference: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Each pair's loss, and each pair's metrics (detached). Under a sequence split, the loss of the whole rows'
-        log-probs, on every rank of the group."""
+        log-probs, on every rank of the group. `reference`: the reference's log-probs of these rows, when known."""
         import torch
 
         logps = whole(row_logps(job.model, micro_batch))
-        reference = None
-        if self.reference is not None:
+        if reference is None and self.reference is not None:
             with torch.no_grad():
                 reference = self.reference.logps(job, micro_batch, whole)
         targets = micro_batch.labels if micro_batch.labels_shifted else shifted(micro_batch.labels)
@@ -186,10 +188,13 @@ class PreferenceLoss:
         sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=job.device)
         pairs = 0
         with torch.no_grad():
-            for micro_batch in job.eval_batches():
+            for index, micro_batch in enumerate(job.eval_batches()):
                 with split_sequences(job.sequence_split, micro_batch.to(job.device)) as (sliced, whole), \
                         job.autocast():
-                    losses, metrics = self.pair_losses(job, sliced, whole)
+                    if self.reference is not None and index == len(self.eval_reference):
+                        self.eval_reference.append(self.reference.logps(job, sliced, whole))
+                    reference = self.eval_reference[index] if self.reference is not None else None
+                    losses, metrics = self.pair_losses(job, sliced, whole, reference)
                 sums += torch.stack([losses.sum(), *(metrics[name].sum() for name in METRICS)]).double()
                 pairs += len(losses)
         total, *metric_sums, counted = all_ranks_sums([*sums.tolist(), pairs], job.counted)
