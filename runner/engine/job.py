@@ -56,7 +56,6 @@ class PreparedJob:
     eval_batches: Callable[[], Iterator[batches.MicroBatch]]
     autocast: Callable[[], ContextManager]
     trackers: list[Tracker]
-    dims: ParallelDims  # the job's layout: its data-parallel ranks split each global batch
     precision_in_effect: Callable[[], PrecisionInEffect]
     # From the token store: its train rows, their tokens (padding aside) and predicted labels, and the rows'
     # directory in the store (runner/data/store.py); None for a streamed run.
@@ -78,6 +77,11 @@ class PreparedJob:
     pipeline: Optional[Pipeline] = None
     # Under context parallelism, how every sequence is split over this rank's group; None without one.
     sequence_split: Optional[SequenceSplit] = None
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The job's layout (RunSpec.layout, worked out once): its data-parallel ranks split each global batch."""
+        return self.spec.layout
 
     @property
     def dp_size(self) -> int:
@@ -158,7 +162,6 @@ def prepare_job(
         eval_batches=eval_batches,
         autocast=placed.autocast,
         trackers=[],
-        dims=placed.dims,
         precision_in_effect=placed.precision_in_effect,
         train_sequences=None if train_set is None else len(train_set),
         train_tokens=None if train_set is None else int(train_set.tokens.sum()),

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
     from runner.config.spec import RunSpec
     from runner.distributed import Ranks
-    from runner.parallel.dims import ParallelDims
     from runner.parallel.pipeline.schedule import Pipeline
     from runner.parallel.sequence import SequenceSplit
     from runner.strategies.protocol import Stepper
@@ -75,7 +74,6 @@ class Placed:
     spec: RunSpec
     device: torch.device
     ranks: Ranks
-    dims: ParallelDims
     fp8_layers: list[str] = field(default_factory=list)
     # Under pipeline parallelism, the schedule of this rank's stages, which runs the steps and the evaluation.
     pipeline: Optional[Pipeline] = None
@@ -105,7 +103,7 @@ def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrain
         pipeline = build_pipeline(on_layout.stages, on_layout.stage_ids, spec, dims, ranks.rank, device,
                                   tokenizer.pad_token_id)
     model, stepper = spec.strategy.stepper(model, optimizer, spec, device, stages=pipeline)
-    return Placed(model, optimizer, stepper, spec, device, ranks, dims, on_layout.fp8_layers, pipeline,
+    return Placed(model, optimizer, stepper, spec, device, ranks, on_layout.fp8_layers, pipeline,
                   on_layout.sequence_split)
 
 
