@@ -82,9 +82,9 @@ def test_recipes_set_what_their_names_say():
     assert (zero3.strategy.zero_stage, zero3.strategy.offload_optimizer.value) == (3, "cpu")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("recipe", CPU_RECIPES)
-def test_cpu_recipe_trains(recipe, workdir):
+def trained_recipe(recipe: str, workdir: Path) -> Path:
+    """`run recipe=<recipe>` as a user types it (with the data of the recipes that name none), checked to have
+    run its steps and learned; its run directory."""
     data = RECIPE_DATA.get(recipe, [])
     result = run_cli(f"recipe={recipe}", *data, cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -97,10 +97,33 @@ def test_cpu_recipe_trains(recipe, workdir):
                        if "eval_loss" in line]
         assert evaluations[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # log 2: the policy is its reference
         assert evaluations[-1]["eval_rewards/accuracies"] > 0.5 and evaluations[-1]["eval_rewards/margins"] > 0
-        return
-    # Adapters on a frozen random-init base learn less in a few steps than a full fine-tune.
-    progress = 0.75 if planned.adapter.active else 1.0
-    assert summary["eval_loss"] < summary["first_eval_loss"] - progress
+    else:  # adapters on a frozen random-init base learn less in a few steps than a full fine-tune
+        progress = 0.75 if planned.adapter.active else 1.0
+        assert summary["eval_loss"] < summary["first_eval_loss"] - progress
+    return summary_file.parent
+
+
+# cpu_fsdp trains in the test of its checkpoints below.
+@pytest.mark.distributed
+@pytest.mark.parametrize("recipe", [recipe for recipe in CPU_RECIPES if recipe != "cpu_fsdp"])
+def test_cpu_recipe_trains(recipe, workdir):
+    trained_recipe(recipe, workdir)
+
+
+@pytest.mark.distributed
+def test_cpu_fsdp_trains_and_its_sharded_checkpoint_evaluates_in_any_layout(workdir):
+    """recipe=cpu_fsdp writes SHARDED checkpoints (two ranks' shards): its last one, evaluated in one process and
+    by fsdp on two, gives the run's last eval loss."""
+    run_dir = trained_recipe("cpu_fsdp", workdir)
+    final = json.loads((run_dir / "summary.json").read_text())["eval_loss"]
+    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert (checkpoint / "model").is_dir() and not (checkpoint / "model.safetensors").exists()
+    for layout in ([], ["strategy=fsdp", "hardware.nproc_per_node=2"]):
+        result = run_cli("task=evaluate", f"task.trained={checkpoint}", *layout, cwd=workdir)
+        assert result.returncode == 0, result.stderr[-3000:]
+        [evaluated] = workdir.glob("outputs/*/*/eval.json")
+        assert abs(json.loads(evaluated.read_text())["eval_loss"] - final) < 1e-5, layout
+        evaluated.unlink()
 
 
 def test_recipes_are_listed_with_what_they_are_for(workdir):

@@ -115,10 +115,12 @@ RUN = [*QUICK, "hardware.nproc_per_node=2", "train.max_steps=3", "train.log_ever
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_spawned_workers_train_as_forked_ones(strategy, tmp_path):
+def test_spawned_workers_train_as_forked_ones(tmp_path):
     """`run` with the workers spawned, as on GPUs: the run finishes with the forked workers' losses, step for step
-    (the same seed and global batch), and the new interpreters print no library warning."""
+    (the same seed and global batch), and the new interpreters print no library warning. FSDP's (a mesh, sharded
+    parameters, a process group per dimension): the start method changes the launch alone, the same for every
+    strategy, and what each strategy's worker receives is unpickled in a new interpreter above."""
+    strategy = "fsdp"
     outputs, losses = {}, {}
     for method in ("fork", "spawn"):
         result = run_cli(f"strategy={strategy}", *RUN, f"hardware.start_method={method}", cwd=tmp_path / method)

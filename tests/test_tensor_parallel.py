@@ -49,8 +49,9 @@ def reference_full_logits(tmp_path_factory):
     return step_losses(run_dir)
 
 
+# fsdp 2 x tp 2 trains to the same losses in the checkpoint test below, which runs it.
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout != "fsdp 2 x tp 2"])
 def test_same_losses_as_one_process(layout, reference, reference_full_logits, tmp_path):
     nproc, overrides = LAYOUTS[layout]
     reference = reference_full_logits if "train.loss=full" in overrides else reference
@@ -64,7 +65,8 @@ def test_same_losses_as_one_process(layout, reference, reference_full_logits, tm
 @pytest.mark.distributed
 @pytest.mark.parametrize("state_dict_type", ["FULL", "SHARDED"])
 def test_a_checkpoint_of_fsdp_x_tp_resumes_under_fsdp_alone_and_in_one_process(state_dict_type, reference, tmp_path):
-    """Saved under fsdp 2 x tp 2 at step 5, resumed under fsdp 4 and in one process: the same losses from step 6 on.
+    """Trained under fsdp 2 x tp 2 with one process's losses, saved at step 5, resumed under fsdp 4 and in one
+    process: the same losses from step 6 on.
     FULL gathers the whole model and optimizer state from both dimensions; SHARDED writes each rank's parts, and
     torch.distributed.checkpoint reads them into the other layouts' parts."""
     saved = tmp_path / "fsdp 2 x tp 2"
@@ -78,7 +80,7 @@ def test_a_checkpoint_of_fsdp_x_tp_resumes_under_fsdp_alone_and_in_one_process(s
     in_one = resolved_spec([*BASE, checkpoint, "train.grad_accum_steps=4"])
     (tmp_path / "single").mkdir()
     train(prepare_job(in_one, tmp_path / "single"))
-    assert step_losses(saved)[:5] == pytest.approx(reference[:5], rel=1e-5)
+    assert step_losses(saved) == pytest.approx(reference, rel=1e-5) and len(reference) == STEPS
     for resumed in ("fsdp 4", "single"):
         losses = logged(tmp_path / resumed, "loss")
         assert list(losses) == list(range(6, STEPS + 1))
