@@ -1,7 +1,8 @@
 """The errors every layer raises and the exit statuses `run` maps them to; this module imports nothing of the runner.
 
 0 done, 1 the job failed (a worker's error, a non-finite loss), 2 bad input (nothing was started or written),
-3 stopped by a signal after a checkpoint.
+3 stopped by a signal after a checkpoint, 4 a write failed (a full disk, a read-only filesystem, a quota): the last
+complete checkpoint is intact and the run continues from it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class ExitStatus(IntEnum):
     FAILED = 1
     BAD_INPUT = 2
     STOPPED = 3
+    WRITE_FAILED = 4
 
 
 class SpecError(Exception):
@@ -29,6 +31,15 @@ def require(condition: bool, message: str) -> None:
 
 class WorkerFailed(Exception):
     """A worker process of a multi-process job raised or died; the message leads with that rank's error."""
+
+
+class WriteFailed(Exception):
+    """Writing a checkpoint or the model failed for want of room or permission; the message names the path, the
+    bytes, the last complete checkpoint and how to continue."""
+
+
+class DeviceOutOfMemory(Exception):
+    """A rank ran out of memory; the message says where, with the device's figures and the estimate's."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -47,6 +58,15 @@ class Stopped(RuntimeError):
 class SweepStopped(BaseException):
     """A signal stopped a sweep: the job it reached stopped with a checkpoint, the later ones did not start. Not an
     Exception, which Hydra would hold while it starts the next job."""
+
+
+class EndedInOneLine(BaseException):
+    """A job that is the whole run (no sweep) ended by an error told in one line (WriteFailed, DeviceOutOfMemory),
+    with its exit status: past Hydra, which would add a line of its own about any Exception of a job."""
+
+    def __init__(self, message: str, status: ExitStatus):
+        super().__init__(message)
+        self.status = status
 
 
 class LaunchRefused(BaseException):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from runner.distributed import cpu_copy, local, process_group_up
-from runner.errors import SpecError
+from runner.errors import SpecError, WriteFailed
 
 if TYPE_CHECKING:
     import torch
@@ -170,3 +170,60 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
             continue
         found.append(path)
     return found
+
+
+# How the libraries that write tensors say that the filesystem refused a write: safetensors ("I/O error: No space
+# left on device (os error 28)"), torch.save ("file write failed"); Python's own raise OSError.
+REFUSED_WRITE = re.compile(r"No space left on device|os error 28|Disk quota exceeded|Read-only file system|"
+                           r"file write failed|Input/output error", re.IGNORECASE)
+# A filesystem with less room than this is full: the write that failed on it failed for want of room.
+FULL_BELOW = 2**20
+
+
+def refused_write(error: BaseException) -> bool:
+    return isinstance(error, OSError) or bool(REFUSED_WRITE.search(str(error)))
+
+
+@contextlib.contextmanager
+def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], int]):
+    """Writes `what` into `partial`: a write the filesystem refuses removes what was written of it and ends the run
+    in one line (WriteFailed) with the path, the bytes it needs (`needed()`) and those free, the last complete
+    checkpoint and the command that continues."""
+    try:
+        yield
+    except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
+        # torch.save says only "unexpected pos" of a file cut short: a filesystem left without room says the rest.
+        if not (refused_write(error) or free_bytes(partial) < FULL_BELOW):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+        raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed())) from None
+
+
+def existing_parent(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(existing_parent(path)).free
+
+
+def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: Path, needed: int) -> str:
+    failures = getattr(error, "failures", None)  # CheckpointException: each rank's (exception, traceback)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    if isinstance(error, OSError) and error.strerror:
+        reason, path = error.strerror, error.filename or partial
+    else:
+        said = REFUSED_WRITE.search(str(error))
+        # Else the filesystem was left without room (torch.save's "unexpected pos" of a file cut short).
+        reason, path = said.group(0) if said else "No space left on device", partial
+    where = existing_parent(partial)
+    free = shutil.disk_usage(where).free
+    found = complete_checkpoints(run_dir)
+    last, then = ((f"the last complete checkpoint, {found[-1]}, is intact", f"continue with: run resume={run_dir}")
+                  if found else ("no checkpoint was complete yet", "run it again"))
+    return (f"writing {what} failed: {reason} ({path}); it needs about {needed / 2**20:,.1f} MiB and "
+            f"{free / 2**20:,.1f} MiB are free on {where}; {last}. Make room (or keep fewer checkpoints: "
+            f"train.keep_checkpoints=1), then {then}")

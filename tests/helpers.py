@@ -162,6 +162,31 @@ def _stop_after_logging(step: int) -> None:
     loop._log = logged_then_stopped
 
 
+def _out_of_memory_at(step: int) -> None:
+    """In a started run's process, before the run: the last rank's backward of `step` raises torch.OutOfMemoryError
+    (the workers are forked from this process, and inherit it)."""
+    import torch
+
+    from runner.engine import loop
+    from runner.strategies.protocol import unwrapped
+
+    real_step = loop.train_step
+
+    def out_of_memory(module, gradients):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def step_that_runs_out(job, batch):
+        if job.ranks.rank == job.ranks.world_size - 1 and _steps_taken(job) == step - 1:
+            unwrapped(job.model).model.layers[0].mlp.register_full_backward_pre_hook(out_of_memory)
+        return real_step(job, batch)
+
+    loop.train_step = step_that_runs_out
+
+
+def _steps_taken(job) -> int:
+    return job.scheduler.last_epoch
+
+
 # ---- the `run` command
 
 
@@ -235,10 +260,12 @@ def run_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, fresh: 
 
 
 def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_session: bool = False,
-              stop_at_step: Optional[int] = None) -> Started:
+              stop_at_step: Optional[int] = None, out_of_memory_at_step: Optional[int] = None) -> Started:
     """`run <args>` started in `cwd` and left running; `new_session`: in a session and process group of its own, as
     `setsid run ...` starts it (signal the group with os.killpg). `stop_at_step`: the run stops itself, in a session
-    of its own, once it has logged that step (train.log_every=1): hold_at_step waits for it."""
+    of its own, once it has logged that step (train.log_every=1): hold_at_step waits for it.
+    `out_of_memory_at_step`: the last rank's backward of that step raises torch.OutOfMemoryError, as a GPU's
+    allocator does."""
     new_session = new_session or stop_at_step is not None
     cwd.mkdir(parents=True, exist_ok=True)
     a_second_of_its_own(cwd)
@@ -246,7 +273,7 @@ def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_s
     output, errors = output_dir / "stdout", output_dir / "stderr"
     process = warm_processes().Process(target=_run_command, name="run",
                                        args=(list(args), str(cwd), environment(env), str(output), str(errors),
-                                             new_session, stop_at_step))
+                                             new_session, stop_at_step, out_of_memory_at_step))
     process.start()
     return Started(process, output, errors, new_session, stop_at_step)
 
@@ -303,13 +330,15 @@ def _end_started_runs() -> None:
 
 
 def _run_command(args: list[str], cwd: str, env: dict[str, str], output: str, errors: str, new_session: bool,
-                 stop_at_step: Optional[int]) -> None:
+                 stop_at_step: Optional[int], out_of_memory_at_step: Optional[int] = None) -> None:
     """In the forked process: `python -m runner <args>`, as a new interpreter would run it, to its exit."""
     _as_a_main_process()
     if new_session:
         os.setsid()
     if stop_at_step is not None:
         _stop_after_logging(stop_at_step)
+    if out_of_memory_at_step is not None:
+        _out_of_memory_at(out_of_memory_at_step)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # what the forkserver printed stays its own
     for fd, path in ((1, output), (2, errors)):

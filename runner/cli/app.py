@@ -20,6 +20,8 @@ from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.hardware import check_rendezvous
 from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
 from runner.errors import (
+    DeviceOutOfMemory,
+    EndedInOneLine,
     ExitStatus,
     LaunchRefused,
     NonFiniteLoss,
@@ -28,8 +30,10 @@ from runner.errors import (
     Stopped,
     SweepStopped,
     WorkerFailed,
+    WriteFailed,
 )
 from runner.files import complete_checkpoints
+from runner.memory.disk import check_disk, disk_need
 from runner.processes.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
 from runner.processes.signals import SweepStop
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
@@ -68,6 +72,10 @@ def run_job(config: DictConfig) -> float:
         record_error(run_dir, stop)
         raise stopped_sweep(hydra_config, f"job {hydra_config.job.num} {stop}", next_job=hydra_config.job.num + 1)
     except Exception as error:
+        one_line_statuses = {WriteFailed: ExitStatus.WRITE_FAILED, DeviceOutOfMemory: ExitStatus.FAILED,
+                             WorkerFailed: ExitStatus.FAILED}
+        if type(error) in one_line_statuses and task is None and hydra_config.mode == RunMode.RUN:
+            raise EndedInOneLine(str(error), one_line_statuses[type(error)]) from None
         failure = job_failure(error, task, run_dir, sweep_job=hydra_config.mode == RunMode.MULTIRUN)
         if failure is None:
             raise
@@ -99,6 +107,8 @@ def prepared_job(config: DictConfig, hydra_config: DictConfig, first: bool) -> t
         scrub_secrets(run_dir, spec)
     identity = run_identity(hydra_config, run_dir)
     logging.getLogger("runner").info("run directory %s | reading the job's input", run_dir)
+    if first and spec.task.trains:
+        logging.getLogger("runner").info("%s", disk_need(spec).line())
     try:
         inputs = spec.task.inputs(spec)
     except SpecError as error:
@@ -130,7 +140,8 @@ def job_failure(error: Exception, task: Optional[Task], run_dir: Path, sweep_job
     # Hydra holds a sweep job's error until the whole sweep has run: its log says why it failed now.
     if sweep_job:
         logging.getLogger("runner").exception("the job failed")
-    if task is not None and not isinstance(error, (WorkerFailed, NonFiniteLoss)):  # `run` says it in one line
+    told_in_one_line = (WorkerFailed, NonFiniteLoss, WriteFailed, DeviceOutOfMemory)
+    if task is not None and not isinstance(error, told_in_one_line):  # `run` says it in one line
         return WorkerFailed(f"rank {task.rank} failed (SLURM job {task.job_id}): {one_line(error)} (its "
                             f"traceback: the logs in {run_dir})")
     return None
@@ -232,9 +243,14 @@ class ValidateSpec(Callback):
         self.print_spec = print_spec
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _, answer = checked(config, print_spec=self.print_spec)
+        spec, answer = checked(config, print_spec=self.print_spec)
         if answer is None and not config.resume:
             refuse_used_directory(Path(config.hydra.run.dir), "hydra.run.dir")
+        if answer is None and spec.task.trains and not self.print_spec:
+            try:
+                check_disk(spec, Path(config.hydra.run.dir))
+            except SpecError as error:
+                raise LaunchRefused(str(error)) from None
         if answer is not None:
             print(answer, flush=True)
             raise NothingToLaunch()

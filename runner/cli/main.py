@@ -21,6 +21,7 @@ from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import load_spec
 from runner.errors import (
+    EndedInOneLine,
     ExitStatus,
     LaunchRefused,
     NonFiniteLoss,
@@ -29,6 +30,7 @@ from runner.errors import (
     Stopped,
     SweepStopped,
     WorkerFailed,
+    WriteFailed,
 )
 from runner.files import new_recipe
 from runner.quiet import quiet_libraries
@@ -71,6 +73,12 @@ def main() -> None:
     except (WorkerFailed, NonFiniteLoss) as failure:
         print(f"run: error: {failure}", file=sys.stderr)
         sys.exit(ExitStatus.FAILED)
+    except WriteFailed as failure:
+        print(f"run: error: {failure}", file=sys.stderr)
+        sys.exit(ExitStatus.WRITE_FAILED)
+    except EndedInOneLine as ended:
+        print(f"run: error: {ended}", file=sys.stderr)
+        sys.exit(ended.status)
     except (Stopped, SweepStopped) as stopped:
         print(f"run: {stopped}", file=sys.stderr)
         sys.exit(ExitStatus.STOPPED)

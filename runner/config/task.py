@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, ClassVar, Optional, TypeVar
 
 from runner.config.model import BYTES, ModelConfig
 from runner.errors import SpecError, require
@@ -22,6 +22,9 @@ Spec = TypeVar("Spec")  # a RunSpec: runner/config/spec.py imports this module, 
 @dataclass
 class TaskConfig:
     """What every task option shares; each option's schema adds its own keys."""
+
+    # Whether the job writes checkpoints and a trained model, whose room `run` checks before launch.
+    trains: ClassVar[bool] = False
 
     def with_absolute_paths(self, base: Path) -> TaskConfig:
         """The task's local paths absolute from `base` (the directory `run` started in); none by default."""

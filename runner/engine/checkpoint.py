@@ -31,7 +31,9 @@ from runner.files import (
     move_into_place,
     save_tensors,
     write_json,
+    written_whole,
 )
+from runner.memory.disk import disk_need
 from runner.strategies.protocol import CheckpointLayout
 
 if TYPE_CHECKING:
@@ -63,23 +65,24 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position
         shutil.rmtree(partial, ignore_errors=True)
     barrier()
     # Every rank writes into the directory (on several nodes, a shared filesystem makes it one directory).
-    partial.mkdir(parents=True, exist_ok=True)
-    job.stepper.save(partial, rank)
-    save_tensors(partial / f"rng-rank{rank}.safetensors", _rng_state())
-    if stream_position is not None:
-        write_json(partial / f"stream-rank{rank}.json", stream_position)
-    if rank == 0:
-        write_json(partial / "meta.json", {
-            "step": step,
-            "world_size": job.ranks.world_size,
-            "mesh": list(job.dims.shape),
-            "layout": job.spec.strategy.checkpoint_layout.value,
-            "strategy": job.spec.strategy.name,
-            "adapter": job.spec.adapter.kind.value,
-            "global_batch": job.global_batch_size,
-            "scheduler": job.scheduler.state_dict(),
-            **progress,
-        })
+    with written_whole(partial, f"the checkpoint of step {step}", job.run_dir, lambda: disk_need(job.spec).checkpoint):
+        partial.mkdir(parents=True, exist_ok=True)
+        job.stepper.save(partial, rank)
+        save_tensors(partial / f"rng-rank{rank}.safetensors", _rng_state())
+        if stream_position is not None:
+            write_json(partial / f"stream-rank{rank}.json", stream_position)
+        if rank == 0:
+            write_json(partial / "meta.json", {
+                "step": step,
+                "world_size": job.ranks.world_size,
+                "mesh": list(job.dims.shape),
+                "layout": job.spec.strategy.checkpoint_layout.value,
+                "strategy": job.spec.strategy.name,
+                "adapter": job.spec.adapter.kind.value,
+                "global_batch": job.global_batch_size,
+                "scheduler": job.scheduler.state_dict(),
+                **progress,
+            })
     barrier()
     if rank == 0:
         move_into_place(partial, final)  # replacing an incomplete one of the same step, left by a killed run

@@ -11,22 +11,26 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from runner.components import lora
 from runner.engine import checkpoint
 from runner.engine.metrics import MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib, training_flops_per_token
+from runner.engine.out_of_memory import out_of_memory, record_out_of_memory
 from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
 from runner.engine.step import SHOWN_METRICS, evaluate, train_step
 from runner.engine.tally import DeviceTally
-from runner.errors import NonFiniteLoss, Stopped
-from runner.files import complete_checkpoints, move_into_place, write_json_atomically
+from runner.errors import DeviceOutOfMemory, NonFiniteLoss, Stopped
+from runner.files import complete_checkpoints, move_into_place, refused_write, write_json_atomically, written_whole
+from runner.memory.disk import disk_need
+from runner.memory.out_of_memory_report import out_of_memory_line, recorded
 from runner.processes.signals import GracefulStop, StopVote
 from runner.processes.stall_watch import StallWatch, process_watch
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
+    from runner.components.trackers import Tracker
     from runner.data.batches import GlobalBatch
     from runner.engine.job import PreparedJob
     from runner.engine.tally import Reading
@@ -52,6 +56,13 @@ def train(job: PreparedJob) -> dict[str, Any]:
     batches = job.train_batches(job.start_step, job.stream_position)  # built ahead on a thread, from the first step
     try:
         return _train(job, batches, stop, watch)
+    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        if not out_of_memory(error):
+            raise
+        record = record_out_of_memory(error, job, watch.doing)
+        if job.ranks.world_size == 1:  # else the launcher reads the first rank's record
+            recorded(job.run_dir)
+        raise DeviceOutOfMemory(out_of_memory_line(record, job.spec)) from None
     finally:
         batches.close()  # ends that thread
         watch.close()
@@ -176,12 +187,25 @@ def _start(job: PreparedJob) -> MetricsWindow:
 
 
 def _log(job: PreparedJob, step: int, record: dict[str, Any]) -> float:
-    for tracker in job.trackers:
-        tracker.log(record, step)
+    for tracker in list(job.trackers):
+        _tracked(job, tracker, lambda: tracker.log(record, step))
     shown = "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)
     log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s%s", step, job.spec.train.max_steps,
              record["loss"], record["lr"], record["grad_norm"], f"{record['tokens_per_s']:,.0f}", shown)
     return record["loss"]
+
+
+def _tracked(job: PreparedJob, tracker: Tracker, call: Callable[[], None]) -> None:
+    """A tracker that cannot write (a full disk, a read-only directory) is reported once and dropped; training goes
+    on, its checkpoints say whether the disk holds them."""
+    try:
+        call()
+    except Exception as error:
+        if not refused_write(error):
+            raise
+        log.warning("%s stopped recording: %s; training goes on without it", type(tracker).__name__,
+                    " ".join(str(error).split())[:200])
+        job.trackers.remove(tracker)
 
 
 def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: dict[str, float],
@@ -209,8 +233,8 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
     }
     if job.ranks.rank == 0:
         write_json_atomically(job.run_dir / "summary.json", summary)
-    for tracker in job.trackers:
-        tracker.finish()
+    for tracker in list(job.trackers):
+        _tracked(job, tracker, tracker.finish)
     log.info(
         "done: train loss %.4f | eval loss %.4f (from %.4f) | %s tokens/s (mean of the training steps) | "
         "peak memory %.2f GiB | %.0f s%s", train_loss, eval_loss, progress.first_eval_loss,
@@ -236,11 +260,12 @@ def save_model(job: PreparedJob) -> Optional[Path]:
     if job.ranks.rank == 0:
         partial = job.run_dir / "model.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        if job.spec.adapter.active:
-            save_adapter(job, state, partial, final)
-        else:
-            unwrapped(job.model).save_pretrained(partial, state_dict=state)
-        job.tokenizer.save_pretrained(partial)
+        with written_whole(partial, "the model", job.run_dir, lambda: disk_need(job.spec).export):
+            if job.spec.adapter.active:
+                save_adapter(job, state, partial, final)
+            else:
+                unwrapped(job.model).save_pretrained(partial, state_dict=state)
+            job.tokenizer.save_pretrained(partial)
         move_into_place(partial, final)  # a resumed run replaces the model its first part saved
     return final
 

@@ -18,20 +18,23 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.compat import shutdown_timeout
 from runner.distributed import Ranks, free_port
-from runner.errors import ExitStatus, Stopped, WorkerFailed
+from runner.errors import ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files import complete_checkpoints
+from runner.memory.out_of_memory_report import out_of_memory_line, recorded
 from runner.processes.build_locks import clear_stale_build_locks
 from runner.processes.cluster import Task, check_reachable
 from runner.processes.stall_watch import StallWatch
 from runner.quiet import name_deepspeed_accelerator, quiet_loggers
 
 if TYPE_CHECKING:
+    from datetime import timedelta
+
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
@@ -91,9 +94,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     try:
         results = elastic_launch(config, worker)(spec, run_dir, log_format, identity, os.getpid())
     except ChildFailedError as error:
-        if all(failure.exitcode == ExitStatus.STOPPED for failure in error.failures.values()):
-            raise stopped(run_dir, "a signal") from None
-        raise WorkerFailed(failures_report(error, hardware, run_dir)) from None
+        raise job_ended(error, spec, run_dir) from None
     except SignalException as error:
         raise stopped(run_dir, error.sigval.name) from None
     except DistError as error:  # outside the workers, only the rendezvous talks to the other nodes
@@ -134,6 +135,22 @@ def failures_report(error: Any, hardware: HardwareConfig, run_dir: Path) -> str:
         return report
     gone = f"node {1 - hardware.node_rank}" if hardware.nnodes == 2 else "another node"
     return f"{gone} left the job: rank {rank} on this node lost its connection to it ({lost_peer(failure)})\n\n{report}"
+
+
+def job_ended(error: Any, spec: RunSpec, run_dir: Path) -> Exception:
+    """What a job whose workers failed raises: a stop that every rank made, a write the filesystem refused, or the
+    first failed rank's error."""
+    if all(failure.exitcode == ExitStatus.STOPPED for failure in error.failures.values()):
+        return stopped(run_dir, "a signal")
+    out_of_memory = recorded(run_dir)  # whichever rank's error torch reports, a peer's lost connection say
+    if out_of_memory is not None:
+        return WorkerFailed(out_of_memory_line(out_of_memory, spec))
+    for failure in sorted(error.failures.values(), key=lambda failure: failure.timestamp):
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+        kind, _, line = message.partition(": ")
+        if kind == WriteFailed.__name__:  # the rank's own line, its traceback left to its log
+            return WriteFailed(line)
+    return WorkerFailed(failures_report(error, spec.hardware, run_dir))
 
 
 def lost_peer(failure: Any) -> str:
@@ -243,10 +260,11 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
     joining = StallWatch(ranks.rank, spec.train.stall_report_s, run_dir / f"stalls_rank{ranks.rank}.txt")
     joining.entering("joining the process group")
     try:
+        timeout = collective_timeout(spec.train.stall_report_s)
         if task is None:  # the elastic launcher's agent holds the rendezvous
-            dist.init_process_group(backend, device_id=device)
+            dist.init_process_group(backend, device_id=device, timeout=timeout)
         else:
-            join_task_group(task, backend, device, spec.hardware.rdzv_timeout_s)
+            join_task_group(task, backend, device, spec.hardware.rdzv_timeout_s, timeout)
     finally:
         joining.close()
     try:
@@ -305,7 +323,17 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
     return rank_main(spec, run_dir, log_format, identity, task)
 
 
-def join_task_group(task: Task, backend: str, device: Any, timeout_s: int) -> None:
+def collective_timeout(stall_report_s: float) -> Optional[timedelta]:
+    """How long a collective may wait for a rank before the process group ends it with an error (NCCL's watchdog,
+    gloo's own wait): three stall reports (train.stall_report_s), and at least 10 minutes, torch's NCCL default,
+    which a large model's checkpoint can take; torch's own without stall reports."""
+    from datetime import timedelta
+
+    return timedelta(seconds=max(600.0, 3 * stall_report_s)) if stall_report_s > 0 else None
+
+
+def join_task_group(task: Task, backend: str, device: Any, timeout_s: int,
+                    collective_timeout: Optional[timedelta] = None) -> None:
     """The tasks of a submitit job meet at a store on the job's first node, each waiting there up to
     hardware.rdzv_timeout_s for the others. A task that never comes (it failed first, its node went down) ends the
     wait with a report that names the meeting point, where torch would wait half an hour in silence."""
@@ -332,10 +360,12 @@ def join_task_group(task: Task, backend: str, device: Any, timeout_s: int) -> No
     try:
         store = dist.TCPStore(task.main_host, port, task.world_size, is_master=task.rank == 0, wait_for_workers=True,
                               timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-        dist.init_process_group(backend, store=store, rank=task.rank, world_size=task.world_size, device_id=device)
+        dist.init_process_group(backend, store=store, rank=task.rank, world_size=task.world_size, device_id=device,
+                                timeout=collective_timeout)
     except dist.DistError as error:
         raise not_met(str(error).splitlines()[0]) from None
-    store.set_timeout(default_pg_timeout)  # past the meeting, the store serves the process groups as torch's would
+    # Past the meeting, the store serves the process groups, as torch's would.
+    store.set_timeout(collective_timeout or default_pg_timeout)
 
 
 def task_port(job_id: str) -> int:

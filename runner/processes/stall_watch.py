@@ -28,6 +28,10 @@ class StallWatch:
     def entering(self, phase: str) -> None:
         self._current = (phase, time.monotonic())
 
+    @property
+    def doing(self) -> str:
+        return self._current[0]
+
     def close(self) -> None:
         self._closed.set()
 

@@ -52,6 +52,10 @@ class DpoTask(TaskConfig):
     estimate_only: bool = False
 
     @property
+    def trains(self) -> bool:
+        return not self.estimate_only
+
+    @property
     def runs_on_this_machine(self) -> bool:
         """An estimate alone is checked against the hardware the spec declares, as task=estimate is."""
         return not self.estimate_only

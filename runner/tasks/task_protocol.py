@@ -16,6 +16,8 @@ class Task(Protocol):
     # Whether the job runs on this machine's hardware; a task that plans (the estimate, or an inference task's
     # estimate_only) checks the spec against the hardware it declares instead.
     runs_on_this_machine: bool
+    # Whether the job writes checkpoints and a trained model, whose room `run` checks before launch.
+    trains: bool
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         """Runs in the `run` process once the spec is valid, before anything is written or started: raises

@@ -32,6 +32,7 @@ class TrainTask(TaskConfig):
     fit_check: bool = True
 
     runs_on_this_machine: ClassVar[bool] = True
+    trains: ClassVar[bool] = True
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         require(spec.data.format is not DataFormat.preference,

@@ -1,0 +1,96 @@
+"""What a training run writes to its run directory, known before it writes it: the bytes of one checkpoint, how
+many are on disk at once, and the exported model's, against the free space of the filesystem that holds the run
+directory. `run` checks it before launch (runner/cli/app.py); a write that fails names these figures
+(runner/files.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from runner.errors import require
+from runner.files import existing_parent
+from runner.memory.facts import facts_of
+from runner.memory.parameters import parameters_of
+from runner.memory.terms import readable
+
+if TYPE_CHECKING:
+    from runner.config.spec import RunSpec
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class DiskNeed:
+    checkpoint: int  # bytes of one checkpoint
+    at_once: int  # checkpoints on disk at once at most: those kept, and the one being written
+    kept: int  # checkpoints left at the end
+    export: int  # bytes of the exported model (0: train.save_model=false)
+
+    @property
+    def peak(self) -> int:
+        """The most the run holds on disk at one time: while a checkpoint is written beside those kept, or at the
+        end, the kept ones and the exported model."""
+        return max(self.at_once * self.checkpoint, self.kept * self.checkpoint + self.export)
+
+    def line(self) -> str:
+        export = f", the model about {readable(self.export)}" if self.export else ""
+        return (f"disk: a checkpoint about {readable(self.checkpoint)} ({self.at_once} at once at most){export}: "
+                f"{readable(self.peak)} at most")
+
+
+def disk_need(spec: RunSpec) -> DiskNeed:
+    """A training run's checkpoints and export, in bytes: the trained weights and their optimizer states (an
+    adapter's alone; DeepSpeed's own checkpoint adds its 16-bit module weights or its fp32 master copy), and the
+    model saved at the end."""
+    facts = facts_of(spec.model)
+    adapted = spec.adapter.active
+    trained = parameters_of(spec, facts).trained * spec.layout.tp if adapted else facts.parameters
+    weight = spec.precision.param_dtype.bytes
+    states, _ = spec.optim.states()
+    if spec.strategy.checkpoint_layout.value == "engine":
+        checkpoint = trained * (spec.precision.compute_dtype.bytes + FP32 + states * FP32)
+    else:
+        checkpoint = trained * weight * (1 + states)
+    train = spec.train
+    every = train.checkpoint_every or train.max_steps  # the last step's checkpoint is always written
+    written = len({*range(every, train.max_steps + 1, every), train.max_steps})
+    kept = min(train.keep_checkpoints, written)
+    return DiskNeed(checkpoint=checkpoint, at_once=min(kept + 1, written), kept=kept,
+                    export=_export_bytes(spec, facts.parameters, trained) if train.save_model else 0)
+
+
+def _export_bytes(spec: RunSpec, parameters: int, trained: int) -> int:
+    """save_pretrained's weights: the whole model in its master dtype, or the adapter, with the base beside it
+    when it was initialised here and the merged model with adapter.merge (both in the compute dtype)."""
+    if not spec.adapter.active:
+        return parameters * spec.precision.param_dtype.bytes
+    whole = parameters * spec.precision.compute_dtype.bytes
+    return (trained * spec.precision.param_dtype.bytes + (0 if spec.model.pretrained else whole)
+            + (whole if spec.adapter.merge else 0))
+
+
+def check_disk(spec: RunSpec, run_dir: Path) -> str:
+    """The line that says what the run will write; SpecError when the run directory cannot be written or its
+    filesystem cannot hold it (what the run directory holds already, a resumed run's, counts as room)."""
+    run_dir = run_dir.absolute()
+    existing = existing_parent(run_dir)
+    require(os.access(existing, os.W_OK),
+            f"the run directory {run_dir} cannot be written ({existing} is not writable); choose another with "
+            "hydra.run.dir=<a directory>")
+    need = disk_need(spec)
+    held = sum(path.stat().st_size for folder in (run_dir / "checkpoints", run_dir / "model") if folder.is_dir()
+               for path in folder.rglob("*") if path.is_file())
+    free = shutil.disk_usage(existing).free
+    require(need.peak <= free + held,
+            f"the run directory's filesystem ({existing}) has {readable(free)} free and the run needs "
+            f"{readable(need.peak - held)} more: a checkpoint about {readable(need.checkpoint)}, {need.at_once} on "
+            f"disk at once (train.keep_checkpoints={spec.train.keep_checkpoints}, and the one being written)"
+            + (f", the model about {readable(need.export)}" if need.export else "")
+            + "; " + ("keep fewer (train.keep_checkpoints=1), " if spec.train.keep_checkpoints > 1 else "")
+            + "write fewer (train.checkpoint_every=0: the last step's alone), train.save_model=false, or a run "
+            "directory with room (hydra.run.dir=...)")
+    return need.line() + f", {readable(free)} free on {existing}"

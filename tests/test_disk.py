@@ -1,0 +1,93 @@
+"""A full disk, seen coming and met, on a real small filesystem (a tmpfs this test mounts): a run that cannot hold
+its checkpoints and model is refused before launch with the figures; a run whose disk fills at a checkpoint ends
+in one line that names the path and the sizes, leaves no half-written checkpoint, and, resumed once there is room,
+ends with the uninterrupted run's losses. Under one process, fsdp SHARDED and DeepSpeed ZeRO-2."""
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import QUICK, composed, hold_at_step, run_cli, run_dirs, start_cli, step_losses
+
+from runner.memory.disk import disk_need
+
+pytestmark = pytest.mark.slow
+
+MIB = 2**20
+RUN = [*QUICK, "train.max_steps=6", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+       "train.checkpoint_every=3", "train.keep_checkpoints=1", "train.save_model=false"]
+STRATEGIES = {
+    "single": [],
+    "fsdp SHARDED": ["strategy=fsdp", "hardware.nproc_per_node=2", "strategy.state_dict_type=SHARDED"],
+    "deepspeed ZeRO-2": ["strategy=deepspeed", "strategy.zero_stage=2", "hardware.nproc_per_node=2"],
+}
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: int):
+    """A tmpfs of `size` bytes mounted at `path` (root, or a user allowed to mount), unmounted after."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_launch_with_the_figures(tmp_path):
+    need = disk_need(composed(RUN))
+    with small_filesystem(tmp_path / "small", need.peak // 2) as small:
+        result = run_cli(*RUN, cwd=small)
+        assert result.returncode == 2, result.stderr[-2000:]
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"run: error: the run directory's filesystem ({small}) has ")
+        assert f"a checkpoint about {need.checkpoint / MIB:.2f} MiB, 2 on disk at once" in line
+        assert "train.keep_checkpoints=1" in line and "train.checkpoint_every=0" in line
+        assert not (small / "outputs").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_disk_that_fills_at_a_checkpoint_ends_the_run_in_one_line_and_resumes_exactly(strategy, tmp_path):
+    overrides = [*RUN, *STRATEGIES[strategy]]
+    uninterrupted = run_cli(*overrides, cwd=tmp_path / "uninterrupted")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+    [expected] = run_dirs(tmp_path / "uninterrupted")
+    checkpoint = sum(path.stat().st_size for path in (expected / "checkpoints").rglob("*") if path.is_file())
+    # Room for the two checkpoints the run holds at once, as the check before launch counts them, and its logs.
+    room = 2 * max(checkpoint, disk_need(composed(overrides)).checkpoint) + 4 * MIB
+    with small_filesystem(tmp_path / "small", room) as small:
+        job = start_cli(*overrides, cwd=small / "work", stop_at_step=4)
+        try:
+            run_dir, _ = hold_at_step(job, small / "work")  # its step 3 checkpoint written
+            ballast = small / "ballast"
+            ballast.write_bytes(b"\0" * (os.statvfs(small).f_bavail * os.statvfs(small).f_frsize - checkpoint // 2))
+            job.resume()
+            assert job.wait(timeout=300) == 4, job.stderr()[-3000:]
+        finally:
+            job.kill()
+        [line] = [line for line in job.stderr().splitlines() if line.strip() and not line.startswith("W1")]
+        assert line.startswith("run: error: writing the checkpoint of step 6 failed: No space left on device"), line
+        assert f"the last complete checkpoint, {run_dir / 'checkpoints' / 'step_00000003'}, is intact" in line
+        assert f"continue with: run resume={run_dir}" in line and " MiB are free on " in line
+        assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step_00000003"]
+        assert "Traceback" not in job.stderr() and "Error executing job" not in job.stderr()
+
+        ballast.unlink()
+        resumed = run_cli(f"resume={run_dir}", cwd=small / "work")
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert step_losses(run_dir) == step_losses(expected)
+
+
+def test_a_run_directory_that_cannot_be_written_is_refused_before_launch(tmp_path):
+    with small_filesystem(tmp_path / "read_only", 1 * MIB) as read_only:
+        subprocess.run(["mount", "-o", "remount,ro", str(read_only)], check=True)
+        result = run_cli(*RUN, f"hydra.run.dir={read_only}/run", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == (f"run: error: the run directory {read_only}/run cannot be written ({read_only} is "
+                                     "not writable); choose another with hydra.run.dir=<a directory>")
