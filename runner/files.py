@@ -185,10 +185,10 @@ def refused_write(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], int]):
+def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], int], trained: bool = False):
     """Writes `what` into `partial`: a write the filesystem refuses removes what was written of it and ends the run
     in one line (WriteFailed) with the path, the bytes it needs (`needed()`) and those free, the last complete
-    checkpoint and the command that continues."""
+    checkpoint and the command that continues (`trained`: the training is done, the last checkpoint holds it)."""
     try:
         yield
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
@@ -196,7 +196,7 @@ def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], 
         if not (refused_write(error) or free_bytes(partial) < FULL_BELOW):
             raise
         shutil.rmtree(partial, ignore_errors=True)
-        raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed())) from None
+        raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed(), trained)) from None
 
 
 def existing_parent(path: Path) -> Path:
@@ -209,7 +209,8 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing_parent(path)).free
 
 
-def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: Path, needed: int) -> str:
+def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: Path, needed: int,
+                      trained: bool = False) -> str:
     failures = getattr(error, "failures", None)  # CheckpointException: each rank's (exception, traceback)
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]
@@ -224,6 +225,9 @@ def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: P
     found = complete_checkpoints(run_dir)
     last, then = ((f"the last complete checkpoint, {found[-1]}, is intact", f"continue with: run resume={run_dir}")
                   if found else ("no checkpoint was complete yet", "run it again"))
+    if trained and found:  # the trained weights are in that checkpoint, which the inference tasks read
+        last, then = (f"the training is done and its last checkpoint, {found[-1]}, holds it",
+                      f"task=evaluate and task=generate read it (task.trained={found[-1]})")
     return (f"writing {what} failed: {reason} ({path}); it needs about {needed / 2**20:,.1f} MiB and "
             f"{free / 2**20:,.1f} MiB are free on {where}; {last}. Make room (or keep fewer checkpoints: "
             f"train.keep_checkpoints=1), then {then}")

@@ -262,6 +262,7 @@ def test_an_error_in_the_batches_is_raised_in_the_loop_with_where_it_happened():
         next(batches)
 
 
+@pytest.mark.slow  # waits on a real stall report
 def test_a_wait_for_a_batch_that_stalls_is_reported_with_where_both_threads_are(tmp_path):
     from runner.processes.stall_watch import StallWatch
 

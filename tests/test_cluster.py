@@ -96,6 +96,7 @@ def test_a_cluster_jobs_rendezvous_port_is_never_one_the_host_lends_to_outgoing_
     assert task_port("4_1") == task_port("4_1")
 
 
+@pytest.mark.slow  # waits on real timeouts
 @pytest.mark.parametrize("rank,cause", [(0, r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined\."),
                                         (1, r"task 0 never listened \(.*Connection refused\)")])
 def test_a_task_whose_peers_never_come_ends_its_wait_with_one_line(rank, cause):

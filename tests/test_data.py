@@ -159,6 +159,7 @@ def test_the_rows_are_those_of_datasets_own_split_and_map(tmp_path):
     assert [[row["input_ids"] for row in rows] for rows in (train, evaluation)] == expected
 
 
+@pytest.mark.slow  # waits on a real timeout
 def test_a_writer_that_holds_the_lock_and_writes_nothing_ends_the_wait(tmp_path, monkeypatch, caplog):
     """Waiting for a stuck writer is reported, and ends: here after 1 s of no progress (600 s in a run)."""
     from runner.data import store

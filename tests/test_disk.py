@@ -91,3 +91,38 @@ def test_a_run_directory_that_cannot_be_written_is_refused_before_launch(tmp_pat
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.strip() == (f"run: error: the run directory {read_only}/run cannot be written ({read_only} is "
                                      "not writable); choose another with hydra.run.dir=<a directory>")
+
+
+def test_a_disk_that_fills_at_the_export_says_the_last_checkpoint_holds_the_training(tmp_path):
+    """The only checkpoint, the last step's, is written; the model saved after it finds no room: one line that
+    points at that checkpoint, which the inference tasks read, and no model.partial left."""
+    overrides = [*RUN, "train.checkpoint_every=0", "train.save_model=true"]
+    need = disk_need(composed(overrides))
+    with small_filesystem(tmp_path / "small", need.peak + 4 * MIB) as small:
+        job = start_cli(*overrides, cwd=small / "work", stop_at_step=5)
+        try:
+            run_dir, _ = hold_at_step(job, small / "work")
+            free = os.statvfs(small).f_bavail * os.statvfs(small).f_frsize
+            (small / "ballast").write_bytes(b"\0" * (free - need.checkpoint - need.export // 2 - MIB))
+            job.resume()
+            assert job.wait(timeout=300) == 4, job.stderr()[-3000:]
+        finally:
+            job.kill()
+        [line] = job.stderr().strip().splitlines()
+        last = run_dir / "checkpoints" / "step_00000006"
+        assert line.startswith("run: error: writing the model failed: No space left on device"), line
+        assert f"the training is done and its last checkpoint, {last}, holds it" in line
+        assert f"task.trained={last}" in line
+        assert not (run_dir / "model.partial").exists() and (last / "meta.json").exists()
+
+
+def test_a_sweep_whose_jobs_cannot_all_fit_is_refused_before_launch(tmp_path):
+    """Each job leaves its checkpoints behind: room for one job is not room for two."""
+    need = disk_need(composed(RUN))
+    with small_filesystem(tmp_path / "small", need.peak + need.left // 2) as small:
+        result = run_cli("-m", *RUN, "seed=1,2", cwd=small)
+        assert result.returncode == 2, result.stderr[-2000:]
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"run: error: the sweep directory's filesystem ({small}) has ")
+        assert "the sweep's 2 training jobs need " in line
+        assert not (small / "multirun").exists() and not (small / "outputs").exists()

@@ -33,7 +33,7 @@ from runner.errors import (
     WriteFailed,
 )
 from runner.files import complete_checkpoints
-from runner.memory.disk import check_disk, disk_need
+from runner.memory.disk import check_disk, check_sweep_disk, disk_need
 from runner.processes.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
 from runner.processes.signals import SweepStop
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
@@ -274,14 +274,21 @@ class ValidateSpec(Callback):
         # The basic sweeper's points are its jobs; another sweeper (Optuna) chooses its own as it goes, from any
         # value of each parameter.
         points = BasicSweeper.split_arguments(overrides, None)[0] if basic else each_value(overrides)
-        answers = {}
+        answers, training = {}, []
         for job_overrides in points:
             name = " ".join(job_overrides)
             try:
                 job_config = loader.load_sweep_config(config, job_overrides)
             except USER_ERRORS as error:
                 raise LaunchRefused(f"{name}: {one_line(error)}") from None
-            answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)[1]
+            spec, answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)
+            if answers[name] is None and spec.task.trains:
+                training.append(spec)
+        if training and not self.print_spec:
+            try:
+                check_sweep_disk(training, Path(config.hydra.sweep.dir))
+            except SpecError as error:
+                raise LaunchRefused(str(error)) from None
         answered = {name: answer for name, answer in answers.items() if answer is not None}
         if not answered and launcher is None:  # jobs run here, one after another
             SWEEP.points = [list(point) for point in points] if basic else []

@@ -260,7 +260,7 @@ def save_model(job: PreparedJob) -> Optional[Path]:
     if job.ranks.rank == 0:
         partial = job.run_dir / "model.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        with written_whole(partial, "the model", job.run_dir, lambda: disk_need(job.spec).export):
+        with written_whole(partial, "the model", job.run_dir, lambda: disk_need(job.spec).export, trained=True):
             if job.spec.adapter.active:
                 save_adapter(job, state, partial, final)
             else:

@@ -36,6 +36,11 @@ class DiskNeed:
         end, the kept ones and the exported model."""
         return max(self.at_once * self.checkpoint, self.kept * self.checkpoint + self.export)
 
+    @property
+    def left(self) -> int:
+        """What the run leaves on disk: the kept checkpoints and the model."""
+        return self.kept * self.checkpoint + self.export
+
     def line(self) -> str:
         export = f", the model about {readable(self.export)}" if self.export else ""
         return (f"disk: a checkpoint about {readable(self.checkpoint)} ({self.at_once} at once at most){export}: "
@@ -94,3 +99,23 @@ def check_disk(spec: RunSpec, run_dir: Path) -> str:
             + "write fewer (train.checkpoint_every=0: the last step's alone), train.save_model=false, or a run "
             "directory with room (hydra.run.dir=...)")
     return need.line() + f", {readable(free)} free on {existing}"
+
+
+def check_sweep_disk(specs: list[RunSpec], sweep_dir: Path) -> None:
+    """SpecError when the sweep directory's filesystem cannot hold the sweep's training jobs, which run one after
+    another and each leave their kept checkpoints and model: all of that, and the largest job's excess while it
+    runs."""
+    sweep_dir = sweep_dir.absolute()
+    existing = existing_parent(sweep_dir)
+    require(os.access(existing, os.W_OK),
+            f"the sweep directory {sweep_dir} cannot be written ({existing} is not writable); choose another with "
+            "hydra.sweep.dir=<a directory>")
+    needs = [disk_need(spec) for spec in specs]
+    total = sum(need.left for need in needs) + max((need.peak - need.left for need in needs), default=0)
+    free = shutil.disk_usage(existing).free
+    require(total <= free,
+            f"the sweep directory's filesystem ({existing}) has {readable(free)} free and the sweep's "
+            f"{len(needs)} training jobs need {readable(total)}: each keeps its checkpoints (about "
+            f"{readable(max(need.checkpoint for need in needs))} each at most) and its model; keep fewer "
+            "(train.keep_checkpoints=1), train.save_model=false, or a sweep directory with room "
+            "(hydra.sweep.dir=...)")

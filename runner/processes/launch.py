@@ -12,8 +12,10 @@ import logging
 import os
 import re
 import select
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -57,10 +59,9 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
 
     hardware = spec.hardware
     endpoint = hardware.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    error_files = Path(tempfile.mkdtemp(prefix="runner-errors-"))
     config = LaunchConfig(
-        min_nodes=hardware.nnodes,
-        max_nodes=hardware.nnodes,
-        nproc_per_node=hardware.nproc_per_node,
+        min_nodes=hardware.nnodes, max_nodes=hardware.nnodes, nproc_per_node=hardware.nproc_per_node,
         # The rendezvous keeps a job's keys under its id, so every node must name the job alike, whatever the run
         # directory (named by the second it started) or the spelling of node 0's host (localhost, 127.0.0.1): the
         # store at the endpoint serves this one job.
@@ -70,8 +71,8 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         rdzv_configs={"rank": hardware.node_rank, "timeout": hardware.rdzv_timeout_s},
         max_restarts=0,
         start_method=start_method(hardware),
-        # Where each worker's error file goes, for the report below.
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / ".torchelastic")),
+        # The workers' error files, for the report below: off the run directory's disk, which may be full.
+        logs_specs=DefaultLogsSpecs(log_dir=str(error_files)),
         # On SIGTERM the workers finish their step and checkpoint before the launcher would kill them (torch 2.11:
         # within its fixed 30 s).
         **shutdown_timeout(600),
@@ -100,6 +101,8 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     except DistError as error:  # outside the workers, only the rendezvous talks to the other nodes
         cause = str(error).splitlines()[0]  # a C++ stack trace may follow
         raise WorkerFailed(rendezvous_report(hardware, endpoint, cause)) from None
+    finally:
+        shutil.rmtree(error_files, ignore_errors=True)
     if hardware.node_rank:
         log.info("node %d of %d: this node's ranks (%s) finished; the job's outputs are in node 0's run directory",
                  hardware.node_rank, hardware.nnodes, ", ".join(map(str, sorted(results))))
