@@ -15,13 +15,10 @@ from runner.errors import require
 from runner.files import existing_parent
 from runner.memory.facts import facts_of
 from runner.memory.parameters import parameters_of
-from runner.memory.terms import readable
+from runner.memory.terms import FP32, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-
-FP32 = 4
-
 
 @dataclass(frozen=True)
 class DiskNeed:
@@ -34,7 +31,7 @@ class DiskNeed:
     def peak(self) -> int:
         """The most the run holds on disk at one time: while a checkpoint is written beside those kept, or at the
         end, the kept ones and the exported model."""
-        return max(self.at_once * self.checkpoint, self.kept * self.checkpoint + self.export)
+        return max(self.at_once * self.checkpoint, self.left)
 
     @property
     def left(self) -> int:
@@ -78,14 +75,20 @@ def _export_bytes(spec: RunSpec, parameters: int, trained: int) -> int:
             + (whole if spec.adapter.merge else 0))
 
 
-def check_disk(spec: RunSpec, run_dir: Path) -> str:
-    """The line that says what the run will write; SpecError when the run directory cannot be written or its
-    filesystem cannot hold it (what the run directory holds already, a resumed run's, counts as room)."""
-    run_dir = run_dir.absolute()
-    existing = existing_parent(run_dir)
+def writable_parent(directory: Path, kind: str, key: str) -> Path:
+    """The directory, or its closest existing parent, which the run will write in; SpecError when it cannot."""
+    existing = existing_parent(directory)
     require(os.access(existing, os.W_OK),
-            f"the run directory {run_dir} cannot be written ({existing} is not writable); choose another with "
-            "hydra.run.dir=<a directory>")
+            f"the {kind} directory {directory} cannot be written ({existing} is not writable); choose another with "
+            f"{key}=<a directory>")
+    return existing
+
+
+def check_disk(spec: RunSpec, run_dir: Path) -> None:
+    """SpecError when the run directory cannot be written or its filesystem cannot hold the run (what the run
+    directory holds already, a resumed run's, counts as room)."""
+    run_dir = run_dir.absolute()
+    existing = writable_parent(run_dir, "run", "hydra.run.dir")
     need = disk_need(spec)
     held = sum(path.stat().st_size for folder in (run_dir / "checkpoints", run_dir / "model") if folder.is_dir()
                for path in folder.rglob("*") if path.is_file())
@@ -98,7 +101,6 @@ def check_disk(spec: RunSpec, run_dir: Path) -> str:
             + "; " + ("keep fewer (train.keep_checkpoints=1), " if spec.train.keep_checkpoints > 1 else "")
             + "write fewer (train.checkpoint_every=0: the last step's alone), train.save_model=false, or a run "
             "directory with room (hydra.run.dir=...)")
-    return need.line() + f", {readable(free)} free on {existing}"
 
 
 def check_sweep_disk(specs: list[RunSpec], sweep_dir: Path) -> None:
@@ -106,10 +108,7 @@ def check_sweep_disk(specs: list[RunSpec], sweep_dir: Path) -> None:
     another and each leave their kept checkpoints and model: all of that, and the largest job's excess while it
     runs."""
     sweep_dir = sweep_dir.absolute()
-    existing = existing_parent(sweep_dir)
-    require(os.access(existing, os.W_OK),
-            f"the sweep directory {sweep_dir} cannot be written ({existing} is not writable); choose another with "
-            "hydra.sweep.dir=<a directory>")
+    existing = writable_parent(sweep_dir, "sweep", "hydra.sweep.dir")
     needs = [disk_need(spec) for spec in specs]
     total = sum(need.left for need in needs) + max((need.peak - need.left for need in needs), default=0)
     free = shutil.disk_usage(existing).free
