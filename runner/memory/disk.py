@@ -96,11 +96,13 @@ def check_disk(spec: RunSpec, run_dir: Path) -> None:
     require(need.peak <= free + held,
             f"the run directory's filesystem ({existing}) has {readable(free)} free and the run needs "
             f"{readable(need.peak - held)} more: a checkpoint about {readable(need.checkpoint)}, {need.at_once} on "
-            f"disk at once (train.keep_checkpoints={spec.train.keep_checkpoints}, and the one being written)"
+            f"disk at once ("
+            + (f"train.keep_checkpoints={spec.train.keep_checkpoints}, and the one being written)" if need.at_once > 1
+               else "the last step's alone)")
             + (f", the model about {readable(need.export)}" if need.export else "")
-            + "; " + ("keep fewer (train.keep_checkpoints=1), " if spec.train.keep_checkpoints > 1 else "")
-            + "write fewer (train.checkpoint_every=0: the last step's alone), train.save_model=false, or a run "
-            "directory with room (hydra.run.dir=...)")
+            + "; " + ("keep fewer (train.keep_checkpoints=1), " if need.at_once > 2 else "")
+            + ("write fewer (train.checkpoint_every=0: the last step's alone), " if need.at_once > 1 else "")
+            + "train.save_model=false, or a run directory with room (hydra.run.dir=...)")
 
 
 def check_sweep_disk(specs: list[RunSpec], sweep_dir: Path) -> None:
