@@ -176,12 +176,24 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 # left on device (os error 28)"), torch.save ("file write failed"); Python's own raise OSError.
 REFUSED_WRITE = re.compile(r"No space left on device|os error 28|Disk quota exceeded|Read-only file system|"
                            r"file write failed|Input/output error", re.IGNORECASE)
+# torch.save's writer when the filesystem refuses the rest of a file: it keeps no reason.
+CUT_SHORT = re.compile(r"unexpected pos|iostream error")
 # A filesystem with less room than this is full: the write that failed on it failed for want of room.
 FULL_BELOW = 2**20
 
 
+def _causes(error: BaseException) -> list[BaseException]:
+    """An error and those it was raised from or while handling (torch.save's "unexpected pos" is raised while
+    handling the failed write's own error)."""
+    chain = [error]
+    while len(chain) < 8 and (chain[-1].__cause__ or chain[-1].__context__) is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    return chain
+
+
 def refused_write(error: BaseException) -> bool:
-    return isinstance(error, OSError) or bool(REFUSED_WRITE.search(str(error)))
+    return any(isinstance(cause, OSError) or REFUSED_WRITE.search(str(cause)) or CUT_SHORT.search(str(cause))
+               for cause in _causes(error))
 
 
 @contextlib.contextmanager
@@ -192,11 +204,20 @@ def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], 
     try:
         yield
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
-        # torch.save says only "unexpected pos" of a file cut short: a filesystem left without room says the rest.
+        # A writer that fails some other way on a filesystem left without room failed for want of it.
         if not (refused_write(error) or free_bytes(partial) < FULL_BELOW):
             raise
         shutil.rmtree(partial, ignore_errors=True)
         raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed(), trained)) from None
+
+
+def _refusal(error: BaseException, short_of_room: bool) -> str:
+    """What the filesystem said, or, where the writer kept no reason (torch.save), what the room left says."""
+    for cause in _causes(error):
+        said = REFUSED_WRITE.search(str(cause))
+        if said:
+            return said.group(0)
+    return "No space left on device" if short_of_room else "the file was cut short"
 
 
 def existing_parent(path: Path) -> Path:
@@ -214,14 +235,12 @@ def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: P
     failures = getattr(error, "failures", None)  # CheckpointException: each rank's (exception, traceback)
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]
-    if isinstance(error, OSError) and error.strerror:
-        reason, path = error.strerror, error.filename or partial
-    else:
-        said = REFUSED_WRITE.search(str(error))
-        # Else the filesystem was left without room (torch.save's "unexpected pos" of a file cut short).
-        reason, path = said.group(0) if said else "No space left on device", partial
     where = existing_parent(partial)
     free = shutil.disk_usage(where).free
+    reason, path = _refusal(error, free < needed), partial
+    told = next((cause for cause in _causes(error) if isinstance(cause, OSError) and cause.strerror), None)
+    if told is not None:
+        reason, path = told.strerror, told.filename or partial
     found = complete_checkpoints(run_dir)
     last, then = ((f"the last complete checkpoint, {found[-1]}, is intact", f"continue with: run resume={run_dir}")
                   if found else ("no checkpoint was complete yet", "run it again"))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import QUICK, composed, hold_at_step, run_cli, run_dirs, start_cli, step_losses
 
+from runner.files import refused_write, write_failed_line
 from runner.memory.disk import disk_need
 
 pytestmark = pytest.mark.slow
@@ -126,3 +127,21 @@ def test_a_sweep_whose_jobs_cannot_all_fit_is_refused_before_launch(tmp_path):
         assert line.startswith(f"run: error: the sweep directory's filesystem ({small}) has ")
         assert "the sweep's 2 training jobs need " in line
         assert not (small / "multirun").exists() and not (small / "outputs").exists()
+
+
+def test_torch_save_cut_short_by_a_full_filesystem_is_a_refused_write_even_once_its_room_is_freed(tmp_path):
+    """torch.save keeps no reason ("unexpected pos", raised while handling "iostream error"); under DeepSpeed the
+    other rank may already have removed the half-written checkpoint, so the free room no longer says it either."""
+    import torch
+
+    with small_filesystem(tmp_path / "small", 256 * 1024) as small:
+        partial = small / "run" / "checkpoints" / "step_00000006.partial"
+        partial.mkdir(parents=True)
+        with pytest.raises(RuntimeError) as cut_short:
+            torch.save({"weights": torch.zeros(2**18)}, partial / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        (partial / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+        assert refused_write(cut_short.value)
+        line = write_failed_line(cut_short.value, partial, "the checkpoint of step 6", small / "run", needed=MIB)
+    assert line.startswith(f"writing the checkpoint of step 6 failed: No space left on device ({partial}); it needs "
+                           "about 1.0 MiB and "), line
+    assert refused_write(OSError(28, "No space left on device")) and not refused_write(ValueError("a bug"))
