@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from runner.data.rows import IGNORE, RowSet, columns
@@ -27,11 +27,15 @@ class MicroBatch:
     store_rows: Optional[list[int]] = None
     # Whether `labels` are each position's target already (context parallelism shifts them before the split).
     labels_shifted: bool = False
+    # Values of each row (or each row's positions) that its objective reads: task=grpo's advantages, rewards and
+    # log-probs of the sampled tokens (runner/generation/rollout.py).
+    row_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def to(self, device: torch.device) -> MicroBatch:
         """On the device; from pinned memory (collate's, on CUDA) the copies overlap the host's work."""
         return replace(self, inputs={k: v.to(device, non_blocking=True) for k, v in self.inputs.items()},
-                       labels=self.labels.to(device, non_blocking=True))
+                       labels=self.labels.to(device, non_blocking=True),
+                       row_values={k: v.to(device, non_blocking=True) for k, v in self.row_values.items()})
 
 
 def shifted(labels: torch.Tensor) -> torch.Tensor:

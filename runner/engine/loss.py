@@ -28,20 +28,22 @@ if TYPE_CHECKING:
 
 def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -> LossKind:
     """Sets the model's forward to return the summed loss when it is given `loss_labels` (each row's, with
-    `per_row`: minus the row's summed log-probability of its labels, as preference losses take it), and to be its
-    own forward otherwise; the kind in effect."""
+    `per_row`: minus the row's summed log-probability of its labels, as preference losses take it; each position's,
+    with `per_token`: minus the log-probability of its target, 0 where it has none, as policy-gradient losses take
+    it), and to be its own forward otherwise; the kind in effect."""
     kind = loss_kind_in_effect(requested, model.config.model_type, model.config.vocab_size)
     own_forward = model.forward
 
-    def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, labels_shifted: bool = False,
-                label_count: int | None = None, **kwargs):
+    def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, per_token: bool = False,
+                labels_shifted: bool = False, label_count: int | None = None, **kwargs):
         if loss_labels is None:
             return own_forward(*args, **kwargs)
+        each = "token" if per_token else "row" if per_row else None
         if kind is LossKind.full:
             logits = own_forward(*args, use_cache=False, **kwargs).logits
-            return summed_cross_entropy(logits, loss_labels, per_row, labels_shifted)
+            return summed_cross_entropy(logits, loss_labels, each, labels_shifted)
         hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
-        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, per_row,
+        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, each,
                                             labels_shifted, label_count)
 
     model.forward = forward
@@ -65,21 +67,23 @@ def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, 
     return chunked_summed_cross_entropy(hidden, head, labels, chunk_tokens)
 
 
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, per_row: bool = False,
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, each: str | None = None,
                          labels_shifted: bool = False) -> torch.Tensor:
-    """Summed next-token cross entropy over the whole batch's logits (or each row's). The labels are shifted (the
-    last position gets IGNORE) rather than the logits, whose slice would be a copy of the largest activation;
-    `labels_shifted`: they were, before context parallelism split the sequences."""
+    """Summed next-token cross entropy over the whole batch's logits (`each`: "row", each row's; "token", each
+    position's). The labels are shifted (the last position gets IGNORE) rather than the logits, whose slice would be
+    a copy of the largest activation; `labels_shifted`: they were, before context parallelism split the sequences."""
     import torch.nn.functional as F
 
     targets = labels if labels_shifted else shifted(labels)
     losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                             reduction="none" if per_row else "sum")
-    return losses.view(targets.shape).sum(1) if per_row else losses
+                             reduction="none" if each else "sum")
+    if each is None:
+        return losses
+    return losses.view(targets.shape).sum(1) if each == "row" else losses.view(targets.shape)
 
 
 def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                                 chunk_tokens: int, per_row: bool = False, labels_shifted: bool = False,
+                                 chunk_tokens: int, each: str | None = None, labels_shifted: bool = False,
                                  label_count: int | None = None) -> torch.Tensor:
     """The same sum from the last hidden states: the head runs chunk by chunk on the `label_count` positions that
     predict a label (where the count is not given, on every position, the others' targets IGNORE); under autograd
@@ -95,16 +99,17 @@ def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: 
     else:
         positions = torch.nonzero_static(targets != IGNORE, size=label_count).flatten()
         hidden, targets = hidden[positions], targets[positions]
-    rows = positions // labels.shape[1]
-    total = torch.zeros(labels.shape[0] if per_row else (), device=hidden.device)
-    for hidden_chunk, target_chunk, row_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens),
-                                                    rows.split(chunk_tokens)):
+    # Where each chunk's losses go: each position's slot, each row's, or one sum.
+    slots = positions if each == "token" else positions // labels.shape[1]
+    total = torch.zeros(labels.numel() if each == "token" else labels.shape[0] if each else (), device=hidden.device)
+    for hidden_chunk, target_chunk, slot_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens),
+                                                     slots.split(chunk_tokens)):
         if torch.is_grad_enabled():
-            losses = checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, per_row, use_reentrant=False)
+            losses = checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, bool(each), use_reentrant=False)
         else:
-            losses = _chunk_loss(head, hidden_chunk, target_chunk, per_row)
-        total = total.index_add(0, row_chunk, losses) if per_row else total + losses
-    return total
+            losses = _chunk_loss(head, hidden_chunk, target_chunk, bool(each))
+        total = total.index_add(0, slot_chunk, losses) if each else total + losses
+    return total.view(labels.shape) if each == "token" else total
 
 
 def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
