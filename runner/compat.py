@@ -70,3 +70,9 @@ def dtensor_flattens_a_sharded_sequence(view_ops=None) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def cache_keyword(model_class: type) -> str:
+    """The keyword a transformers model's forward takes its key-value cache by: `cache` from transformers 5.24 on
+    (which warns of `past_key_values`), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"

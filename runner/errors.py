@@ -46,6 +46,11 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite; the run stops rather than train on garbage."""
 
 
+class RewardFailed(RuntimeError):
+    """A reward function of task=grpo raised, or returned other than a float or None per completion; the run stops
+    after a checkpoint of the last step."""
+
+
 class Stopped(RuntimeError):
     """A SIGTERM, SIGINT or SIGUSR2 stopped the run after a step, with a checkpoint to resume from. `signal`: the
     one that asked, where known."""

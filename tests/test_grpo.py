@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import logged, run_cli, run_dirs
 from test_dpo import tiny_llama, word_tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -122,7 +123,7 @@ def runner_grpo(policy, settings: dict, old, ref, loss_kind: str) -> dict:
     micro_batch.row_values = {"advantages": advantages, "old_logps": at_positions(old), "ref_logps": at_positions(ref)}
     objective = GroupPolicyLoss(PolicyLoss(settings.get("loss_type", "dapo"), settings.get(
         "importance_sampling_level", "token"), settings.get("epsilon", 0.2), settings.get("epsilon_high") or 0.2,
-        settings.get("beta", 0.0), MAX_COMPLETION), evaluate_rewards=None)
+        settings.get("beta", 0.0), MAX_COMPLETION))
     job = SimpleNamespace(model=policy, global_batch_size=len(COMPLETIONS))
     batch = SimpleNamespace(label_tokens=sum(len(c) for c in COMPLETIONS))
     loss, _ = objective.loss(job, micro_batch, batch, lambda value: value)
@@ -179,3 +180,207 @@ def test_the_answer_reward_reads_gsm8k_answers_as_numbers():
     spoken = [f"So the answer is ${final}." for final in finals]  # no ####: the last number, $ and . aside
     assert answer_matches(spoken, answers) == [1.0] * len(answers)
     assert answer_matches([[{"role": "assistant", "content": spoken[0]}]], answers[:1]) == [1.0]
+
+
+# ---- prompts and bad input
+
+PROMPTS_DATA = ["data=prompt_files", f"data.files={GSM8K}", "data.prompt_field=question", "data.seq_len=512",
+                "data.eval_fraction=0.25", "train.micro_batch_size=4"]
+GRPO = ["task=grpo", *PROMPTS_DATA, "task.max_completion_length=8"]
+
+
+def test_show_data_shows_the_prompts_as_the_model_reads_them_with_the_fields_the_rewards_get(workdir):
+    result = run_cli("--show-data", "1", *GRPO, "data.prompt_as_chat=true", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"--- train prompt 0 ({GSM8K} line ")
+    first = json.loads(GSM8K.read_text().splitlines()[int(lines[0].split(" line ")[1].split(")")[0]) - 1])
+    # the byte tokenizer's plain template: the question as the user's turn, then the assistant's, open
+    assert lines[1] == f"User: {first['question']}" and lines[2] == "Assistant: "
+    assert json.loads(lines[3].removeprefix("    fields: "))["answer"] == first["answer"]
+    assert lines[-1] == "--- 6 train and 2 eval prompts, the longest 305 tokens; completions end at '</s>'"
+
+
+BAD_RUNS = {
+    "an unknown reward function": (["task.rewards=[{function: 'runner.components.rewards:no_such'}]"],
+                                   "task.rewards: runner.components.rewards has no function no_such"),
+    "a reward file that does not import": (["task.rewards=[{function: 'broken.py:score'}]"],
+                                           "task.rewards: {cwd}/broken.py does not import (ZeroDivisionError: "),
+    "one generation": (["task.num_generations=1"], "task.num_generations=1 must be at least 2"),
+    "groups that do not divide": (["task.num_generations=3"],
+                                  "each rank's 4 completions a step (train.micro_batch_size 4 x "
+                                  "train.grad_accum_steps 1) do not divide into groups"),
+    "prompts without the reward's field": (["data.prompt_field=answer"],
+                                           "has no field answer, which task.rewards read"),
+    "a prompt too long for a completion": (["data.seq_len=300"], "leaves no room in data.seq_len=300 for a "
+                                                                "completion of task.max_completion_length=8"),
+    "chat prompts without a template": (["model.tokenizer={cwd}/plain_tokenizer", "data.prompt_as_chat=true"],
+                                        "needs a chat template, and the tokenizer has none"),
+    "text data": (["data=text_files", "data.files={cwd}/notes.txt"],
+                  "task=grpo samples completions of prompts, and data.format=text has none"),
+    "train on prompts": (["task=train"], "data.format=prompt holds prompts, whose completions task=grpo samples"),
+    "a sampling batch that splits a group": (["task.sampling_batch_size=2"], "task.sampling_batch_size=2 must be 0 "
+                                             "or a multiple of task.num_generations=4"),
+    "a negative KL weight": (["task.beta=-0.1"], "task.beta=-0.1 must be >= 0"),
+    "two rewards of one name": (["task.rewards=[{function: 'runner.components.rewards:answer_matches'}, "
+                                 "{function: 'runner.components.rewards:answer_matches', weight: 0.5}]"],
+                                "two rewards are called answer_matches; give each its own `name`"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_RUNS, ids=list(BAD_RUNS))
+def test_bad_grpo_runs_are_refused_in_one_line_before_anything_starts(case, workdir):
+    from test_dpo import word_tokenizer
+
+    (workdir / "notes.txt").write_text("some text\n")
+    (workdir / "broken.py").write_text("1 / 0\n")
+    word_tokenizer(64).save_pretrained(workdir / "plain_tokenizer")
+    overrides, error = BAD_RUNS[case]
+    task = [] if "task=train" in overrides else GRPO[:1] + GRPO[-1:]
+    result = run_cli(*task, *PROMPTS_DATA, *[override.replace("{cwd}", str(workdir)) for override in overrides],
+                     cwd=workdir)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("run: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert error.replace("{cwd}", str(workdir)) in result.stderr, result.stderr
+    assert not (workdir / "outputs").exists()
+
+
+# ---- training
+
+def grpo_run(steps: int = 3) -> list[str]:
+    """recipe=cpu_grpo, shorter: groups of 4 completions, 16 a step (4 prompts), a KL to the reference; each
+    prompt's group sampled on its own, whatever the layout."""
+    return ["recipe=cpu_grpo", "task.num_generations=4", "task.sampling_batch_size=4", "task.beta=0.04",
+            f"train.max_steps={steps}",
+            "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.save_model=false",
+            "train.micro_batch_size=8"]
+
+
+@pytest.mark.distributed
+def test_grpo_losses_are_the_same_under_every_strategy(tmp_path):
+    """One global batch of 16 completions (4 prompts x 4) a step: 1 process x 2 accumulation steps, or 2 x 1 under
+    ddp, fsdp and ZeRO-2 and 3, the reference a frozen copy of the initial model placed as each strategy places it;
+    with LoRA (the reference: the adapters off) under single and fsdp. Each completion draws from its own seeded
+    generator: the same completions, rewards, losses and gradient norms whatever the layout."""
+    from helpers import resolved_spec, step_losses, train_in_workers
+
+    base = grpo_run()
+    lora = ["adapter=lora", "adapter.rank=4"]
+    singles = {"full": resolved_spec([*base, "train.grad_accum_steps=2"]),
+               "lora": resolved_spec([*base, *lora, "train.grad_accum_steps=2"])}
+    runs = {"ddp": ("full", ["strategy=ddp"]), "fsdp": ("full", ["strategy=fsdp"]),
+            "zero2": ("full", ["strategy=deepspeed", "strategy.zero_stage=2"]),
+            "zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),
+            "lora-fsdp": ("lora", ["strategy=fsdp", *lora])}
+    train_in_workers(list(singles.values()), [tmp_path / name for name in singles], nproc=1)
+    train_in_workers([resolved_spec([*base, "hardware.nproc_per_node=2", *more]) for _, more in runs.values()],
+                     [tmp_path / name for name in runs])
+    expected = {name: step_losses(tmp_path / name) for name in singles}
+    rewards = {name: list(logged(tmp_path / name, "reward").values()) for name in [*singles, *runs]}
+    norms = {name: list(logged(tmp_path / name, "grad_norm").values()) for name in [*singles, *runs]}
+    assert len(expected["full"]) == 3 and min(norms["full"]) > 0 and len(set(rewards["full"])) > 1
+    for name, (single, _) in runs.items():
+        assert rewards[name] == rewards[single], name  # the same completions, scored alike
+        assert step_losses(tmp_path / name) == pytest.approx(expected[single], rel=1e-5, abs=1e-6), name
+        assert norms[name] == pytest.approx(norms[single], rel=1e-5, abs=1e-6), name
+    steps = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/lowercase/mean", "completions/mean_length",
+                 "completions/clipped_ratio", "clip_ratio/region_mean", "kl"):
+        assert name in steps[-1] or name in steps[-2], name
+
+
+@pytest.mark.signals
+def test_a_grpo_run_killed_and_resumed_samples_the_same_completions(tmp_path, tmp_path_factory):
+    from helpers import killed_and_resumed
+
+    args = [*grpo_run(steps=6), "train.checkpoint_every=2"]
+    expected, resumed = killed_and_resumed(args, tmp_path, 3, tmp_path_factory)
+    assert resumed == expected
+
+
+def test_a_reward_that_raises_stops_the_run_in_one_line_after_a_checkpoint(workdir):
+    """Its fourth call (the evaluation before the first step makes the first) raises: step 3's rollout. The run
+    keeps step 2's checkpoint and names the reward; with the reward fixed, it continues from there."""
+    reward = workdir / "flaky.py"
+    reward.write_text("calls = 0\n\ndef score(completions, **_):\n    global calls\n    calls += 1\n"
+                      "    if calls == 4:\n        raise ValueError('no answer today')\n"
+                      "    return [float(text[:1].islower()) for text in completions]\n")
+    args = [*grpo_run(steps=4), "task.beta=0", "task.rewards=[{function: 'flaky.py:score'}]"]
+    result = run_cli(*args, cwd=workdir)
+    assert result.returncode == 1, result.stderr[-2000:]
+    [run_dir] = run_dirs(workdir)
+    [line] = result.stderr.strip().splitlines()
+    assert line == (f"run: error: reward score raised ValueError: no answer today in step 3; the checkpoint of step "
+                    f"2, {run_dir / 'checkpoints' / 'step_00000002'}, holds the run so far; fix the reward, then "
+                    f"continue with: run resume={run_dir}")
+    reward.write_text("def score(completions, **_):\n    return [float(text[:1].islower()) for text in completions]\n")
+    resumed = run_cli(f"resume={run_dir}", cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert sorted(logged(run_dir, "loss")) == [1, 2, 3, 4]
+
+
+# ---- the estimate
+
+
+def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference():
+    """Llama-3-8B on two 4090s: the KV cache of the completions sampled at once (each rank's share of a step, or
+    task.sampling_batch_size), with the last position's logits, at a peak of its own; a reference (beta > 0) as for
+    DPO, a 1/2 shard under FSDP, none with adapters."""
+    from helpers import composed
+
+    from runner.config.spec import validate
+    from runner.memory.facts import facts_of
+    from runner.memory.report import report
+    from runner.memory.terms import Phase, estimate
+
+    def planned(*overrides):
+        spec = validate(composed(["model=llama3_8b", "hardware=2xrtx4090", "precision=bf16", "strategy=fsdp",
+                                  *GRPO, "train.micro_batch_size=8", "task.max_completion_length=64", *overrides]),
+                        on_this_machine=False)
+        return spec, estimate(spec, facts_of(spec.model))
+
+    spec, found = planned("data.seq_len=4096", "task.num_generations=8")
+    # 2 (keys, values) x 32 layers x 8 rows x 4096 positions x 8 KV heads x 128 dims x 2 bytes (bf16)
+    cache = 2 * 32 * 8 * 4096 * 8 * 128 * 2
+    assert found.sampling.bytes == cache + 8 * 128_256 * (2 + 4)
+    kept = found.weights.bytes + found.optimizer_states.bytes + found.buffers.bytes
+    assert found.phases()[Phase.SAMPLING] == kept + found.sampling.bytes and found.reference.bytes == 0
+    shown = report(spec)
+    assert "sampling" in shown and "the KV cache of the 8 completions sampled at once, 4096 tokens" in shown
+    _, smaller = planned("data.seq_len=4096", "task.num_generations=8", "task.sampling_batch_size=8",
+                         "train.grad_accum_steps=4")
+    assert smaller.sampling.bytes == found.sampling.bytes  # 32 completions a step, 8 at a time
+    _, kl = planned("task.beta=0.04")
+    assert "a frozen copy of the model, fp32, a 1/2 shard" in kl.reference.note
+    assert kl.reference.bytes == kl.weights.bytes
+    _, lora = planned("task.beta=0.04", "adapter=lora")
+    assert lora.reference.bytes == 0 and "adapters off" in lora.reference.note
+
+
+def test_the_trackers_record_the_reward_and_completion_metrics(workdir, monkeypatch):
+    """wandb (offline), TensorBoard and MLflow, each read back by its own reader, have every step's reward and
+    completion metrics and every evaluation's reward that metrics.jsonl has."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_trackers import jsonl_steps, wandb_records
+
+    result = run_cli(*grpo_run(steps=2), "tracker=[wandb,tensorboard,mlflow]", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [run_dir] = run_dirs(workdir)
+    names = ["reward", "reward_std", "frac_reward_zero_std", "rewards/lowercase/mean", "completions/mean_length",
+             "completions/clipped_ratio", "clip_ratio/region_mean", "kl", "eval_reward", "eval_rewards/lowercase/mean"]
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((run_dir / "mlruns").as_uri())
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    history = [r["history"] for r in wandb_records(run_dir) if r.get("type") == "history"]
+    for name in names:
+        expected = jsonl_steps(run_dir, name)
+        assert expected == ([0, 2] if name.startswith("eval_") else [1, 2]), name
+        assert [e.step for e in events.Scalars(name)] == expected, name
+        assert [m.step for m in client.get_metric_history(run_id, name)] == expected, name
+        assert sorted({int(h["step"].get("num", 0)) for h in history if name in h["item"]}) == expected, name
+    sampled = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in sampled] == [1] * 4 + [2] * 4
+    assert all(set(record) == {"step", "prompt", "completion", "reward"} for record in sampled)

@@ -29,14 +29,15 @@ def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
     (the architecture the model group of the same name describes)."""
     model = Path(spec.model.pretrained).name.lower().replace("meta-", "").replace("-", "")
     name = {"llama38b": "llama3_8b", "llama38binstruct": "llama3_8b", "llama370b": "llama3_70b",
-            "llama3.170b": "llama3_1_70b"}[model]
+            "llama3.170b": "llama3_1_70b", "llama3.21binstruct": "llama3_2_1b"}[model]
     architecture = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())["architecture"]
     (tmp / "config.json").write_text(json.dumps(architecture))
     return tmp
 
 
 PARAMETERS = {"meta-llama/Meta-Llama-3-8B": 8_030_261_248, "meta-llama/Meta-Llama-3-8B-Instruct": 8_030_261_248,
-              "meta-llama/Meta-Llama-3-70B": 70_553_706_496, "meta-llama/Llama-3.1-70B": 70_553_706_496}
+              "meta-llama/Meta-Llama-3-70B": 70_553_706_496, "meta-llama/Llama-3.1-70B": 70_553_706_496,
+              "meta-llama/Llama-3.2-1B-Instruct": 1_235_814_400}
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
@@ -47,9 +48,11 @@ def test_gpu_recipe_validates_and_fits_its_hardware(recipe, tmp_path):
     assert planned.hardware.accelerator is Accelerator.cuda and planned.precision.compute_dtype.value == "bf16"
     assert planned.model.pretrained in PARAMETERS
     checkpoint = local_checkpoint(tmp_path, planned)
-    # task=estimate validates everything but the presence of the GPUs, which this machine may not have.
+    # An estimate validates everything but the presence of the GPUs, which this machine may not have: task=estimate,
+    # or the recipe's own task's estimate_only where it sets that task's keys.
+    estimate_only = "task.estimate_only=true" if hasattr(planned.task, "estimate_only") else "task=estimate"
     spec = validate(composed([f"recipe={recipe}", f"model.pretrained={checkpoint}", f"data.files={pairs}",
-                              "task=estimate"]))
+                              estimate_only]))
     assert facts_of(spec.model).parameters == PARAMETERS[planned.model.pretrained]
     trained = replace(spec, task=planned.task)  # the recipe's task (train, dpo), as the launch checks it
     check_fit(trained)  # the check every launch runs: raises if it does not fit
@@ -92,9 +95,11 @@ def trained_recipe(recipe: str, workdir: Path) -> Path:
     summary = json.loads(summary_file.read_text())
     planned = composed([f"recipe={recipe}", *data])
     assert summary["steps"] == planned.train.max_steps
-    if planned.data.format.value == "preference":  # the held-out pairs' rewards rank chosen over rejected
-        evaluations = [json.loads(line) for line in summary_file.with_name("metrics.jsonl").read_text().splitlines()
-                       if "eval_loss" in line]
+    evaluations = [json.loads(line) for line in summary_file.with_name("metrics.jsonl").read_text().splitlines()
+                   if "eval_loss" in line]
+    if planned.data.format.value == "prompt":  # the held-out prompts' greedy completions earn more
+        assert evaluations[-1]["eval_reward"] >= evaluations[0]["eval_reward"] + 1.0
+    elif planned.data.format.value == "preference":  # the held-out pairs' rewards rank chosen over rejected
         assert evaluations[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # log 2: the policy is its reference
         assert evaluations[-1]["eval_rewards/accuracies"] > 0.5 and evaluations[-1]["eval_rewards/margins"] > 0
     else:  # adapters on a frozen random-init base learn less in a few steps than a full fine-tune
@@ -186,7 +191,7 @@ def test_a_command_writes_recipes_only_under_plain_names_in_recipes(command, nam
 
 
 @pytest.mark.parametrize("args,message", [
-    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_dpo, cpu_fsdp, cpu_lora, cpu_qlora, cpu_quick"),
+    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_dpo, cpu_fsdp, cpu_grpo, cpu_lora, cpu_qlora, cpu_quick"),
     (["--copy-recipe", "no_such"], "no recipe named no_such"),
     (["--copy-recipe"], "usage: run --copy-recipe <name> [<new name>]"),
 ])
@@ -216,5 +221,5 @@ def test_tab_completion_offers_the_recipes(flag, workdir):
     typed = {"COMP_LINE": "run recipe=cpu_", "COMP_POINT": "15"}
     result = run_cli(flag, "query=bash", cwd=workdir, env=typed)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_dpo", "recipe=cpu_fsdp", "recipe=cpu_lora", "recipe=cpu_mine",
+    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_dpo", "recipe=cpu_fsdp", "recipe=cpu_grpo", "recipe=cpu_lora", "recipe=cpu_mine",
                                      "recipe=cpu_qlora", "recipe=cpu_quick"]

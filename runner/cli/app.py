@@ -15,10 +15,22 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from runner.cli.compose import CONF_DIR
-from runner.cli.run_dir import chosen_options, discard_run_dir, run_identity, scrub_secrets, spec_file
+from runner.cli.run_dir import (
+    chosen_options,
+    discard_run_dir,
+    run_identity,
+    scrub_secrets,
+    spec_file,
+)
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.hardware import check_rendezvous
-from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
+from runner.config.spec import (
+    RunSpec,
+    load_spec,
+    to_yaml,
+    validate,
+    with_absolute_paths,
+)
 from runner.errors import (
     DeviceOutOfMemory,
     EndedInOneLine,
@@ -26,6 +38,7 @@ from runner.errors import (
     LaunchRefused,
     NonFiniteLoss,
     NothingToLaunch,
+    RewardFailed,
     SpecError,
     Stopped,
     SweepStopped,
@@ -34,7 +47,14 @@ from runner.errors import (
 )
 from runner.files import complete_checkpoints
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
-from runner.processes.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
+from runner.processes.cluster import (
+    Task,
+    check_launcher,
+    current_task,
+    requeue,
+    requeued,
+    submits_to_cluster,
+)
 from runner.processes.signals import SweepStop
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report
@@ -73,7 +93,7 @@ def run_job(config: DictConfig) -> float:
         raise stopped_sweep(hydra_config, f"job {hydra_config.job.num} {stop}", next_job=hydra_config.job.num + 1)
     except Exception as error:
         one_line_statuses = {WriteFailed: ExitStatus.WRITE_FAILED, DeviceOutOfMemory: ExitStatus.FAILED,
-                             WorkerFailed: ExitStatus.FAILED}
+                             WorkerFailed: ExitStatus.FAILED, RewardFailed: ExitStatus.FAILED}
         if type(error) in one_line_statuses and task is None and hydra_config.mode == RunMode.RUN:
             raise EndedInOneLine(str(error), one_line_statuses[type(error)]) from None
         failure = job_failure(error, task, run_dir, sweep_job=hydra_config.mode == RunMode.MULTIRUN)
@@ -140,7 +160,7 @@ def job_failure(error: Exception, task: Optional[Task], run_dir: Path, sweep_job
     # Hydra holds a sweep job's error until the whole sweep has run: its log says why it failed now.
     if sweep_job:
         logging.getLogger("runner").exception("the job failed")
-    told_in_one_line = (WorkerFailed, NonFiniteLoss, WriteFailed, DeviceOutOfMemory)
+    told_in_one_line = (WorkerFailed, NonFiniteLoss, RewardFailed, WriteFailed, DeviceOutOfMemory)
     if task is not None and not isinstance(error, told_in_one_line):  # `run` says it in one line
         return WorkerFailed(f"rank {task.rank} failed (SLURM job {task.job_id}): {one_line(error)} (its "
                             f"traceback: the logs in {run_dir})")

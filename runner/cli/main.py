@@ -15,7 +15,13 @@ from typing import Callable
 
 from runner.cli import recipes
 from runner.cli.app import hydra_main
-from runner.cli.compose import RECIPES_DIR, checked_recipe, choosable_recipes, compose_config, register
+from runner.cli.compose import (
+    RECIPES_DIR,
+    checked_recipe,
+    choosable_recipes,
+    compose_config,
+    register,
+)
 from runner.cli.help import help_text
 from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
@@ -26,6 +32,7 @@ from runner.errors import (
     LaunchRefused,
     NonFiniteLoss,
     NothingToLaunch,
+    RewardFailed,
     SpecError,
     Stopped,
     SweepStopped,
@@ -70,7 +77,7 @@ def main() -> None:
         refuse(str(refusal))
     except NothingToLaunch:
         return
-    except (WorkerFailed, NonFiniteLoss) as failure:
+    except (WorkerFailed, NonFiniteLoss, RewardFailed) as failure:
         print(f"run: error: {failure}", file=sys.stderr)
         sys.exit(ExitStatus.FAILED)
     except WriteFailed as failure:
@@ -120,7 +127,9 @@ def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
 def recipe_from_accelerate(recipe_dirs: list[Path], args: list[str]) -> None:
     if len(args) not in (1, 2):
         raise recipes.RecipeError("usage: run --from-accelerate <accelerate config .yaml> [<recipe name>]")
-    from runner.tools.accelerate.reader import recipe_of  # only here: every other command starts faster
+    from runner.tools.accelerate.reader import (
+        recipe_of,  # only here: every other command starts faster
+    )
 
     source = Path(args[0])
     target = new_recipe(args[1] if len(args) == 2 else source.stem, f"run --from-accelerate {source} <recipe name>")
@@ -137,7 +146,9 @@ def recipe_from_accelerate(recipe_dirs: list[Path], args: list[str]) -> None:
 
 def print_accelerate_config(recipe_dirs: list[Path], overrides: list[str]) -> None:
     """The accelerate config of the spec that `run <overrides>` would compose; what it cannot say, on stderr."""
-    from runner.tools.accelerate.writer import accelerate_file  # only here: every other command starts faster
+    from runner.tools.accelerate.writer import (
+        accelerate_file,  # only here: every other command starts faster
+    )
 
     text, notes = accelerate_file(load_spec(compose_config(overrides)))
     print(text, end="")
@@ -153,9 +164,9 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
     from runner.data.store import size_on_disk
 
     spec = validated(compose_config(overrides), Path.cwd(), on_this_machine=False)
-    if spec.data.streaming:
-        raise SpecError("data.streaming=true tokenizes as training goes and stores nothing: --prepare-data has "
-                        "nothing to do; drop data.streaming to tokenize the corpus once, into the token store")
+    if spec.data.streaming or spec.data.format.value == "prompt":
+        raise SpecError(f"data.{'streaming=true' if spec.data.streaming else 'format=prompt'} tokenizes as the job "
+                        "starts and stores nothing: --prepare-data has nothing to do")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     train, evaluation = token_splits(spec.data, build_tokenizer(spec.model), spec.seed)
     store = train.store.path.parent
@@ -181,6 +192,13 @@ def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
                         "data.streaming to see the rows")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     tokenizer = build_tokenizer(spec.model)
+    if spec.data.format is DataFormat.prompt:  # task=grpo's: prompts, whose completions are sampled as it trains
+        from runner.data.prompts import prompt_splits, read_prompts
+        from runner.data.show import shown_prompts
+
+        print(shown_prompts(*prompt_splits(read_prompts(spec.data, tokenizer), spec.data.eval_fraction, spec.seed),
+                            count, tokenizer))
+        return
     train, evaluation = token_splits(spec.data, tokenizer, spec.seed)
     colour = sys.stdout.isatty()
     pairs = spec.data.format is DataFormat.preference

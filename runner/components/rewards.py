@@ -17,14 +17,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from runner.errors import SpecError, require
+from runner.errors import RewardFailed, SpecError, require
 
 Reward = Callable[..., list[Optional[float]]]
-
-
-class RewardFailed(Exception):
-    """A reward function raised, or returned other than a float or None per completion."""
-
 
 @dataclass
 class RewardSpec:
@@ -33,6 +28,8 @@ class RewardSpec:
     weight: float = 1.0
     # Keyword arguments bound to the function (the built-in regex_matches' `pattern`).
     args: dict[str, Any] = field(default_factory=dict)
+    # What the metrics call it (rewards/<name>/mean); unset: the function's name.
+    name: Optional[str] = None
 
 
 def load_reward(spec: RewardSpec) -> Reward:

@@ -20,6 +20,9 @@ class DataFormat(str, Enum):
     chat = "chat"
     # Preference pairs (runner/data/preference.py): a prompt, a chosen and a rejected response, for task=dpo.
     preference = "preference"
+    # Prompts (runner/data/prompts.py) for task=grpo: records with a prompt (a text or a conversation) and the
+    # fields the rewards read, or text files, a prompt per line.
+    prompt = "prompt"
 
 
 class ChatFormat(str, Enum):
@@ -58,6 +61,9 @@ class DataConfig:
     chat_format: ChatFormat = ChatFormat.auto
     chat_template: Optional[str] = None
     train_on: TrainOn = TrainOn.assistant
+    # data.format=prompt: a text prompt goes through the chat template as a user's turn, ended by the generation
+    # prompt (the template's own for an instruct model; conversations always do).
+    prompt_as_chat: bool = False
     seq_len: int = 256
     # Share of the documents held out for evaluation.
     eval_fraction: float = 0.05
@@ -84,14 +90,20 @@ def check(data: DataConfig) -> None:
     require(0 < data.eval_fraction < 1, f"data.eval_fraction={data.eval_fraction} must be between 0 and 1")
     require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be at least 1")
     if data.chat_template:
-        require(data.format in (DataFormat.chat, DataFormat.preference),
-                f"data.chat_template is for data.format=chat and preference, not {data.format.value}")
+        require(data.format in (DataFormat.chat, DataFormat.preference, DataFormat.prompt),
+                f"data.chat_template is for data.format=chat, preference and prompt, not {data.format.value}")
         require(os.path.isfile(data.chat_template), f"data.chat_template={data.chat_template} is not a file")
     if data.format is DataFormat.preference:
         require(not data.packing, "data.packing=true packs examples into rows; preference pairs keep a row for each "
                                   "response, side by side: set data.packing=false")
         require(not data.streaming, "data.streaming=true streams documents; preference pairs are read from the token "
                                     "store: set data.streaming=false")
+    require(not data.prompt_as_chat or data.format is DataFormat.prompt,
+            f"data.prompt_as_chat is for data.format=prompt, not {data.format.value}")
+    if data.format is DataFormat.prompt:
+        require(not data.packing and not data.streaming,
+                "data.format=prompt holds prompts, whose completions task=grpo samples as it trains: set "
+                "data.packing=false and data.streaming=false")
     if data.files:
         files = resolve_files(data.files)
         require(bool(files), f"data.files={data.files} matches no file; give an existing file, directory or glob")

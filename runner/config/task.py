@@ -25,6 +25,8 @@ class TaskConfig:
 
     # Whether the job writes checkpoints and a trained model, whose room `run` checks before launch.
     trains: ClassVar[bool] = False
+    # The rows a step trains on for each prompt it draws (task=grpo: its completions of each).
+    rows_per_prompt: ClassVar[int] = 1
 
     def with_absolute_paths(self, base: Path) -> TaskConfig:
         """The task's local paths absolute from `base` (the directory `run` started in); none by default."""

@@ -9,6 +9,7 @@ from runner.data.rows import IGNORE
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from runner.data.prompts import PromptSet
     from runner.data.rows import RowSet
 
 # Trained text: green on a terminal, else between brackets.
@@ -49,3 +50,19 @@ def counts(train: RowSet, evaluation: RowSet, seq_len: int, unit: str = "rows") 
     if meta.get("dropped_pairs"):
         line += f"; {meta['dropped_pairs']:,} pairs whose prompt fills data.seq_len left out"
     return line
+
+
+def shown_prompts(train: PromptSet, evaluation: PromptSet, count: int, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The first `count` train prompts as the model reads them (their tokens decoded: a chat template's rendering
+    included), with the fields the rewards receive; the counts, and the token that ends their completions."""
+    import json
+
+    lines = []
+    for index, prompt in enumerate(train.prompts[:count]):
+        lines += [f"--- train prompt {index} ({prompt.where}), {len(prompt.ids)} tokens", tokenizer.decode(prompt.ids)]
+        if prompt.fields:
+            lines.append(f"    fields: {json.dumps(prompt.fields, ensure_ascii=False)[:500]}")
+    longest = max(len(prompt.ids) for prompt in train.prompts)
+    lines.append(f"--- {len(train):,} train and {len(evaluation):,} eval prompts, the longest {longest} tokens; "
+                 f"completions end at {tokenizer.decode([train.stop_token])!r}")
+    return "\n".join(lines)

@@ -152,6 +152,9 @@ class PreferenceLoss:
     # reference and the order are the same at every evaluation, so its forward on them would give the same values.
     eval_reference: list[torch.Tensor] = field(default_factory=list, repr=False)
 
+    def step_batch(self, job: PreparedJob, drawn: GlobalBatch, step: int) -> GlobalBatch:
+        return drawn
+
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean over the global batch's pairs: each micro batch adds its pairs' losses over their number."""

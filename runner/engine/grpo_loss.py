@@ -23,7 +23,7 @@ and micro batches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from runner.data.batches import shifted
 from runner.data.rows import IGNORE
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from runner.data.batches import GlobalBatch, MicroBatch
+    from runner.data.prompts import PromptBatch
     from runner.engine.job import PreparedJob
     from runner.parallel.sequence import WholeLoss
 
@@ -121,14 +122,29 @@ def completion_mask(micro_batch: MicroBatch) -> torch.Tensor:
     return shifted(micro_batch.labels) != IGNORE
 
 
+class Sampler(Protocol):
+    """runner/generation/rollout.py's Rollout, which this layer cannot name."""
+
+    def __call__(self, job: PreparedJob, drawn: PromptBatch, step: int) -> GlobalBatch:
+        """The rows of `step`: completions sampled for the drawn prompts, scored, with their advantages."""
+        ...
+
+    def evaluate(self, job: PreparedJob) -> dict[str, float]:
+        """The eval prompts' mean reward (and `eval_loss`, minus it)."""
+        ...
+
+
 @dataclass
 class GroupPolicyLoss:
-    """task=grpo's Objective. Its micro batches are the rows a rollout made (runner/generation/rollout.py): each a
-    prompt and one completion, with the row values `advantages`, `rewards`, and where they are needed the sampling
-    policy's and the reference's log-probs of every position (`old_logps`, `ref_logps`)."""
+    """task=grpo's Objective. Its micro batches are the rows its rollout made: each a prompt and one completion,
+    with the row values `advantages`, the rollout's metrics, and where they are needed the sampling policy's and
+    the reference's log-probs of every position (`old_logps`, `ref_logps`)."""
 
     settings: PolicyLoss
-    evaluate_rewards: object  # (job) -> the eval metrics: the mean reward of the eval prompts' completions
+    rollout: Optional[Sampler] = None
+
+    def step_batch(self, job: PreparedJob, drawn: PromptBatch, step: int) -> GlobalBatch:
+        return self.rollout(job, drawn, step)
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -145,7 +161,7 @@ class GroupPolicyLoss:
         return self.settings.normalised(losses, mask, rows, tokens), metrics
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
-        return self.evaluate_rewards(job)
+        return self.rollout.evaluate(job)
 
     def line(self, job: PreparedJob) -> str:
         settings = self.settings

@@ -13,9 +13,10 @@ from runner.components.trackers import Tracker, build_trackers
 from runner.config.data import DataFormat
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import RunIdentity
-from runner.data import batches
+from runner.data import batches, prompts
 from runner.data.chat import chat_template, template_or_none
 from runner.data.prefetch import ahead
+from runner.data.prompts import prompt_splits, read_prompts
 from runner.data.splits import token_splits
 from runner.data.stream import StreamedRows, check_stream
 from runner.distributed import Ranks
@@ -123,6 +124,9 @@ def load_data(spec: RunSpec) -> LoadedData:
     if spec.data.streaming:
         check_stream(spec.data)
         return tokenizer, None, None
+    if spec.data.format is DataFormat.prompt:  # task=grpo's, read by every process: no token store
+        tokenizer.chat_template = template_or_none(spec.data, tokenizer)
+        return (tokenizer, *prompt_splits(read_prompts(spec.data, tokenizer), spec.data.eval_fraction, spec.seed))
     train_set, eval_set = token_splits(spec.data, tokenizer, spec.seed)
     global_batch = train.micro_batch_size * dp_size * train.grad_accum_steps
     if len(train_set) < global_batch:
@@ -148,6 +152,7 @@ def prepare_job(
     tokenizer, train_set, eval_set = loaded or load_data(spec)
     placed = place(spec, ranks, device, tokenizer)
     train_batches, eval_batches, eval_sequences = batch_sources(spec, tokenizer, train_set, eval_set, ranks, device)
+    rows = None if spec.data.format is DataFormat.prompt else train_set  # (prompts have no token store's rows)
     job = PreparedJob(
         spec=spec,
         run_dir=run_dir,
@@ -164,9 +169,9 @@ def prepare_job(
         trackers=[],
         precision_in_effect=placed.precision_in_effect,
         train_sequences=None if train_set is None else len(train_set),
-        train_tokens=None if train_set is None else int(train_set.tokens.sum()),
-        train_label_tokens=None if train_set is None else int(train_set.label_tokens.sum()),
-        token_store=None if train_set is None else train_set.store.path,
+        train_tokens=None if rows is None else int(rows.tokens.sum()),
+        train_label_tokens=None if rows is None else int(rows.label_tokens.sum()),
+        token_store=None if rows is None else rows.store.path,
         eval_sequences=eval_sequences,
         pipeline=placed.pipeline,
         sequence_split=placed.sequence_split,
@@ -194,6 +199,17 @@ def batch_sources(spec: RunSpec, tokenizer: PreTrainedTokenizerBase, train_set: 
     dp_rank, dp_size = dims.dp_rank(ranks.rank), dims.dp_size
     # On CUDA, batches are built in pinned memory: their copies to the device need not wait.
     pin = device.type == "cuda" and torch.cuda.is_available()
+    if spec.data.format is DataFormat.prompt:  # each step's prompts, whose completions make its rows
+        per_step = train.micro_batch_size * dp_size * train.grad_accum_steps // spec.task.rows_per_prompt
+
+        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[prompts.PromptBatch]:
+            return prompts.prompt_steps(train_set, per_step=per_step, dp_rank=dp_rank, dp_size=dp_size,
+                                        seed=spec.seed, start_step=start_step)
+
+        def eval_prompts() -> Iterator[prompts.PromptBatch]:
+            return prompts.eval_prompt_batches(eval_set, batch_size=train.micro_batch_size,
+                                               max_batches=train.eval_batches, dp_rank=dp_rank, dp_size=dp_size)
+        return train_batches, eval_prompts, len(eval_set)
     if spec.data.streaming:
         stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
         # Each rank evaluates its share of the eval rows from its own held-out documents.

@@ -15,14 +15,27 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from runner.components import lora
 from runner.engine import checkpoint
-from runner.engine.metrics import MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib, training_flops_per_token
+from runner.engine.metrics import (
+    MetricsWindow,
+    ProgressBar,
+    compile_seconds,
+    peak_memory_gib,
+    training_flops_per_token,
+)
 from runner.engine.out_of_memory import out_of_memory, record_out_of_memory
 from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
-from runner.engine.step import SHOWN_METRICS, evaluate, train_step
+from runner.engine.step import SHOWN_METRICS, evaluate, objective_of, train_step
 from runner.engine.tally import DeviceTally
-from runner.errors import DeviceOutOfMemory, NonFiniteLoss, Stopped
-from runner.files import complete_checkpoints, move_into_place, refused_write, write_json_atomically, written_whole
+from runner.errors import DeviceOutOfMemory, NonFiniteLoss, RewardFailed, Stopped
+from runner.files import (
+    checkpoints_dir,
+    complete_checkpoints,
+    move_into_place,
+    refused_write,
+    write_json_atomically,
+    written_whole,
+)
 from runner.memory.disk import disk_need
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
 from runner.processes.signals import GracefulStop, StopVote
@@ -85,7 +98,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
 
     for step in range(job.start_step + 1, cfg.max_steps + 1):
         watch.entering(f"in step {step}")
-        batch = next(batches)
+        batch = _step_batch(job, next(batches), step, progress)  # task=grpo: its completions sampled and scored
         result = train_step(job, batch)
         _advance_schedule(job, result.outcome, step, progress)
         tally.add(step, result.loss, result.metrics, result.outcome.grad_norm, result.tokens)
@@ -164,6 +177,22 @@ def _stop_if_non_finite(job: PreparedJob, reading: Reading) -> None:
         last_good = complete_checkpoints(job.run_dir)
         raise NonFiniteLoss(f"the loss is {reading.loss} at step {reading.first_non_finite}; the last good "
                             f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
+
+
+def _step_batch(job: PreparedJob, drawn: GlobalBatch, step: int, progress: Progress) -> GlobalBatch:
+    """The global batch the step trains on (runner/engine/step.py's Objective.step_batch). A reward that fails in
+    it ends the run in one line that names it, after the checkpoint of the step before (where none was written)."""
+    try:
+        return objective_of(job).step_batch(job, drawn, step)
+    except RewardFailed as failure:
+        last_step = step - 1
+        cfg = job.spec.train
+        saved = checkpoints_dir(job.run_dir) / f"step_{last_step:08d}"
+        if last_step and not (cfg.checkpoint_every and last_step % cfg.checkpoint_every == 0):
+            saved = checkpoint.save(job, last_step, asdict(progress), None)
+        kept = (f"the checkpoint of step {last_step}, {saved}, holds the run so far; fix the reward, then continue "
+                f"with: run resume={job.run_dir}") if last_step else "no step had been trained"
+        raise RewardFailed(f"{failure} in step {step}; {kept}") from None
 
 
 def _compile_seconds_logged(job: PreparedJob, step: int, compiled_before: float) -> float:
@@ -246,6 +275,8 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
     if model_dir and adapter_only:
         log.info("use it: PeftModel.from_pretrained(<the base>, %s) (peft); adapter.merge=true also saves the merged "
                  "model, which task=evaluate and task=generate read", model_dir)
+    elif model_dir and job.spec.data.format.value == "prompt":  # (its spec's data are prompts, not rows to evaluate)
+        log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line>", model_dir)
     elif model_dir:
         log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
                  "run task=evaluate task.trained=%s", job.run_dir, job.run_dir)

@@ -51,6 +51,10 @@ def data_source(job: PreparedJob) -> str:
     data = job.spec.data
     where = f"{data.hub_dataset} (hub)" if data.hub_dataset else \
         f"{data.files} ({len(resolve_files(data.files))} files)"
+    if data.format is DataFormat.prompt:
+        per_step = job.global_batch_size // job.spec.task.rows_per_prompt
+        return (f"{where}: {job.train_sequences:,} train prompts, {job.eval_sequences:,} eval prompts; each step "
+                f"samples {job.spec.task.rows_per_prompt} completions of each of its {per_step} prompts")
     if job.token_store is None:
         return (f"{where}, streamed: each of the {job.dp_size} data-parallel ranks reads its own shard and tokenizes "
                 f"it as training goes, into {'packed ' if data.packing else ''}rows of up to {data.seq_len} tokens; "

@@ -24,12 +24,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 # The objective's metrics that the log lines show (metrics.jsonl and the trackers have them all).
-SHOWN_METRICS = ("rewards/accuracies", "rewards/margins")
+SHOWN_METRICS = ("rewards/accuracies", "rewards/margins", "reward", "reward_std")
 
 
 class Objective(Protocol):
-    """What a training step minimises and an evaluation reports: the next-token loss (NextTokenLoss), or a
-    preference loss (task=dpo: runner/engine/dpo_loss.py)."""
+    """What a training step minimises and an evaluation reports: the next-token loss (NextTokenLoss), a
+    preference loss (task=dpo: runner/engine/dpo_loss.py), or a policy loss over sampled completions (task=grpo:
+    runner/engine/grpo_loss.py)."""
+
+    def step_batch(self, job: PreparedJob, drawn: GlobalBatch, step: int) -> GlobalBatch:
+        """The global batch `step` trains on, from the one drawn from the data: the same rows, or (task=grpo) the
+        completions the policy samples for the drawn prompts, scored."""
+        ...
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -50,6 +56,9 @@ class Objective(Protocol):
 class NextTokenLoss:
     """The mean next-token cross entropy over every label token of the global batch, whatever way it is split: the
     rows carry their counts, so every rank knows the global batch's without a collective before the forward."""
+
+    def step_batch(self, job: PreparedJob, drawn: GlobalBatch, step: int) -> GlobalBatch:
+        return drawn
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

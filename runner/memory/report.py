@@ -46,6 +46,7 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
         row("  end of backward", result.backward_end),
         row("  optimizer step", result.step),
         *([row("model loading", result.loading)] if result.loading.bytes else []),
+        *([row("sampling", result.sampling)] if result.sampling.bytes else []),
         row("peak", Part(result.peak, f"{result.peak_phase.value}: {_peak_formula(result)}")),
     ]
     if verdict.shared:
@@ -75,6 +76,7 @@ def _peak_formula(result: Estimate) -> str:
         Phase.BACKWARD_START: kept + " + activations + its transients" + (" + gradients" if result.accumulating else ""),
         Phase.BACKWARD_END: kept + " + gradients + its transients",
         Phase.OPTIMIZER_STEP: kept + " + gradients + the step's temporaries",
+        Phase.SAMPLING: kept + " + the KV cache and logits of sampling",
     }[result.peak_phase]
 
 

@@ -29,6 +29,7 @@ class Phase(Enum):
     BACKWARD_END = "at the end of backward"
     OPTIMIZER_STEP = "at the optimizer step"
     LOADING = "while loading the model"
+    SAMPLING = "while sampling completions"
 
 
 @dataclass
@@ -47,7 +48,8 @@ class Estimate:
     host_offload: Part = field(default_factory=Part)  # the node's CPU RAM: what offload moves there
     host_loading: Part = field(default_factory=Part)  # the node's CPU RAM while its processes build the model
     accumulating: bool = False  # gradients live through forward and backward (train.grad_accum_steps > 1)
-    reference: Part = field(default_factory=Part)  # kept throughout: task=dpo's frozen reference model
+    reference: Part = field(default_factory=Part)  # kept throughout: task=dpo's and task=grpo's reference model
+    sampling: Part = field(default_factory=Part)  # transient, as task=grpo samples: the KV cache and the logits
 
     def phases(self) -> dict[Phase, int]:
         kept = self.weights.bytes + self.optimizer_states.bytes + self.buffers.bytes + self.reference.bytes
@@ -59,6 +61,8 @@ class Estimate:
         }
         if self.loading.bytes:
             phases[Phase.LOADING] = self.loading.bytes
+        if self.sampling.bytes:
+            phases[Phase.SAMPLING] = kept + self.sampling.bytes
         return phases
 
     @property

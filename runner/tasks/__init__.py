@@ -4,7 +4,8 @@ from runner.tasks.dpo import DpoTask
 from runner.tasks.estimate import EstimateTask
 from runner.tasks.evaluate import EvaluateTask
 from runner.tasks.generate import GenerateTask
+from runner.tasks.grpo import GrpoTask
 from runner.tasks.train import TrainTask
 
 TASKS = {"train": TrainTask, "estimate": EstimateTask, "evaluate": EvaluateTask, "generate": GenerateTask,
-         "dpo": DpoTask}
+         "dpo": DpoTask, "grpo": GrpoTask}

@@ -38,6 +38,9 @@ class TrainTask(TaskConfig):
         require(spec.data.format is not DataFormat.preference,
                 "data.format=preference holds pairs of responses, which task=dpo trains on; task=train trains on "
                 "text, instruction or chat data")
+        require(spec.data.format is not DataFormat.prompt,
+                "data.format=prompt holds prompts, whose completions task=grpo samples and trains on; task=train "
+                "trains on text, instruction or chat data")
         check_training(spec, self.fit_check)
         return None
 

@@ -1,0 +1,227 @@
+"""task=grpo's rollout: the completions the policy samples for a step's prompts, scored by the rewards, and the rows
+the step trains on (prompt + completion, the completion's tokens its labels), with each row's advantage and the
+rollout's metrics (runner/engine/grpo_loss.py reads them).
+
+Each completion draws from its own generator, seeded by the run's seed, the step and its place among the step's
+completions: a resumed run samples the same completions. Which rank samples them does not change the draws, but the
+batch a completion is sampled in can change its logits in the last bits (its padding, its rows), and so, rarely, a
+draw: task.sampling_batch_size fixes the batches (a prompt's group at a time, say) for the same completions under
+any number of processes. The policy samples with its weights of that step, through the strategy's own forward (FSDP2 and
+ZeRO-3 gather each layer's weights as they go): every rank runs as many forwards, until every rank's completions
+have ended."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+
+from runner.compat import cache_keyword
+from runner.components.rewards import Reward, rewards_of
+from runner.data.batches import GlobalBatch, collate
+from runner.data.rows import columns, row_inputs
+from runner.distributed import all_ranks_sums, process_group_up
+from runner.engine.grpo_loss import group_advantages
+from runner.errors import RewardFailed
+from runner.generation.decoding import Decoding, completion, next_tokens, prompt_batches
+from runner.strategies.protocol import unwrapped
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from runner.data.batches import MicroBatch
+    from runner.data.prompts import Prompt, PromptBatch
+    from runner.engine.job import PreparedJob
+
+log = logging.getLogger("runner")
+
+
+@dataclass
+class Rollout:
+    generations: int  # completions per prompt
+    decoding: Decoding  # sampled, up to task.max_completion_length tokens (each batch's stop token ends them)
+    sampling_batch: int  # completions sampled together; 0: all of a rank's
+    scale: str  # task.scale_rewards
+    rewards: list[tuple[str, Reward, float]]  # each reward's name, function and weight
+    # The reference's log-probs of a micro batch's rows (task.beta > 0), or None.
+    reference: Optional[Callable[[PreparedJob, MicroBatch], torch.Tensor]] = None
+    shown_completions: int = 4  # how many of a logging step's completions completions.jsonl keeps
+
+    def __call__(self, job: PreparedJob, drawn: PromptBatch, step: int) -> GlobalBatch:
+        """The global batch of `step`: this rank's prompts' completions, scored, as rows with their advantages."""
+        import torch
+
+        decoding = replace(self.decoding, eos_token_id=drawn.stop_token)
+        prompts = [prompt for prompt in drawn.prompts for _ in range(self.generations)]
+        seeds = [completion_seed(job.spec.seed, step, drawn.first * self.generations + i) for i in range(len(prompts))]
+        started = time.perf_counter()
+        job.model.eval()  # no dropout in the policy that samples
+        size = self.sampling_batch or len(prompts)
+        new_tokens = [tokens for start in range(0, len(prompts), size)
+                      for tokens in sample(unwrapped(job.model), [prompt.ids for prompt in prompts[start:start + size]],
+                                           seeds[start:start + size], decoding, job.device, job.autocast)]
+        job.model.train()
+        scores, texts = score(self.rewards, prompts, new_tokens, job.tokenizer, decoding.eos_token_id)
+        combined = combined_rewards(scores, [weight for _, _, weight in self.rewards])
+        batch_std = None
+        if self.scale == "batch":  # the std of every rank's rewards
+            scored = ~combined.isnan()
+            total, squares, count = all_ranks_sums([combined[scored].sum().item(),
+                                                    (combined[scored] ** 2).sum().item(), scored.sum().item()])
+            batch_std = torch.tensor(math.sqrt(max(0.0, squares - total ** 2 / count) / max(1.0, count - 1)))
+        advantages, group_std = group_advantages(combined, self.generations, self.scale, batch_std)
+        lengths = torch.tensor([float(len(tokens)) for tokens in new_tokens])
+        values = {
+            "advantages": advantages,
+            "reward": combined.nan_to_num(0.0),
+            "reward_std": group_std.nan_to_num(0.0),
+            "frac_reward_zero_std": (group_std.nan_to_num(0.0) < 1e-6).float(),
+            "completions/mean_length": lengths,
+            "completions/clipped_ratio": torch.tensor([float(not tokens or tokens[-1] != decoding.eos_token_id)
+                                                       for tokens in new_tokens]),
+            **{f"rewards/{name}/mean": torch.tensor(row).nan_to_num(0.0)
+               for (name, _, _), row in zip(self.rewards, scores)},
+        }
+        if job.ranks.rank == 0 and step % job.spec.train.log_every == 0:
+            self.keep_sample(job, step, prompts, texts, combined)
+        batch = self.rows(job, prompts, new_tokens, values)
+        log.debug("step %d | %d completions sampled and scored in %.2f s", step, len(prompts),
+                  time.perf_counter() - started)
+        return batch
+
+    def rows(self, job: PreparedJob, prompts: list[Prompt], new_tokens: list[list[int]],
+             values: dict[str, torch.Tensor]) -> GlobalBatch:
+        """This rank's rows in micro batches of train.micro_batch_size, with their values (and the reference's
+        log-probs of them, beta > 0); the counts are this rank's, which the step sums over the ranks."""
+        import numpy as np
+        import torch
+
+        rows = [row_inputs(np.array(prompt.ids + tokens), np.array([0] * len(prompt.ids) + [1] * len(tokens)),
+                           [0], [0], len(tokens), packed=False) for prompt, tokens in zip(prompts, new_tokens)]
+        size = job.spec.train.micro_batch_size
+        micro_batches = []
+        for start in range(0, len(rows), size):
+            micro_batch = collate(columns(rows[start:start + size]), job.tokenizer.pad_token_id)
+            micro_batch.row_values = {name: value[start:start + size] for name, value in values.items()}
+            if self.reference is not None:
+                with torch.no_grad(), job.autocast():
+                    micro_batch.row_values["ref_logps"] = self.reference(job, micro_batch.to(job.device)).cpu()
+            micro_batches.append(micro_batch)
+        return GlobalBatch(micro_batches, tokens=sum(row["tokens"] for row in rows),
+                           label_tokens=sum(row["label_tokens"] for row in rows), rank_counts=True)
+
+    def keep_sample(self, job: PreparedJob, step: int, prompts: list[Prompt], texts: list[str],
+                    rewards: torch.Tensor) -> None:
+        """The first completions of the step, with their prompts and rewards, added to completions.jsonl."""
+        with open(job.run_dir / "completions.jsonl", "a") as file:
+            for prompt, text, reward in list(zip(prompts, texts, rewards.tolist()))[:self.shown_completions]:
+                file.write(json.dumps({"step": step, "prompt": prompt.shown, "completion": text,
+                                       "reward": None if math.isnan(reward) else reward}) + "\n")
+
+    def evaluate(self, job: PreparedJob) -> dict[str, float]:
+        """The mean reward of the eval prompts' greedy completions, every rank's (`eval_reward`, and each reward's);
+        `eval_loss` is minus it, which a sweeper minimises."""
+        sums = [0.0] * (len(self.rewards) + 1)
+        count = 0
+        for drawn in job.eval_batches():
+            greedy = Decoding(self.decoding.max_new_tokens, eos_token_id=drawn.stop_token,
+                              pad_token_id=self.decoding.pad_token_id)
+            new_tokens = sample(unwrapped(job.model), [prompt.ids for prompt in drawn.prompts],
+                                [None] * len(drawn.prompts), greedy, job.device, job.autocast)
+            scores, _ = score(self.rewards, drawn.prompts, new_tokens, job.tokenizer, greedy.eos_token_id)
+            combined = combined_rewards(scores, [weight for _, _, weight in self.rewards]).nan_to_num(0.0)
+            sums = [total + value for total, value in zip(sums, [combined.sum().item(),
+                                                                 *(sum(0.0 if math.isnan(v) else v for v in row)
+                                                                   for row in scores)])]
+            count += len(drawn.prompts)
+        *totals, count = all_ranks_sums([*sums, count], job.counted)
+        reward = totals[0] / count
+        return {"eval_loss": -reward, "eval_reward": reward,
+                **{f"eval_rewards/{name}/mean": total / count for (name, _, _), total in zip(self.rewards, totals[1:])}}
+
+
+def completion_seed(seed: int, step: int, index: int) -> int:
+    """The seed of the step's `index`-th completion."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
+
+
+def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]], decoding: Decoding,
+           device: torch.device, autocast: Callable[[], ContextManager]) -> list[list[int]]:
+    """Each prompt's new tokens, up to and including the stop token (decoding.eos_token_id), at most
+    decoding.max_new_tokens: one forward per token over the left-padded prompts and a KV cache, each row drawing
+    from its own generator (seed None: the argmax). Under several processes every rank runs forwards until every
+    rank's rows have ended: sharded weights are gathered in each forward, by every rank."""
+    import torch
+    import torch.distributed as dist
+    from transformers import DynamicCache
+
+    [batch] = prompt_batches(prompts, len(prompts), decoding.pad_token_id)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
+    new_tokens: list[list[int]] = [[] for _ in prompts]
+    ended = [False] * len(prompts)
+    cache = {cache_keyword(type(model)): DynamicCache(config=model.config)}
+    inputs, synced = ids, process_group_up()
+    with torch.no_grad(), autocast():
+        for _ in range(decoding.max_new_tokens):
+            logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
+                           **cache).logits[:, -1].float().cpu()
+            chosen = [decoding.pad_token_id if done else _drawn(logits[i], decoding, generator)
+                      for i, (done, generator) in enumerate(zip(ended, generators))]
+            for i, token in enumerate(chosen):
+                if not ended[i]:
+                    new_tokens[i].append(token)
+                    ended[i] = token == decoding.eos_token_id
+            running = torch.tensor([float(not all(ended))], device=device)
+            if synced:
+                dist.all_reduce(running)
+            if not running.item():
+                break
+            inputs = torch.tensor(chosen, device=device).unsqueeze(1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+    return new_tokens
+
+
+def _drawn(logits: torch.Tensor, decoding: Decoding, generator: Optional[torch.Generator]) -> int:
+    """A row's next token from its last position's logits: the argmax without a generator, else a draw."""
+    if generator is None:
+        return int(logits.argmax())
+    return int(next_tokens(logits.unsqueeze(0), logits.new_zeros((1, 1), dtype=int), decoding, generator)[0])
+
+
+def score(rewards: list[tuple[str, Reward, float]], prompts: list[Prompt], new_tokens: list[list[int]],
+          tokenizer: Any, stop_token: Optional[int]) -> tuple[list[list[float]], list[str]]:
+    """Each reward's score of each completion ([rewards][completions], NaN where it gave None), and the completions'
+    texts. A reward that fails fails on every rank at once: the ranks agree before any goes on to a collective."""
+    texts = [completion(tokens, tokenizer, stop_token, None)[0] for tokens in new_tokens]
+    given = [[{"role": "assistant", "content": text}] if prompt.conversational else text
+             for prompt, text in zip(prompts, texts)]
+    names = sorted({key for prompt in prompts for key in prompt.fields})
+    fields = {key: [prompt.fields.get(key) for prompt in prompts] for key in names}
+    failure = None
+    try:
+        scores = rewards_of([(name, function) for name, function, _ in rewards], [p.shown for p in prompts], given,
+                            new_tokens, fields)
+    except RewardFailed as error:
+        failure, scores = error, []
+    if all_ranks_sums([float(failure is not None)])[0]:
+        raise failure or RewardFailed("a reward failed on another rank (its log says which)")
+    return scores, texts
+
+
+def combined_rewards(scores: list[list[float]], weights: list[float]) -> torch.Tensor:
+    """Each completion's reward: the weighted sum of the rewards that scored it; NaN where none did."""
+    import torch
+
+    table = torch.tensor(scores, dtype=torch.float32)  # [rewards, completions]
+    combined = (table * torch.tensor(weights).unsqueeze(1)).nansum(0)
+    combined[table.isnan().all(0)] = math.nan
+    return combined

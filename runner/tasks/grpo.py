@@ -1,0 +1,242 @@
+"""task=grpo: online reinforcement learning with group-relative advantages (GRPO and its kin, as TRL's
+GRPOTrainer computes them: runner/engine/grpo_loss.py) on prompt data (data.format=prompt). Each step, the policy
+samples task.num_generations completions of each of its prompts (runner/generation/rollout.py), the rewards
+declared in task.rewards score them, and one optimizer step follows the clipped objective. Before launch, what
+task=train checks, the task's own keys, and the prompts against the rewards and the lengths."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+from runner.components.rewards import RewardSpec, load_reward
+from runner.config.data import DataFormat
+from runner.config.task import TaskConfig
+from runner.errors import require
+from runner.tasks.train import check_training, run_training, training_inputs
+
+if TYPE_CHECKING:
+    from runner.config.spec import RunSpec
+    from runner.config.tracker import RunIdentity
+    from runner.distributed import Ranks
+    from runner.engine.grpo_loss import GroupPolicyLoss
+    from runner.engine.job import LoadedData, PreparedJob
+    from runner.memory.facts import ModelFacts
+    from runner.memory.terms import Estimate
+
+
+class PolicyLossKind(str, Enum):
+    grpo = "grpo"  # each completion's mean token loss, averaged over completions
+    dapo = "dapo"  # the mean over every completion token of the global batch (TRL's default)
+    dr_grpo = "dr_grpo"  # the token losses' sum over completions x max_completion_length
+
+
+class RewardScale(str, Enum):
+    group = "group"
+    batch = "batch"
+    none = "none"
+
+
+class ImportanceSampling(str, Enum):
+    token = "token"
+    sequence = "sequence"  # GSPO: each completion's mean log-ratio
+
+
+# What a reward function receives besides the records' fields (TRL's signature).
+GIVEN = {"prompts", "completions", "completion_ids"}
+
+
+@dataclass
+class GrpoTask(TaskConfig):
+    # Completions sampled for each prompt: a group, whose rewards' mean and std make each one's advantage.
+    num_generations: int = 4
+    max_completion_length: int = 64
+    # Completions sampled together, a multiple of num_generations (0: each rank's whole share of a step). Fewer hold
+    # a smaller KV cache; a fixed number samples the same completions under any number of processes.
+    sampling_batch_size: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    scale_rewards: RewardScale = RewardScale.group
+    loss: PolicyLossKind = PolicyLossKind.dapo
+    importance_sampling_level: ImportanceSampling = ImportanceSampling.token
+    # The clip range of the ratio: [1 - epsilon, 1 + epsilon_high] (unset: epsilon; DAPO's clip-higher: 0.28).
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    # The weight of the KL to the reference (the initial model; adapters off under LoRA). 0: no reference held.
+    beta: float = 0.0
+    # Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).
+    fit_check: bool = True
+    # Print the run's memory estimate per device and stop.
+    estimate_only: bool = False
+
+    @property
+    def trains(self) -> bool:
+        return not self.estimate_only
+
+    @property
+    def runs_on_this_machine(self) -> bool:
+        return not self.estimate_only
+
+    @property
+    def rows_per_prompt(self) -> int:
+        return self.num_generations
+
+    def with_absolute_paths(self, base: Path) -> GrpoTask:
+        """A reward in a file (`path/to/file.py:function`) named from `base`."""
+        def absolute(reward: RewardSpec) -> RewardSpec:
+            where, _, name = reward.function.rpartition(":")
+            if not where.endswith(".py"):
+                return reward
+            return replace(reward, function=f"{Path(base, where).expanduser().absolute()}:{name}")
+
+        return replace(self, rewards=[absolute(reward) for reward in self.rewards])
+
+    def before_launch(self, spec: RunSpec) -> Optional[str]:
+        require(spec.data.format is DataFormat.prompt,
+                f"task=grpo samples completions of prompts, and data.format={spec.data.format.value} has none; set "
+                "data.format=prompt (records with a prompt, a text or a conversation, and the fields the rewards read)")
+        require(self.num_generations >= 2, f"task.num_generations={self.num_generations} must be at least 2: a "
+                                           "completion's advantage is measured against its group's")
+        train, dims = spec.train, spec.layout
+        per_rank = train.micro_batch_size * train.grad_accum_steps
+        require(per_rank % self.num_generations == 0,
+                f"each rank's {per_rank} completions a step (train.micro_batch_size {train.micro_batch_size} x "
+                f"train.grad_accum_steps {train.grad_accum_steps}) do not divide into groups of "
+                f"task.num_generations={self.num_generations}; make them a multiple of it")
+        require(self.sampling_batch_size >= 0 and self.sampling_batch_size % self.num_generations == 0
+                and per_rank % max(1, self.sampling_batch_size) == 0,
+                f"task.sampling_batch_size={self.sampling_batch_size} must be 0 or a multiple of task.num_generations="
+                f"{self.num_generations} that divides each rank's {per_rank} completions a step")
+        require(dims.pp == 1 and dims.tp == 1 and dims.cp == 1,
+                "task=grpo samples with the whole policy on each rank or sharded by FSDP or ZeRO: set "
+                "strategy.pp_size, strategy.tp_size and strategy.cp_size to 1")
+        require(self.max_completion_length >= 1, f"task.max_completion_length={self.max_completion_length} must be "
+                                                  "at least 1")
+        require(self.temperature > 0, f"task.temperature={self.temperature} must be > 0")
+        require(0 < self.top_p <= 1, f"task.top_p={self.top_p} must be in (0, 1]")
+        require(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0),
+                "task.epsilon and task.epsilon_high must be >= 0")
+        require(self.beta >= 0, f"task.beta={self.beta} must be >= 0")
+        require(bool(self.rewards), "task.rewards is empty: name at least one reward (module:function)")
+        for reward in self.rewards:
+            load_reward(reward)
+        names = [reward_name(reward) for reward in self.rewards]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        require(not twice, f"task.rewards: two rewards are called {', '.join(twice)}; give each its own `name`")
+        if self.estimate_only:
+            from runner.memory.report import report
+
+            return report(spec)
+        check_training(spec, self.fit_check)
+        return None
+
+    def inputs(self, spec: RunSpec) -> LoadedData:
+        """The prompts, checked: enough of them for a step and for every rank's evaluation, each with the fields the
+        rewards read, each short enough to leave room for a whole completion in data.seq_len."""
+        loaded = training_inputs(spec)
+        _, train_set, eval_set = loaded
+        train, dims = spec.train, spec.layout
+        per_step = train.micro_batch_size * dims.dp_size * train.grad_accum_steps // self.num_generations
+        require(len(train_set) >= per_step,
+                f"the training split has {len(train_set)} prompts, fewer than the {per_step} of one step (the "
+                f"global batch's completions over task.num_generations={self.num_generations}); add prompts or "
+                "lower train.micro_batch_size or train.grad_accum_steps")
+        require(len(eval_set) >= dims.dp_size,
+                f"the eval split has {len(eval_set)} prompts, fewer than the {dims.dp_size} data-parallel ranks; "
+                "raise data.eval_fraction")
+        needed = {name for reward in self.rewards for name in fields_read(reward)}
+        for prompt in train_set.prompts + eval_set.prompts:
+            missing = sorted(needed - set(prompt.fields))
+            require(not missing, f"data.files: {prompt.where} has no field {', '.join(missing)}, which "
+                                 f"task.rewards read")
+            require(len(prompt.ids) + self.max_completion_length <= spec.data.seq_len,
+                    f"data.files: {prompt.where} has a prompt of {len(prompt.ids)} tokens, which leaves no room in "
+                    f"data.seq_len={spec.data.seq_len} for a completion of task.max_completion_length="
+                    f"{self.max_completion_length}; raise data.seq_len or shorten it")
+        return loaded
+
+    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
+            inputs: Optional[LoadedData] = None) -> dict[str, Any]:
+        return run_training(spec, run_dir, ranks, identity, inputs, self.objective)
+
+    def memory_terms(self, spec: RunSpec, facts: ModelFacts, estimate: Estimate) -> Estimate:
+        """The reference (beta > 0): a frozen copy of the weights in their dtype, sharded as the strategy shards
+        what it trains, or none (the adapters switched off). Sampling: the KV cache of each rank's completions of a
+        step, its prompts and completions at their longest (data.seq_len)."""
+        from runner.memory.terms import Part, dtype_name, share
+
+        size = spec.precision.param_dtype.bytes
+        if not self.beta:
+            reference = Part(0, "none (task.beta=0)")
+        elif spec.adapter.active:
+            reference = Part(0, "the policy with its adapters off: no copy")
+        else:
+            shards = spec.strategy.frozen_shards(spec)
+            reference = Part(math.ceil(facts.parameters / shards) * size + facts.buffer_bytes,
+                             f"a frozen copy of the model, {dtype_name(size)}{share(shards)}")
+        rows = self.sampling_batch_size or spec.train.micro_batch_size * spec.train.grad_accum_steps
+        length = spec.data.seq_len
+        compute = spec.precision.compute_dtype.bytes
+        cache = 2 * facts.layers * rows * length * facts.layer.kv_heads * facts.layer.head_dim * compute
+        logits = rows * facts.vocab * (compute + 4)  # the last position's, and their fp32 copy
+        sampling = Part(cache + logits, f"the KV cache of the {rows} completions sampled at once, {length} tokens "
+                                        f"each, {dtype_name(compute)}, and their next token's logits")
+        return replace(estimate, reference=reference, sampling=sampling)
+
+    def objective(self, job: PreparedJob) -> GroupPolicyLoss:
+        """The policy loss and its rollout: the rewards loaded, the reference where beta > 0."""
+        from runner.engine.grpo_loss import GroupPolicyLoss, PolicyLoss
+        from runner.generation.decoding import Decoding
+        from runner.generation.rollout import Rollout
+
+        settings = PolicyLoss(self.loss.value, self.importance_sampling_level.value, self.epsilon,
+                              self.epsilon if self.epsilon_high is None else self.epsilon_high, self.beta,
+                              self.max_completion_length)
+        decoding = Decoding(self.max_completion_length, do_sample=True, temperature=self.temperature,
+                            top_p=self.top_p, pad_token_id=job.tokenizer.pad_token_id)
+        rewards = [(reward_name(reward), load_reward(reward), reward.weight) for reward in self.rewards]
+        reference = reference_logps(job) if self.beta else None
+        return GroupPolicyLoss(settings, Rollout(self.num_generations, decoding, self.sampling_batch_size,
+                                                 self.scale_rewards.value, rewards, reference))
+
+
+def reward_name(reward: RewardSpec) -> str:
+    return reward.name or reward.function.rpartition(":")[2]
+
+
+def fields_read(reward: RewardSpec) -> list[str]:
+    """The record fields a reward function requires: its parameters without a default, other than those every
+    reward receives and the arguments the config binds."""
+    function = load_reward(replace(reward, args={}))
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [parameter.name for parameter in parameters
+            if parameter.default is inspect.Parameter.empty and parameter.name not in GIVEN
+            and parameter.name not in reward.args
+            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+
+
+def reference_logps(job: PreparedJob):
+    """The reference's log-probs of a micro batch's positions: the policy with its adapters off, else a frozen copy
+    of the initial model placed as the strategy places an inference model."""
+    from runner.components.lora import adapters_off
+    from runner.engine.grpo_loss import token_logps
+    from runner.engine.placement import placed_model
+    from runner.strategies.protocol import unwrapped
+
+    if job.spec.adapter.active:
+        def with_adapters_off(job: PreparedJob, micro_batch) -> Any:
+            with adapters_off(unwrapped(job.model)):
+                return token_logps(job.model, micro_batch)
+        return with_adapters_off
+    model = placed_model(job.spec, job.ranks, job.device, job.tokenizer, training=False, frozen=True).model
+    model.eval()
+    return lambda job, micro_batch: token_logps(model, micro_batch)
+
