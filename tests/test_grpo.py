@@ -124,8 +124,8 @@ def runner_grpo(policy, settings: dict, old, ref, loss_kind: str) -> dict:
     objective = GroupPolicyLoss(PolicyLoss(settings.get("loss_type", "dapo"), settings.get(
         "importance_sampling_level", "token"), settings.get("epsilon", 0.2), settings.get("epsilon_high") or 0.2,
         settings.get("beta", 0.0), MAX_COMPLETION))
-    job = SimpleNamespace(model=policy, global_batch_size=len(COMPLETIONS))
-    batch = SimpleNamespace(label_tokens=sum(len(c) for c in COMPLETIONS))
+    job = SimpleNamespace(model=policy, global_batch_size=len(COMPLETIONS), dp_size=1)
+    batch = SimpleNamespace(label_tokens=sum(len(c) for c in COMPLETIONS), micro_batches=[micro_batch])
     loss, _ = objective.loss(job, micro_batch, batch, lambda value: value)
     loss.backward()
     with torch.no_grad():
@@ -260,8 +260,9 @@ def grpo_run(steps: int = 3) -> list[str]:
 def test_grpo_losses_are_the_same_under_every_strategy(tmp_path):
     """One global batch of 16 completions (4 prompts x 4) a step: 1 process x 2 accumulation steps, or 2 x 1 under
     ddp, fsdp and ZeRO-2 and 3, the reference a frozen copy of the initial model placed as each strategy places it;
-    with LoRA (the reference: the adapters off) under single and fsdp. Each completion draws from its own seeded
-    generator: the same completions, rewards, losses and gradient norms whatever the layout."""
+    with LoRA (the reference: the adapters off) under single and fsdp; two steps on each rollout under ZeRO-3. Each
+    completion draws from its own seeded generator, each prompt's group sampled on its own: the same completions,
+    rewards, losses and gradient norms whatever the layout."""
     from helpers import resolved_spec, step_losses, train_in_workers
 
     base = grpo_run()
@@ -271,7 +272,10 @@ def test_grpo_losses_are_the_same_under_every_strategy(tmp_path):
     runs = {"ddp": ("full", ["strategy=ddp"]), "fsdp": ("full", ["strategy=fsdp"]),
             "zero2": ("full", ["strategy=deepspeed", "strategy.zero_stage=2"]),
             "zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),
-            "lora-fsdp": ("lora", ["strategy=fsdp", *lora])}
+            "lora-fsdp": ("lora", ["strategy=fsdp", *lora]),
+            "zero3-two-iterations": ("two-iterations", ["strategy=deepspeed", "strategy.zero_stage=3",
+                                                        "task.num_iterations=2"])}
+    singles["two-iterations"] = resolved_spec([*base, "train.grad_accum_steps=2", "task.num_iterations=2"])
     train_in_workers(list(singles.values()), [tmp_path / name for name in singles], nproc=1)
     train_in_workers([resolved_spec([*base, "hardware.nproc_per_node=2", *more]) for _, more in runs.values()],
                      [tmp_path / name for name in runs])
@@ -285,19 +289,27 @@ def test_grpo_losses_are_the_same_under_every_strategy(tmp_path):
         assert norms[name] == pytest.approx(norms[single], rel=1e-5, abs=1e-6), name
     steps = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/lowercase/mean", "completions/mean_length",
-                 "completions/clipped_ratio", "clip_ratio/region_mean", "kl"):
+                 "completions/clipped_ratio", "clip_ratio/region_mean", "kl", "time/sampling_s"):
         assert name in steps[-1] or name in steps[-2], name
+    sampled = logged(tmp_path / "two-iterations", "time/sampling_s")
+    assert sampled[1] > 0 and sampled[2] == 0 and sampled[3] > 0  # the second step on a rollout samples nothing
 
 
 @pytest.mark.signals
 def test_a_grpo_run_killed_and_resumed_samples_the_same_completions(tmp_path, tmp_path_factory):
+    """Two optimizer steps on each rollout (task.num_iterations=2), the second clipped against the sampling policy's
+    log-probs: the checkpoint of step 3, between a rollout's two steps, keeps its rows, which the resumed step 4
+    trains on again; step 5 samples anew, as the uninterrupted run did."""
     from helpers import killed_and_resumed
 
-    args = [*grpo_run(steps=6), "train.checkpoint_every=2"]
-    expected, resumed = killed_and_resumed(args, tmp_path, 3, tmp_path_factory)
+    args = [*grpo_run(steps=6), "task.num_iterations=2", "train.checkpoint_every=3"]
+    expected, resumed = killed_and_resumed(args, tmp_path, 4, tmp_path_factory)
     assert resumed == expected
+    [run_dir] = run_dirs(tmp_path)
+    assert not list((run_dir / "checkpoints" / "step_00000006").glob("rows-rank*"))  # no step after it
 
 
+@pytest.mark.slow
 def test_a_reward_that_raises_stops_the_run_in_one_line_after_a_checkpoint(workdir):
     """Its fourth call (the evaluation before the first step makes the first) raises: step 3's rollout. The run
     keeps step 2's checkpoint and names the reward; with the reward fixed, it continues from there."""
@@ -317,6 +329,19 @@ def test_a_reward_that_raises_stops_the_run_in_one_line_after_a_checkpoint(workd
     resumed = run_cli(f"resume={run_dir}", cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert sorted(logged(run_dir, "loss")) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_grpo_sweep_reports_the_held_out_reward(workdir):
+    result = run_cli("-m", *grpo_run(steps=2), "task.loss=grpo,dr_grpo", cwd=workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [report] = workdir.glob("outputs/multirun/*/*/report.md")
+    header, _, *rows = report.read_text().strip().splitlines()[2:]
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    assert columns[5:7] == ["eval_loss", "eval_reward"]
+    rewards = [float(row.split("|")[7]) for row in rows]
+    losses = [float(row.split("|")[6]) for row in rows]
+    assert len(rows) == 2 and losses == [-reward for reward in rewards]
 
 
 # ---- the estimate
@@ -357,6 +382,7 @@ def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference():
     assert lora.reference.bytes == 0 and "adapters off" in lora.reference.note
 
 
+@pytest.mark.slow
 def test_the_trackers_record_the_reward_and_completion_metrics(workdir, monkeypatch):
     """wandb (offline), TensorBoard and MLflow, each read back by its own reader, have every step's reward and
     completion metrics and every evaluation's reward that metrics.jsonl has."""

@@ -25,8 +25,10 @@ class TaskConfig:
 
     # Whether the job writes checkpoints and a trained model, whose room `run` checks before launch.
     trains: ClassVar[bool] = False
-    # The rows a step trains on for each prompt it draws (task=grpo: its completions of each).
+    # The rows a step trains on for each prompt it draws (task=grpo: its completions of each), and the steps that
+    # train on one draw's rows (task=grpo's num_iterations).
     rows_per_prompt: ClassVar[int] = 1
+    steps_per_draw: ClassVar[int] = 1
 
     def with_absolute_paths(self, base: Path) -> TaskConfig:
         """The task's local paths absolute from `base` (the directory `run` started in); none by default."""

@@ -58,6 +58,31 @@ class GlobalBatch:
     # Whether `tokens` and `label_tokens` are this rank's alone (a streamed rank's, whose rows the others' do not
     # tell), for the step to sum across the ranks on the device (runner/engine/step.py).
     rank_counts: bool = False
+    # Whether the next step trains on these rows again (task.num_iterations of task=grpo): a checkpoint keeps them.
+    trained_again: bool = False
+
+
+def batch_tensors(batch: GlobalBatch) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A global batch's tensors by name, and its counts: what a checkpoint keeps of rows trained again."""
+    tensors: dict[str, torch.Tensor] = {}
+    for i, micro_batch in enumerate(batch.micro_batches):
+        tensors |= {f"{i}/inputs/{name}": value for name, value in micro_batch.inputs.items()}
+        tensors |= {f"{i}/values/{name}": value for name, value in micro_batch.row_values.items()}
+        tensors[f"{i}/labels"] = micro_batch.labels
+    counts = {"tokens": int(batch.tokens), "label_tokens": int(batch.label_tokens), "rank_counts": batch.rank_counts,
+              "micro_batches": [[micro_batch.tokens, micro_batch.label_tokens] for micro_batch in batch.micro_batches]}
+    return tensors, counts
+
+
+def batch_from_tensors(tensors: dict[str, torch.Tensor], counts: dict[str, Any]) -> GlobalBatch:
+    def named(i: int, part: str) -> dict[str, torch.Tensor]:
+        prefix = f"{i}/{part}/"
+        return {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
+
+    micro_batches = [MicroBatch(named(i, "inputs"), tensors[f"{i}/labels"], tokens, label_tokens,
+                                row_values=named(i, "values"))
+                     for i, (tokens, label_tokens) in enumerate(counts["micro_batches"])]
+    return GlobalBatch(micro_batches, counts["tokens"], counts["label_tokens"], rank_counts=counts["rank_counts"])
 
 
 def collate(rows: dict[str, list], pad_token_id: int, pin: bool = False) -> MicroBatch:

@@ -114,18 +114,23 @@ def prompt_splits(prompts: PromptSet, eval_fraction: float, seed: int) -> tuple[
 
 
 def prompt_steps(prompts: PromptSet, *, per_step: int, dp_rank: int, dp_size: int, seed: int,
-                 start_step: int = 0) -> Iterator[PromptBatch]:
-    """For each step after start_step, this rank's share of the step's `per_step` prompts."""
+                 start_step: int = 0, steps_per_draw: int = 1) -> Iterator[PromptBatch]:
+    """For each step after start_step, this rank's share of the step's `per_step` prompts; each draw of prompts
+    serves `steps_per_draw` steps in a row (the later ones train again on the first's completions)."""
     import torch
 
     share = per_step // dp_size
-    steps_per_epoch = len(prompts) // per_step
-    epoch, first = divmod(start_step, steps_per_epoch)
+    draws_per_epoch = len(prompts) // per_step
+    draw, repeats = divmod(start_step, steps_per_draw)
+    epoch, first = divmod(draw, draws_per_epoch)
     while True:
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        for start in range(first * per_step, steps_per_epoch * per_step, per_step):
+        for start in range(first * per_step, draws_per_epoch * per_step, per_step):
             mine = order[start + dp_rank * share:start + (dp_rank + 1) * share]
-            yield PromptBatch([prompts.prompts[i] for i in mine], dp_rank * share, prompts.stop_token)
+            drawn = PromptBatch([prompts.prompts[i] for i in mine], dp_rank * share, prompts.stop_token)
+            for _ in range(steps_per_draw - repeats):
+                yield drawn
+            repeats = 0
         epoch, first = epoch + 1, 0
 
 

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from runner.data.batches import GlobalBatch, batch_from_tensors, batch_tensors
 from runner.distributed import Ranks, barrier
 from runner.errors import require
 from runner.files import (
@@ -56,8 +57,9 @@ class Checkpointed(Protocol):
     global_batch_size: int
 
 
-def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position: Optional[dict[str, int]]) -> Path:
-    """Writes the checkpoint of `step` (a collective: every rank calls it) and keeps the last K."""
+def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional[GlobalBatch]) -> Path:
+    """Writes the checkpoint of `step` (a collective: every rank calls it) and keeps the last K. Of the step's
+    `batch`, a streamed rank's position in its stream, and rows the next step trains again."""
     rank = job.ranks.rank
     final = checkpoints_dir(job.run_dir) / f"step_{step:08d}"
     partial = final.with_name(final.name + PARTIAL)
@@ -69,8 +71,12 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], stream_position
         partial.mkdir(parents=True, exist_ok=True)
         job.stepper.save(partial, rank)
         save_tensors(partial / f"rng-rank{rank}.safetensors", _rng_state())
-        if stream_position is not None:
-            write_json(partial / f"stream-rank{rank}.json", stream_position)
+        if batch is not None and batch.stream_position is not None:
+            write_json(partial / f"stream-rank{rank}.json", batch.stream_position)
+        if batch is not None and batch.trained_again:
+            tensors, counts = batch_tensors(batch)
+            save_tensors(partial / f"rows-rank{rank}.safetensors", tensors)
+            write_json(partial / f"rows-rank{rank}.json", counts)
         if rank == 0:
             write_json(partial / "meta.json", {
                 "step": step,
@@ -108,6 +114,16 @@ def load(job: Checkpointed, path: Path) -> dict[str, Any]:
 def stream_position(path: Path, rank: int) -> Optional[dict[str, int]]:
     saved = path / f"stream-rank{rank}.json"
     return json.loads(saved.read_text()) if saved.exists() else None
+
+
+def rows_trained_again(path: Path, rank: int) -> Optional[GlobalBatch]:
+    """The rows the step after the checkpoint trains again (task=grpo's num_iterations), where it kept them."""
+    from safetensors.torch import load_file
+
+    counts = path / f"rows-rank{rank}.json"
+    if not counts.exists():
+        return None
+    return batch_from_tensors(load_file(path / f"rows-rank{rank}.safetensors"), json.loads(counts.read_text()))
 
 
 def check_resumable(spec: RunSpec) -> None:

@@ -22,7 +22,8 @@ and micro batches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Protocol
 
 from runner.data.batches import shifted
@@ -142,9 +143,20 @@ class GroupPolicyLoss:
 
     settings: PolicyLoss
     rollout: Optional[Sampler] = None
+    iterations: int = 1  # the steps that train on one rollout's rows (task.num_iterations)
+    rows: Optional[GlobalBatch] = None  # the last rollout's, while later steps train on them again
+    sampling_s: float = 0.0  # this step's rollout's seconds on this rank (0: it trains a rollout's rows again)
 
     def step_batch(self, job: PreparedJob, drawn: PromptBatch, step: int) -> GlobalBatch:
-        return self.rollout(job, drawn, step)
+        """A rollout's rows, sampled at the first of its task.num_iterations steps; the later ones train on them
+        again (a run resumed between them, on the rows its checkpoint kept)."""
+        started, rows = time.perf_counter(), self.rows
+        if (step - 1) % self.iterations == 0:
+            self.rows = self.rollout(job, drawn, step)
+        elif self.rows is None:
+            self.rows = job.rows_trained_again or self.rollout(job, drawn, step)
+        self.sampling_s = time.perf_counter() - started if self.rows is not rows else 0.0
+        return replace(self.rows, trained_again=step % self.iterations != 0)
 
     def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -158,6 +170,8 @@ class GroupPolicyLoss:
         for name, value in values.items():  # the rollout's metrics of each row: their means over the global batch
             if value.dim() == 1 and name != "advantages":
                 metrics[name] = value.sum() / rows
+        # the ranks' mean seconds of sampling and scoring, a share from each micro batch
+        metrics["time/sampling_s"] = logps.new_tensor(self.sampling_s / (job.dp_size * len(batch.micro_batches)))
         return self.settings.normalised(losses, mask, rows, tokens), metrics
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:

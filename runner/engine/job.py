@@ -70,6 +70,8 @@ class PreparedJob:
     start_step: int = 0
     progress: dict[str, Any] = field(default_factory=dict)
     stream_position: Optional[dict[str, int]] = None
+    # Rows the checkpoint kept because the step after it trains them again (task=grpo's num_iterations).
+    rows_trained_again: Optional[batches.GlobalBatch] = None
     # What the steps minimise and the evaluations report (runner/engine/step.py's Objective, which imports this
     # module): None, the next-token loss, unless the task sets its own.
     objective: Any = None
@@ -180,6 +182,7 @@ def prepare_job(
         progress = checkpoint.load(job, Path(spec.resume))
         job.start_step, job.progress = progress.pop("step"), progress
         job.stream_position = checkpoint.stream_position(Path(spec.resume), ranks.rank)
+        job.rows_trained_again = checkpoint.rows_trained_again(Path(spec.resume), ranks.rank)
     if ranks.rank == 0:
         identity = identity or RunIdentity(name=run_dir.name)
         config = {**to_plain(spec), "precision_in_effect": job.precision_in_effect().as_dict()}
@@ -204,7 +207,7 @@ def batch_sources(spec: RunSpec, tokenizer: PreTrainedTokenizerBase, train_set: 
 
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[prompts.PromptBatch]:
             return prompts.prompt_steps(train_set, per_step=per_step, dp_rank=dp_rank, dp_size=dp_size,
-                                        seed=spec.seed, start_step=start_step)
+                                        seed=spec.seed, start_step=start_step, steps_per_draw=spec.task.steps_per_draw)
 
         def eval_prompts() -> Iterator[prompts.PromptBatch]:
             return prompts.eval_prompt_batches(eval_set, batch_size=train.micro_batch_size,

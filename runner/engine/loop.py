@@ -129,7 +129,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
             evaluated = evaluate(job, step)
         if checkpointing or stopping:
             watch.entering(f"saving the checkpoint of step {step}")
-            saved = checkpoint.save(job, step, asdict(progress), batch.stream_position)
+            saved = checkpoint.save(job, step, asdict(progress), batch)
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
             vote.close()

@@ -52,9 +52,11 @@ def data_source(job: PreparedJob) -> str:
     where = f"{data.hub_dataset} (hub)" if data.hub_dataset else \
         f"{data.files} ({len(resolve_files(data.files))} files)"
     if data.format is DataFormat.prompt:
-        per_step = job.global_batch_size // job.spec.task.rows_per_prompt
-        return (f"{where}: {job.train_sequences:,} train prompts, {job.eval_sequences:,} eval prompts; each step "
-                f"samples {job.spec.task.rows_per_prompt} completions of each of its {per_step} prompts")
+        task = job.spec.task
+        steps = f"each of {task.steps_per_draw} steps trains on" if task.steps_per_draw > 1 else "a step trains on"
+        return (f"{where}: {job.train_sequences:,} train prompts, {job.eval_sequences:,} eval prompts; {steps} "
+                f"{task.rows_per_prompt} completions of each of {job.global_batch_size // task.rows_per_prompt} "
+                "prompts, sampled by the policy")
     if job.token_store is None:
         return (f"{where}, streamed: each of the {job.dp_size} data-parallel ranks reads its own shard and tokenizes "
                 f"it as training goes, into {'packed ' if data.packing else ''}rows of up to {data.seq_len} tokens; "

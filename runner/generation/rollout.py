@@ -24,7 +24,7 @@ from runner.components.rewards import Reward, rewards_of
 from runner.data.batches import GlobalBatch, collate
 from runner.data.rows import columns, row_inputs
 from runner.distributed import all_ranks_sums, process_group_up
-from runner.engine.grpo_loss import group_advantages
+from runner.engine.grpo_loss import group_advantages, token_logps
 from runner.errors import RewardFailed
 from runner.generation.decoding import Decoding, completion, next_tokens, prompt_batches
 from runner.strategies.protocol import unwrapped
@@ -49,6 +49,8 @@ class Rollout:
     rewards: list[tuple[str, Reward, float]]  # each reward's name, function and weight
     # The reference's log-probs of a micro batch's rows (task.beta > 0), or None.
     reference: Optional[Callable[[PreparedJob, MicroBatch], torch.Tensor]] = None
+    # Whether the rows keep the sampling policy's log-probs (task.num_iterations > 1: later steps train them again).
+    keep_old_logps: bool = False
     shown_completions: int = 4  # how many of a logging step's completions completions.jsonl keeps
 
     def __call__(self, job: PreparedJob, drawn: PromptBatch, step: int) -> GlobalBatch:
@@ -107,9 +109,11 @@ class Rollout:
         for start in range(0, len(rows), size):
             micro_batch = collate(columns(rows[start:start + size]), job.tokenizer.pad_token_id)
             micro_batch.row_values = {name: value[start:start + size] for name, value in values.items()}
-            if self.reference is not None:
-                with torch.no_grad(), job.autocast():
+            with torch.no_grad(), job.autocast():
+                if self.reference is not None:
                     micro_batch.row_values["ref_logps"] = self.reference(job, micro_batch.to(job.device)).cpu()
+                if self.keep_old_logps:
+                    micro_batch.row_values["old_logps"] = token_logps(job.model, micro_batch.to(job.device)).cpu()
             micro_batches.append(micro_batch)
         return GlobalBatch(micro_batches, tokens=sum(row["tokens"] for row in rows),
                            label_tokens=sum(row["label_tokens"] for row in rows), rank_counts=True)
@@ -164,7 +168,8 @@ def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]
     [batch] = prompt_batches(prompts, len(prompts), decoding.pad_token_id)
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
+    # On the device: the logits stay there, and only the chosen tokens come to the host.
+    generators = [None if seed is None else torch.Generator(device).manual_seed(seed) for seed in seeds]
     new_tokens: list[list[int]] = [[] for _ in prompts]
     ended = [False] * len(prompts)
     cache = {cache_keyword(type(model)): DynamicCache(config=model.config)}
@@ -172,9 +177,9 @@ def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]
     with torch.no_grad(), autocast():
         for _ in range(decoding.max_new_tokens):
             logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
-                           **cache).logits[:, -1].float().cpu()
-            chosen = [decoding.pad_token_id if done else _drawn(logits[i], decoding, generator)
-                      for i, (done, generator) in enumerate(zip(ended, generators))]
+                           **cache).logits[:, -1].float()
+            chosen = torch.stack([_drawn(logits[i], decoding, generator) for i, generator in enumerate(generators)])
+            chosen = [decoding.pad_token_id if done else token for done, token in zip(ended, chosen.tolist())]
             for i, token in enumerate(chosen):
                 if not ended[i]:
                     new_tokens[i].append(token)
@@ -190,11 +195,11 @@ def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]
     return new_tokens
 
 
-def _drawn(logits: torch.Tensor, decoding: Decoding, generator: Optional[torch.Generator]) -> int:
+def _drawn(logits: torch.Tensor, decoding: Decoding, generator: Optional[torch.Generator]) -> torch.Tensor:
     """A row's next token from its last position's logits: the argmax without a generator, else a draw."""
     if generator is None:
-        return int(logits.argmax())
-    return int(next_tokens(logits.unsqueeze(0), logits.new_zeros((1, 1), dtype=int), decoding, generator)[0])
+        return logits.argmax()
+    return next_tokens(logits.unsqueeze(0), logits.new_zeros((1, 1), dtype=int), decoding, generator)[0]
 
 
 def score(rewards: list[tuple[str, Reward, float]], prompts: list[Prompt], new_tokens: list[list[int]],

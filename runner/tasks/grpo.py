@@ -67,6 +67,9 @@ class GrpoTask(TaskConfig):
     # The clip range of the ratio: [1 - epsilon, 1 + epsilon_high] (unset: epsilon; DAPO's clip-higher: 0.28).
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None
+    # Optimizer steps on each rollout's completions: the later ones weight each token by its ratio to the policy
+    # that sampled it, clipped (TRL's num_iterations, GRPO's mu).
+    num_iterations: int = 1
     # The weight of the KL to the reference (the initial model; adapters off under LoRA). 0: no reference held.
     beta: float = 0.0
     # Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).
@@ -85,6 +88,10 @@ class GrpoTask(TaskConfig):
     @property
     def rows_per_prompt(self) -> int:
         return self.num_generations
+
+    @property
+    def steps_per_draw(self) -> int:
+        return self.num_iterations
 
     def with_absolute_paths(self, base: Path) -> GrpoTask:
         """A reward in a file (`path/to/file.py:function`) named from `base`."""
@@ -122,6 +129,7 @@ class GrpoTask(TaskConfig):
         require(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0),
                 "task.epsilon and task.epsilon_high must be >= 0")
         require(self.beta >= 0, f"task.beta={self.beta} must be >= 0")
+        require(self.num_iterations >= 1, f"task.num_iterations={self.num_iterations} must be at least 1")
         require(bool(self.rewards), "task.rewards is empty: name at least one reward (module:function)")
         for reward in self.rewards:
             load_reward(reward)
@@ -201,8 +209,9 @@ class GrpoTask(TaskConfig):
                             top_p=self.top_p, pad_token_id=job.tokenizer.pad_token_id)
         rewards = [(reward_name(reward), load_reward(reward), reward.weight) for reward in self.rewards]
         reference = reference_logps(job) if self.beta else None
-        return GroupPolicyLoss(settings, Rollout(self.num_generations, decoding, self.sampling_batch_size,
-                                                 self.scale_rewards.value, rewards, reference))
+        rollout = Rollout(self.num_generations, decoding, self.sampling_batch_size, self.scale_rewards.value, rewards,
+                          reference, keep_old_logps=self.num_iterations > 1)
+        return GroupPolicyLoss(settings, rollout, self.num_iterations)
 
 
 def reward_name(reward: RewardSpec) -> str:

@@ -19,8 +19,8 @@ from runner.processes.cluster import is_first_task
 
 COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib",
            "wall_time_s", "error"]
-# The objective's own metrics (task=dpo's), after eval_loss where a job has them.
-OBJECTIVE_COLUMNS = ["eval_rewards/accuracies", "eval_rewards/margins"]
+# The objective's own metrics (task=dpo's, task=grpo's), after eval_loss where a job has them.
+OBJECTIVE_COLUMNS = ["eval_rewards/accuracies", "eval_rewards/margins", "eval_reward"]
 # A failed job's error, in its run directory: the report's `error` column and a job's status before the sweep ends.
 ERROR_FILE = "error.txt"
 
