@@ -18,6 +18,7 @@ LAYERS = [
     {"data"},
     {"parallel"},
     {"memory"},
+    {"planning"},
     {"strategies"},
     {"processes"},
     {"engine"},

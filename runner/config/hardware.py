@@ -47,6 +47,11 @@ class HardwareConfig:
     peak_bf16_tflops: float = 0.0
     # CUDA compute capability (8.0 for A100, 8.9 for RTX 4090, 9.0 for H100): what bf16 and fp8 need.
     compute_capability: Optional[float] = None
+    # The price of a device for an hour, for the cost a run's plan shows (0: no cost shown).
+    cost_per_gpu_hour: float = 0.0
+    # Where the past runs are whose summaries tell the FLOP rate this hardware reaches (runner/planning/); unset:
+    # ./outputs.
+    measured_runs: Optional[str] = None
 
     @property
     def world_size(self) -> int:
@@ -162,5 +167,7 @@ def check_declared(declared: HardwareConfig) -> None:
         require(given is None or given > 0, f"hardware.{key}={given} must be > 0 (or unset: read from the machine)")
     require(declared.compute_capability is None or declared.compute_capability > 0,
             f"hardware.compute_capability={declared.compute_capability} must be > 0, for example 8.9")
+    require(declared.cost_per_gpu_hour >= 0,
+            f"hardware.cost_per_gpu_hour={declared.cost_per_gpu_hour} must be >= 0 (0: no cost shown)")
     require(declared.peak_bf16_tflops >= 0,
             f"hardware.peak_bf16_tflops={declared.peak_bf16_tflops} must be >= 0 (0: unknown, no MFU shown)")

@@ -20,7 +20,6 @@ from runner.engine.metrics import (
     ProgressBar,
     compile_seconds,
     peak_memory_gib,
-    training_flops_per_token,
 )
 from runner.engine.out_of_memory import out_of_memory, record_out_of_memory
 from runner.engine.overview import overview
@@ -38,6 +37,7 @@ from runner.files import (
 )
 from runner.memory.disk import disk_need
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
+from runner.planning.time_plan import TimePlan, flops_per_token, plan, run_identity, step_tokens
 from runner.processes.signals import GracefulStop, StopVote
 from runner.processes.stall_watch import StallWatch, process_watch
 from runner.strategies.protocol import unwrapped
@@ -85,7 +85,7 @@ def train(job: PreparedJob) -> dict[str, Any]:
 def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop, watch: StallWatch
            ) -> dict[str, Any]:
     cfg = job.spec.train
-    window = _start(job)
+    window, planned = _start(job)
     progress = _starting_progress(job, watch)
     job.model.train()  # from_pretrained leaves a model in eval mode
     evaluated, train_loss = {"eval_loss": progress.first_eval_loss}, math.nan
@@ -140,7 +140,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
     vote.close()
     bar.close()
     watch.entering("saving the model")
-    return _finish(job, progress, train_loss, evaluated, started)
+    return _finish(job, progress, train_loss, evaluated, started, planned)
 
 
 def _starting_progress(job: PreparedJob, watch: StallWatch) -> Progress:
@@ -205,14 +205,16 @@ def _compile_seconds_logged(job: PreparedJob, step: int, compiled_before: float)
     return compiled
 
 
-def _start(job: PreparedJob) -> MetricsWindow:
-    """The job's first log lines; the metrics window that MFU is computed in."""
+def _start(job: PreparedJob) -> tuple[MetricsWindow, Optional[TimePlan]]:
+    """The job's first log lines, with its time planned (rank 0's); the metrics window that MFU is computed in."""
     spec = job.spec
     n_params = job.parameter_count()
     for line in overview(job, n_params):
         log.info("%s", line)
-    flops_per_token = training_flops_per_token(unwrapped(job.model).config, n_params, spec.data.seq_len)
-    return MetricsWindow(flops_per_token, spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size)
+    planned = plan(spec) if job.ranks.rank == 0 else None
+    if planned is not None:
+        log.info("%s", planned.line())
+    return MetricsWindow(flops_per_token(spec), spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size), planned
 
 
 def _log(job: PreparedJob, step: int, record: dict[str, Any]) -> float:
@@ -238,9 +240,9 @@ def _tracked(job: PreparedJob, tracker: Tracker, call: Callable[[], None]) -> No
 
 
 def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: dict[str, float],
-            started: float) -> dict[str, Any]:
+            started: float, planned: Optional[TimePlan]) -> dict[str, Any]:
     """The model saved, summary.json written, the trackers finished; the summary, with the last evaluation's
-    metrics (task=dpo's rewards)."""
+    metrics (task=dpo's rewards), the FLOP rate reached (which later runs' plans read) and what was predicted."""
     eval_loss = evaluated["eval_loss"]
     model_dir = save_model(job) if job.spec.train.save_model else None
     summary = {
@@ -258,6 +260,8 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
         "run_dir": str(job.run_dir),
         "model_dir": str(model_dir) if model_dir else None,
         "precision": job.precision_in_effect().as_dict(),
+        **_rate_reached(job, progress),
+        "predicted": planned.as_dict() if planned is not None else None,
         **{name: value for name, value in evaluated.items() if name != "eval_loss"},
     }
     if job.ranks.rank == 0:
@@ -281,6 +285,18 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
         log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
                  "run task=evaluate task.trained=%s", job.run_dir, job.run_dir)
     return summary
+
+
+def _rate_reached(job: PreparedJob, progress: Progress) -> dict[str, Any]:
+    """The steps' own time and the FLOP rate they reached (their work counted as the plan counts it: rows at full
+    length), and on what: what later runs' plans read."""
+    spec, per_token = job.spec, flops_per_token(job.spec)
+    step_s = progress.train_time / spec.train.max_steps
+    achieved = per_token * step_tokens(spec) / step_s
+    peak = spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size
+    return {"flops_per_token": per_token, "flops_per_step": per_token * step_tokens(spec), "step_time_s": step_s,
+            "achieved_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
+            "identity": run_identity(spec)}
 
 
 def save_model(job: PreparedJob) -> Optional[Path]:

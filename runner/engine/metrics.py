@@ -54,12 +54,6 @@ class MetricsWindow:
         return record
 
 
-def training_flops_per_token(config: Any, n_params: int, seq_len: int) -> float:
-    """Forward and backward FLOPs per token: 6 per parameter, plus attention's 12 x layers x width x sequence
-    (Chowdhery et al., 2022, "PaLM", appendix B), the count MFU is usually quoted against."""
-    return 6 * n_params + 12 * config.num_hidden_layers * config.hidden_size * seq_len
-
-
 def compile_seconds() -> float:
     """The seconds torch.compile has spent in this process: tracing, lowering and code generation, of the forward
     and (when its first backward runs) of the backward."""

@@ -25,4 +25,6 @@ class EstimateTask(TaskConfig):
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         if spec.adapter.active:
             targets(spec.adapter, meta_model(spec.model))
-        return report(spec, accelerate_view=self.accelerate_view)
+        from runner.planning.time_plan import plan
+
+        return f"{report(spec, accelerate_view=self.accelerate_view)}\n\n{plan(spec).line()}"

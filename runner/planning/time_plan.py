@@ -1,0 +1,198 @@
+"""A run's time and cost before it starts.
+
+Work: FLOPs per token = 6 x trained parameters + 4 x frozen ones (forward, and the backward through them to the
+activations: a frozen weight gets no gradient of its own) + 12 x layers x width x sequence for attention (PaLM's
+count, appendix B). A step holds at most global batch x data.seq_len tokens (rows at full length; padding is not
+counted, so padded data takes less). An evaluation runs a forward (a third of the work) over train.eval_batches
+micro batches on each data-parallel rank.
+
+Rate: the FLOP/s the hardware reaches, from the first of
+  1. the nearest of the user's past runs on the same hardware (device, processes, strategy, compute dtype and
+     compile), by the work per token: its summary.json records the FLOP/s it reached (`achieved_tflops`);
+  2. the runner's table of figures measured on real GPUs (MEASURED_MFU), as a share (MFU) of the declared peak;
+  3. DEFAULT_MFU of the declared peak.
+Hardware without a declared peak (a CPU) has only the first.
+
+Checkpoints are counted at CHECKPOINT_BYTES_PER_S, and a compiled run's compile time at its past run's where one
+is known. GPU-hours are the wall time x the processes; the cost, GPU-hours x hardware.cost_per_gpu_hour.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from runner.config.spec import RunSpec
+
+# The share of the peak bf16 FLOP/s reached, measured with bench/ on real GPUs: (device name part, compute dtype,
+# compiled) -> (MFU, what and when).
+MEASURED_MFU = {
+    ("H200", "bf16", True): (0.373, "Llama-3.2-1B's shapes, bf16, compiled; H200, 2026-11"),
+    ("H200", "bf16", False): (0.299, "Llama-3.2-1B's shapes, bf16, eager; H200, 2026-11"),
+}
+DEFAULT_MFU = 0.30
+CHECKPOINT_BYTES_PER_S = 1 * 2**30
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A step's seconds: per_step_s + its FLOPs x per_flop_s; a run's, besides its steps: overhead_s."""
+
+    per_flop_s: float  # 0: unknown
+    source: str
+    per_step_s: float = 0.0
+    overhead_s: float = 0.0
+
+    @property
+    def flops_per_s(self) -> float:
+        return 1 / self.per_flop_s if self.per_flop_s else 0.0
+
+
+@dataclass(frozen=True)
+class TimePlan:
+    steps: int
+    tokens: int  # at most: every row at full length
+    flops: float  # training and evaluation
+    rate: Rate
+    step_s: float
+    wall_s: float
+    processes: int
+    cost_per_gpu_hour: float
+    on_gpus: bool = True  # (the line's unit: GPU-hours, or a CPU's process-hours)
+
+    @property
+    def known(self) -> bool:
+        return self.rate.per_flop_s > 0
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.wall_s * self.processes / 3600
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_time_s": self.step_s, "wall_time_s": self.wall_s, "gpu_hours": self.gpu_hours,
+                "cost": self.gpu_hours * self.cost_per_gpu_hour if self.cost_per_gpu_hour else None,
+                "flops": self.flops, "rate_source": self.rate.source} if self.known else {"rate_source": None}
+
+    def line(self) -> str:
+        work = f"{self.steps:,} steps, at most {self.tokens:,} tokens, {self.flops:.3g} FLOPs"
+        if not self.known:
+            return (f"time: {work}; the time is unknown: the hardware declares no peak (hardware.peak_bf16_tflops) "
+                    "and no past run here measured one; a finished run here calibrates it")
+        cost = f", ${self.gpu_hours * self.cost_per_gpu_hour:,.2f}" if self.cost_per_gpu_hour else ""
+        unit = "GPU-hours" if self.on_gpus else "process-hours"
+        return (f"time: {work}; about {readable_seconds(self.step_s)} a step, {readable_seconds(self.wall_s)} in all, "
+                f"{self.gpu_hours:,.3g} {unit}{cost} (at {self.rate.flops_per_s / 1e12:,.3g} TFLOP/s: "
+                f"{self.rate.source})")
+
+
+def readable_seconds(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def flops_per_token(spec: RunSpec) -> float:
+    """The training work of one token of the run (forward and backward), as the module's docstring counts it."""
+    from runner.memory.facts import facts_of
+    from runner.memory.parameters import parameters_of
+
+    facts = facts_of(spec.model)
+    if spec.adapter.active:
+        parameters = parameters_of(spec, facts)
+        trained, frozen = parameters.trained * parameters.tp, parameters.frozen_parameters
+    else:
+        trained, frozen = facts.parameters, 0
+    return 6 * trained + 4 * frozen + 12 * facts.layers * facts.layer.hidden * spec.data.seq_len
+
+
+def step_tokens(spec: RunSpec) -> int:
+    """A step's tokens at most: every row of the global batch at full length."""
+    train = spec.train
+    return train.micro_batch_size * spec.layout.dp_size * train.grad_accum_steps * spec.data.seq_len
+
+
+def plan(spec: RunSpec, runs_dir: Optional[Path] = None) -> TimePlan:
+    """The run's work, and its time at the rate its hardware reaches (past runs under `runs_dir`: the spec's
+    hardware.measured_runs, else ./outputs)."""
+    train, hardware = spec.train, spec.hardware
+    per_token, tokens = flops_per_token(spec), step_tokens(spec)
+    evaluations = (train.max_steps // train.eval_every if train.eval_every else 0) + 2  # before, and at the end
+    eval_tokens = evaluations * train.eval_batches * train.micro_batch_size * spec.layout.dp_size * spec.data.seq_len
+    flops = per_token * (train.max_steps * tokens + eval_tokens / 3)
+    rate = measured_rate(spec, per_token * tokens, Path(runs_dir or hardware.measured_runs or "outputs"))
+    step_s = rate.per_step_s + per_token * tokens * rate.per_flop_s
+    wall_s = 0.0
+    if rate.per_flop_s:
+        from runner.memory.disk import disk_need
+
+        need = disk_need(spec)
+        checkpoints = (train.max_steps // train.checkpoint_every if train.checkpoint_every else 0) + 1
+        writing = (checkpoints * need.checkpoint + need.export) / CHECKPOINT_BYTES_PER_S
+        wall_s = train.max_steps * step_s + per_token * eval_tokens / 3 * rate.per_flop_s + writing + rate.overhead_s
+    return TimePlan(train.max_steps, train.max_steps * tokens, flops, rate, step_s, wall_s, hardware.world_size,
+                    hardware.cost_per_gpu_hour, hardware.accelerator.value == "cuda")
+
+
+def measured_rate(spec: RunSpec, step_flops: float, runs_dir: Path) -> Rate:
+    """How long the run's steps take on its hardware: from the past runs on the same hardware, else from an MFU of
+    its declared peak."""
+    hardware = spec.hardware
+    past = [summary for summary in past_summaries(runs_dir) if summary.get("identity") == run_identity(spec)]
+    if past:
+        return fitted_rate(past, step_flops)
+    peak = hardware.peak_bf16_tflops * 1e12 * hardware.world_size
+    if not peak:
+        return Rate(0.0, "none")
+    device = hardware.device_name or ""
+    dtype = spec.precision.compute_dtype.value
+    for (name, measured_dtype, compiled), (mfu, what) in MEASURED_MFU.items():
+        if name in device and measured_dtype == dtype and compiled == spec.train.compile:
+            return Rate(1 / (mfu * peak), f"{mfu:.1%} MFU, the runner's figure for {what}")
+    return Rate(1 / (DEFAULT_MFU * peak), f"{DEFAULT_MFU:.0%} MFU, the default: no figure measured for this hardware")
+
+
+def fitted_rate(past: list[dict[str, Any]], step_flops: float) -> Rate:
+    """The past runs' step times as a fixed part and a part per FLOP (a least-squares line through runs of two or
+    more step sizes; one size: a part per FLOP alone, from the nearest), and the nearest run's time besides its
+    steps (its evaluations' launch, the model's saving, compilation)."""
+    nearest = min(past, key=lambda summary: (abs(math.log(summary["flops_per_step"] / step_flops)),
+                                             -summary["finished"]))
+    overhead = max(0.0, nearest["wall_time_s"] - nearest["steps"] * nearest["step_time_s"])
+    sizes = {summary["flops_per_step"] for summary in past}
+    if len(sizes) > 1:
+        xs = [summary["flops_per_step"] for summary in past]
+        ys = [summary["step_time_s"] for summary in past]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        if slope > 0:
+            return Rate(slope, f"fitted to your {len(past)} runs on this hardware, the nearest {nearest['run_dir']}",
+                        max(0.0, mean_y - slope * mean_x), overhead)
+    return Rate(nearest["step_time_s"] / nearest["flops_per_step"], f"measured by your run {nearest['run_dir']}",
+                0.0, overhead)
+
+
+def run_identity(spec: RunSpec) -> dict[str, Any]:
+    """What a past run must share with this one for its FLOP rate to stand for this one's."""
+    hardware = spec.hardware
+    return {"device": hardware.device_name or hardware.accelerator.value, "processes": hardware.world_size,
+            "strategy": spec.strategy.name, "compute_dtype": spec.precision.compute_dtype.value,
+            "compile": spec.train.compile, "adapter": spec.adapter.kind.value}
+
+
+def past_summaries(runs_dir: Path) -> list[dict[str, Any]]:
+    """The summaries of the finished runs under `runs_dir` (runs and sweeps' jobs) that record their FLOP rate."""
+    found = []
+    for path in runs_dir.glob("**/summary.json"):
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if summary.get("step_time_s") and summary.get("flops_per_step"):
+            found.append({**summary, "finished": path.stat().st_mtime})
+    return found

@@ -1,0 +1,105 @@
+"""A run's time and cost before it starts (runner/planning/time_plan.py): the work counted from the spec, the FLOP
+rate from the user's own past run on the same hardware, else the runner's measured table, else the default; the
+prediction kept in the run's summary beside what happened. How close the prediction comes is measured by
+bench/plan_accuracy.py (docs/planning.md): a test does not depend on this machine's speed."""
+
+import json
+import re
+
+import pytest
+from helpers import composed, run_cli, run_dirs
+
+from runner.config.spec import validate
+
+
+def planned(*overrides):
+    from runner.planning.time_plan import plan
+
+    spec = validate(composed(list(overrides)), on_this_machine=False)
+    return spec, plan(spec)
+
+
+def test_the_work_is_counted_from_the_spec(tmp_path):
+    """Llama-3-8B: 6 FLOPs per parameter and token, plus attention's 12 x layers x width x sequence; the steps'
+    tokens at full length, and a forward (a third) over each evaluation's rows."""
+    spec, found = planned("model=llama3_8b", "hardware=h100_80gb", "precision=bf16", "data.seq_len=2048",
+                          "train.max_steps=100", "train.micro_batch_size=4", "train.grad_accum_steps=8",
+                          "train.eval_every=50", "train.eval_batches=2", f"hardware.measured_runs={tmp_path}")
+    per_token = 6 * 8_030_261_248 + 12 * 32 * 4096 * 2048
+    step_tokens = 4 * 8 * 2048
+    eval_tokens = 4 * 2 * 4 * 2048  # before the first step, at 50 and at 100 (the last)
+    assert found.tokens == 100 * step_tokens
+    assert found.flops == pytest.approx(per_token * (100 * step_tokens + eval_tokens / 3))
+
+
+def test_adapters_do_not_count_the_frozen_weights_gradients(tmp_path):
+    from runner.memory.facts import facts_of
+    from runner.memory.parameters import parameters_of
+    from runner.planning.time_plan import flops_per_token
+
+    spec, _ = planned("model=llama3_8b", "adapter=lora", "hardware=h100_80gb", "precision=bf16")
+    full, _ = planned("model=llama3_8b", "hardware=h100_80gb", "precision=bf16")
+    trained = parameters_of(spec, facts_of(spec.model)).trained
+    attention = 12 * 32 * 4096 * spec.data.seq_len
+    assert flops_per_token(spec) == 6 * trained + 4 * 8_030_261_248 + attention
+    assert flops_per_token(full) == 6 * 8_030_261_248 + attention
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_an_h200_takes_the_measured_figure_and_the_cost_follows_the_gpu_hours(compiled, tmp_path):
+    _, found = planned("model=llama3_2_1b", "hardware=h100_80gb", "hardware.device_name=NVIDIA H200",
+                       "hardware.peak_bf16_tflops=989", "hardware.nproc_per_node=8", "strategy=fsdp",
+                       "precision=bf16", f"train.compile={str(compiled).lower()}", "hardware.cost_per_gpu_hour=3.5",
+                       f"hardware.measured_runs={tmp_path}")
+    mfu = 0.373 if compiled else 0.299
+    assert found.rate.flops_per_s == pytest.approx(mfu * 989e12 * 8)
+    assert f"{mfu:.1%} MFU, the runner's figure for Llama-3.2-1B's shapes, bf16, " in found.rate.source
+    assert found.gpu_hours == pytest.approx(found.wall_s * 8 / 3600)
+    line = found.line()
+    assert f"{found.gpu_hours:,.3g} GPU-hours, ${found.gpu_hours * 3.5:,.2f} (at " in line
+
+
+def test_hardware_without_a_figure_takes_the_default_and_without_a_peak_has_no_time(tmp_path):
+    _, default = planned("hardware=rtx4090", "precision=bf16", f"hardware.measured_runs={tmp_path}")
+    assert default.rate.source == "30% MFU, the default: no figure measured for this hardware"
+    _, unknown = planned("hardware=cpu", f"hardware.measured_runs={tmp_path}")
+    assert not unknown.known and "the time is unknown" in unknown.line()
+
+
+def test_a_finished_run_calibrates_the_plan_of_the_next_on_the_same_hardware(workdir):
+    """The default job's first run has no time to predict on a CPU; its summary records the FLOP rate it reached,
+    which task=estimate, and the next run's start, use; its summary holds that prediction beside its own time.
+    With a second run of another step size, the plan fits a line through both (the per-step overhead a tiny model
+    on a CPU pays besides its FLOPs)."""
+    first = run_cli("hardware=cpu", "train.max_steps=6", "train.eval_every=0", "train.eval_batches=1", cwd=workdir)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "the time is unknown" in first.stdout
+    [calibration] = run_dirs(workdir)
+    reached = json.loads((calibration / "summary.json").read_text())
+    assert reached["achieved_tflops"] > 0 and reached["identity"]["processes"] == 1 and reached["mfu"] is None
+
+    estimate = run_cli("task=estimate", "hardware=cpu", "data.seq_len=128", "train.max_steps=12", cwd=workdir)
+    assert estimate.returncode == 0, estimate.stderr
+    [line] = [line for line in estimate.stdout.splitlines() if line.startswith("time: ")]
+    assert f"measured by your run {calibration}" in line and "12 steps, at most 12,288 tokens" in line
+    rate = float(re.search(r"at ([\d.e+-]+) TFLOP/s", line).group(1))
+    assert rate == pytest.approx(reached["achieved_tflops"], rel=1e-2)
+
+    second = run_cli("hardware=cpu", "data.seq_len=128", "train.max_steps=12", "train.eval_every=0",
+                     "train.eval_batches=1", cwd=workdir)
+    assert second.returncode == 0, second.stderr[-2000:]
+    [run_dir] = [run for run in run_dirs(workdir) if run != calibration]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["predicted"]["rate_source"] == f"measured by your run {calibration}"
+    assert summary["predicted"]["wall_time_s"] > 0 and summary["wall_time_s"] > 0
+    # Two runs of two step sizes: a fixed part of a step, and a part per FLOP, fitted through both.
+    fitted = run_cli("task=estimate", "hardware=cpu", "data.seq_len=512", cwd=workdir)
+    assert "fitted to your 2 runs on this hardware, the nearest " in fitted.stdout
+    other = run_cli("task=estimate", "hardware=cpu", "strategy=ddp", "hardware.nproc_per_node=2", cwd=workdir)
+    assert "the time is unknown" in other.stdout  # two processes under DDP: not the hardware the runs measured
+
+
+def test_a_negative_price_is_refused_in_one_line(workdir):
+    result = run_cli("hardware.cost_per_gpu_hour=-1", cwd=workdir)
+    assert result.returncode == 2
+    assert result.stderr == "run: error: hardware.cost_per_gpu_hour=-1.0 must be >= 0 (0: no cost shown)\n"
