@@ -469,9 +469,7 @@ def test_a_dpo_sweep_reports_the_held_out_rewards(workdir):
 def test_the_trackers_record_trls_metrics_of_a_dpo_run(workdir, monkeypatch):
     """wandb (offline), TensorBoard and MLflow, each read back by its own reader, have every step's and every
     evaluation's rewards and log-probs that metrics.jsonl has."""
-    from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from test_trackers import jsonl_steps, wandb_records
+    from test_trackers import each_tracker_logged
 
     from runner.engine.dpo_loss import METRICS
 
@@ -480,16 +478,4 @@ def test_the_trackers_record_trls_metrics_of_a_dpo_run(workdir, monkeypatch):
                      "tracker=[wandb,tensorboard,mlflow]", cwd=workdir)
     assert result.returncode == 0, result.stderr[-2000:]
     [run_dir] = run_dirs(workdir)
-    names = [*METRICS, *(f"eval_{name}" for name in METRICS)]
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
-    events.Reload()
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient((run_dir / "mlruns").as_uri())
-    run_id = (run_dir / "mlflow_run_id").read_text().strip()
-    history = [r["history"] for r in wandb_records(run_dir) if r.get("type") == "history"]
-    for name in names:
-        expected = jsonl_steps(run_dir, name)
-        assert expected == ([0, 2] if name.startswith("eval_") else [1, 2]), name
-        assert [e.step for e in events.Scalars(name)] == expected, name
-        assert [m.step for m in client.get_metric_history(run_id, name)] == expected, name
-        assert sorted({int(h["step"].get("num", 0)) for h in history if name in h["item"]}) == expected, name
+    each_tracker_logged(run_dir, [*METRICS, *(f"eval_{name}" for name in METRICS)], monkeypatch)

@@ -386,27 +386,14 @@ def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference():
 def test_the_trackers_record_the_reward_and_completion_metrics(workdir, monkeypatch):
     """wandb (offline), TensorBoard and MLflow, each read back by its own reader, have every step's reward and
     completion metrics and every evaluation's reward that metrics.jsonl has."""
-    from mlflow.tracking import MlflowClient
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from test_trackers import jsonl_steps, wandb_records
+    from test_trackers import each_tracker_logged
 
     result = run_cli(*grpo_run(steps=2), "tracker=[wandb,tensorboard,mlflow]", cwd=workdir)
     assert result.returncode == 0, result.stderr[-2000:]
     [run_dir] = run_dirs(workdir)
     names = ["reward", "reward_std", "frac_reward_zero_std", "rewards/lowercase/mean", "completions/mean_length",
              "completions/clipped_ratio", "clip_ratio/region_mean", "kl", "eval_reward", "eval_rewards/lowercase/mean"]
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
-    events.Reload()
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = MlflowClient((run_dir / "mlruns").as_uri())
-    run_id = (run_dir / "mlflow_run_id").read_text().strip()
-    history = [r["history"] for r in wandb_records(run_dir) if r.get("type") == "history"]
-    for name in names:
-        expected = jsonl_steps(run_dir, name)
-        assert expected == ([0, 2] if name.startswith("eval_") else [1, 2]), name
-        assert [e.step for e in events.Scalars(name)] == expected, name
-        assert [m.step for m in client.get_metric_history(run_id, name)] == expected, name
-        assert sorted({int(h["step"].get("num", 0)) for h in history if name in h["item"]}) == expected, name
+    each_tracker_logged(run_dir, names, monkeypatch)
     sampled = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert [record["step"] for record in sampled] == [1] * 4 + [2] * 4
     assert all(set(record) == {"step", "prompt", "completion", "reward"} for record in sampled)

@@ -28,6 +28,26 @@ def wandb_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
+def each_tracker_logged(run_dir: Path, names: list[str], monkeypatch) -> None:
+    """wandb (offline), TensorBoard and MLflow, each read back by its own reader, logged each of `names` at the
+    steps metrics.jsonl has it: every step (1, 2) and, an eval_ metric, the evaluations (0, 2)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient((run_dir / "mlruns").as_uri())
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    history = [r["history"] for r in wandb_records(run_dir) if r.get("type") == "history"]
+    for name in names:
+        expected = jsonl_steps(run_dir, name)
+        assert expected == ([0, 2] if name.startswith("eval_") else [1, 2]), name
+        assert [e.step for e in events.Scalars(name)] == expected, name
+        assert [m.step for m in client.get_metric_history(run_id, name)] == expected, name
+        assert sorted({int(h["step"].get("num", 0)) for h in history if name in h["item"]}) == expected, name
+
+
 def wandb_summary(run_dir: Path) -> dict:
     [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(path)],

@@ -40,6 +40,25 @@ class TaskConfig:
         return estimate
 
 
+@dataclass
+class PostTrainingTaskConfig(TaskConfig):
+    """What the tasks that train a policy against its initial model share (dpo, grpo)."""
+
+    # Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).
+    fit_check: bool = True
+    # Print the run's memory estimate per device (the reference model and the task's own terms counted) and stop.
+    estimate_only: bool = False
+
+    @property
+    def trains(self) -> bool:
+        return not self.estimate_only
+
+    @property
+    def runs_on_this_machine(self) -> bool:
+        """An estimate alone is checked against the hardware the spec declares, as task=estimate is."""
+        return not self.estimate_only
+
+
 class DeviceMap(str, Enum):
     # Where the strategy puts the model: one device per process.
     none = "none"

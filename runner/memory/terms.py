@@ -118,6 +118,16 @@ def share(shards: int, tp: int = 1) -> str:
     return f", {part}" if part else ""
 
 
+def reference_model(spec: Any, parameters: int, buffer_bytes: int) -> Part:
+    """The reference model of task=dpo and task=grpo: the policy with its adapters off (no copy), or a frozen copy of
+    the weights in their dtype, sharded as the strategy shards what it trains (FSDP, ZeRO-3)."""
+    if spec.adapter.active:
+        return Part(0, "the policy with its adapters off: no copy")
+    shards, size = spec.strategy.frozen_shards(spec), spec.precision.param_dtype.bytes
+    return Part(math.ceil(parameters / shards) * size + buffer_bytes,
+                f"a frozen copy of the model, {dtype_name(size)}{share(shards)}")
+
+
 def processes(count: int) -> str:
     return f"{count} process{'es' if count != 1 else ''}"
 

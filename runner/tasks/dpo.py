@@ -3,14 +3,13 @@ and its kin (runner/engine/dpo_loss.py). Before launch, what task=train checks, 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.data import DataFormat
-from runner.config.task import TaskConfig
+from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
 from runner.tasks.train import check_training, run_training, training_inputs
 
@@ -36,7 +35,7 @@ SMOOTHED = (PreferenceLossKind.sigmoid, PreferenceLossKind.robust, PreferenceLos
 
 
 @dataclass
-class DpoTask(TaskConfig):
+class DpoTask(PostTrainingTaskConfig):
     beta: float = 0.1
     loss: PreferenceLossKind = PreferenceLossKind.sigmoid
     # The share of pairs taken as mislabelled (sigmoid, robust, simpo).
@@ -46,20 +45,6 @@ class DpoTask(TaskConfig):
     # Compute the reference's log-probs of every pair once, before training, and keep them beside the token store's
     # rows for later runs: training then holds only the policy.
     precompute_reference: bool = False
-    # Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).
-    fit_check: bool = True
-    # Print the run's memory estimate per device (its reference model and two rows a pair counted) and stop.
-    estimate_only: bool = False
-
-    @property
-    def trains(self) -> bool:
-        return not self.estimate_only
-
-    @property
-    def runs_on_this_machine(self) -> bool:
-        """An estimate alone is checked against the hardware the spec declares, as task=estimate is."""
-        return not self.estimate_only
-
     @property
     def has_reference(self) -> bool:
         return self.loss is not PreferenceLossKind.simpo
@@ -94,19 +79,14 @@ class DpoTask(TaskConfig):
         """Two rows a pair: twice the activations of a micro batch of rows. The reference: a frozen copy of the
         weights in their dtype (sharded as the strategy shards what it trains: FSDP, ZeRO-3), or none (the adapters
         switched off, simpo, or precomputed log-probs)."""
-        from runner.memory.terms import Part, dtype_name, share
+        from runner.memory.terms import Part, reference_model
 
-        shards = spec.strategy.frozen_shards(spec)
         if not self.has_reference:
             reference = Part(0, "none (task.loss=simpo)")
         elif self.precompute_reference:
             reference = Part(0, "its log-probs precomputed (task.precompute_reference): none while training")
-        elif spec.adapter.active:
-            reference = Part(0, "the policy with its adapters off: no copy")
         else:
-            size = spec.precision.param_dtype.bytes
-            reference = Part(math.ceil(facts.parameters / shards) * size + facts.buffer_bytes,
-                             f"a frozen copy of the model, {dtype_name(size)}{share(shards)}")
+            reference = reference_model(spec, facts.parameters, facts.buffer_bytes)
         doubled = replace(estimate.activations, bytes=2 * estimate.activations.bytes,
                           note=f"{estimate.activations.note}; x 2: each pair is two rows, chosen and rejected")
         return replace(estimate, activations=doubled, reference=reference)

@@ -7,7 +7,6 @@ task=train checks, the task's own keys, and the prompts against the rewards and 
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.components.rewards import RewardSpec, load_reward
 from runner.config.data import DataFormat
-from runner.config.task import TaskConfig
+from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
 from runner.tasks.train import check_training, run_training, training_inputs
 
@@ -51,7 +50,7 @@ GIVEN = {"prompts", "completions", "completion_ids"}
 
 
 @dataclass
-class GrpoTask(TaskConfig):
+class GrpoTask(PostTrainingTaskConfig):
     # Completions sampled for each prompt: a group, whose rewards' mean and std make each one's advantage.
     num_generations: int = 4
     max_completion_length: int = 64
@@ -72,19 +71,6 @@ class GrpoTask(TaskConfig):
     num_iterations: int = 1
     # The weight of the KL to the reference (the initial model; adapters off under LoRA). 0: no reference held.
     beta: float = 0.0
-    # Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).
-    fit_check: bool = True
-    # Print the run's memory estimate per device and stop.
-    estimate_only: bool = False
-
-    @property
-    def trains(self) -> bool:
-        return not self.estimate_only
-
-    @property
-    def runs_on_this_machine(self) -> bool:
-        return not self.estimate_only
-
     @property
     def rows_per_prompt(self) -> int:
         return self.num_generations
@@ -176,17 +162,10 @@ class GrpoTask(TaskConfig):
         """The reference (beta > 0): a frozen copy of the weights in their dtype, sharded as the strategy shards
         what it trains, or none (the adapters switched off). Sampling: the KV cache of each rank's completions of a
         step, its prompts and completions at their longest (data.seq_len)."""
-        from runner.memory.terms import Part, dtype_name, share
+        from runner.memory.terms import Part, dtype_name, reference_model
 
-        size = spec.precision.param_dtype.bytes
-        if not self.beta:
-            reference = Part(0, "none (task.beta=0)")
-        elif spec.adapter.active:
-            reference = Part(0, "the policy with its adapters off: no copy")
-        else:
-            shards = spec.strategy.frozen_shards(spec)
-            reference = Part(math.ceil(facts.parameters / shards) * size + facts.buffer_bytes,
-                             f"a frozen copy of the model, {dtype_name(size)}{share(shards)}")
+        reference = reference_model(spec, facts.parameters, facts.buffer_bytes) if self.beta else \
+            Part(0, "none (task.beta=0)")
         rows = self.sampling_batch_size or spec.train.micro_batch_size * spec.train.grad_accum_steps
         length = spec.data.seq_len
         compute = spec.precision.compute_dtype.bytes
