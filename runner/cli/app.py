@@ -15,22 +15,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from runner.cli.compose import CONF_DIR
-from runner.cli.run_dir import (
-    chosen_options,
-    discard_run_dir,
-    run_identity,
-    scrub_secrets,
-    spec_file,
-)
+from runner.cli.run_dir import chosen_options, discard_run_dir, run_identity, scrub_secrets, spec_file
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.hardware import check_rendezvous
-from runner.config.spec import (
-    RunSpec,
-    load_spec,
-    to_yaml,
-    validate,
-    with_absolute_paths,
-)
+from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
 from runner.errors import (
     DeviceOutOfMemory,
     EndedInOneLine,
@@ -47,14 +35,7 @@ from runner.errors import (
 )
 from runner.files import complete_checkpoints
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
-from runner.processes.cluster import (
-    Task,
-    check_launcher,
-    current_task,
-    requeue,
-    requeued,
-    submits_to_cluster,
-)
+from runner.processes.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
 from runner.processes.signals import SweepStop
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report

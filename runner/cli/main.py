@@ -15,13 +15,7 @@ from typing import Callable
 
 from runner.cli import recipes
 from runner.cli.app import hydra_main
-from runner.cli.compose import (
-    RECIPES_DIR,
-    checked_recipe,
-    choosable_recipes,
-    compose_config,
-    register,
-)
+from runner.cli.compose import RECIPES_DIR, checked_recipe, choosable_recipes, compose_config, register
 from runner.cli.help import help_text
 from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
@@ -127,9 +121,7 @@ def copy_recipe(recipe_dirs: list[Path], args: list[str]) -> None:
 def recipe_from_accelerate(recipe_dirs: list[Path], args: list[str]) -> None:
     if len(args) not in (1, 2):
         raise recipes.RecipeError("usage: run --from-accelerate <accelerate config .yaml> [<recipe name>]")
-    from runner.tools.accelerate.reader import (
-        recipe_of,  # only here: every other command starts faster
-    )
+    from runner.tools.accelerate.reader import recipe_of  # only here: every other command starts faster
 
     source = Path(args[0])
     target = new_recipe(args[1] if len(args) == 2 else source.stem, f"run --from-accelerate {source} <recipe name>")
@@ -146,9 +138,7 @@ def recipe_from_accelerate(recipe_dirs: list[Path], args: list[str]) -> None:
 
 def print_accelerate_config(recipe_dirs: list[Path], overrides: list[str]) -> None:
     """The accelerate config of the spec that `run <overrides>` would compose; what it cannot say, on stderr."""
-    from runner.tools.accelerate.writer import (
-        accelerate_file,  # only here: every other command starts faster
-    )
+    from runner.tools.accelerate.writer import accelerate_file  # only here: every other command starts faster
 
     text, notes = accelerate_file(load_spec(compose_config(overrides)))
     print(text, end="")
@@ -160,11 +150,12 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
     will read it: on a CPU or login node, before a GPU job starts."""
     from runner.cli.app import validated
     from runner.components.modeling import build_tokenizer
+    from runner.config.data import DataFormat
     from runner.data.splits import token_splits
     from runner.data.store import size_on_disk
 
     spec = validated(compose_config(overrides), Path.cwd(), on_this_machine=False)
-    if spec.data.streaming or spec.data.format.value == "prompt":
+    if spec.data.streaming or spec.data.format is DataFormat.prompt:
         raise SpecError(f"data.{'streaming=true' if spec.data.streaming else 'format=prompt'} tokenizes as the job "
                         "starts and stores nothing: --prepare-data has nothing to do")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

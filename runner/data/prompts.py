@@ -50,7 +50,6 @@ class PromptBatch:
     prompts: list[Prompt]
     first: int
     stop_token: int  # where their completions end
-    stream_position: None = None  # (a GlobalBatch's, which checkpoints keep: prompts are drawn by step alone)
 
 
 def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> PromptSet:

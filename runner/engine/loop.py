@@ -15,12 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from runner.components import lora
 from runner.engine import checkpoint
-from runner.engine.metrics import (
-    MetricsWindow,
-    ProgressBar,
-    compile_seconds,
-    peak_memory_gib,
-)
+from runner.engine.metrics import MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib
 from runner.engine.out_of_memory import out_of_memory, record_out_of_memory
 from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
@@ -37,7 +32,7 @@ from runner.files import (
 )
 from runner.memory.disk import disk_need
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
-from runner.planning.time_plan import TimePlan, flops_per_token, plan, run_identity, step_tokens
+from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_tokens
 from runner.processes.signals import GracefulStop, StopVote
 from runner.processes.stall_watch import StallWatch, process_watch
 from runner.strategies.protocol import unwrapped
@@ -296,7 +291,7 @@ def _rate_reached(job: PreparedJob, progress: Progress) -> dict[str, Any]:
     peak = spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size
     return {"flops_per_token": per_token, "flops_per_step": per_token * step_tokens(spec), "step_time_s": step_s,
             "achieved_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-            "identity": run_identity(spec)}
+            "identity": hardware_identity(spec)}
 
 
 def save_model(job: PreparedJob) -> Optional[Path]:

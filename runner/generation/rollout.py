@@ -13,9 +13,7 @@ have ended."""
 from __future__ import annotations
 
 import json
-import logging
 import math
-import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
@@ -37,9 +35,6 @@ if TYPE_CHECKING:
     from runner.data.prompts import Prompt, PromptBatch
     from runner.engine.job import PreparedJob
 
-log = logging.getLogger("runner")
-
-
 @dataclass
 class Rollout:
     generations: int  # completions per prompt
@@ -60,7 +55,6 @@ class Rollout:
         decoding = replace(self.decoding, eos_token_id=drawn.stop_token)
         prompts = [prompt for prompt in drawn.prompts for _ in range(self.generations)]
         seeds = [completion_seed(job.spec.seed, step, drawn.first * self.generations + i) for i in range(len(prompts))]
-        started = time.perf_counter()
         job.model.eval()  # no dropout in the policy that samples
         size = self.sampling_batch or len(prompts)
         new_tokens = [tokens for start in range(0, len(prompts), size)
@@ -90,10 +84,7 @@ class Rollout:
         }
         if job.ranks.rank == 0 and step % job.spec.train.log_every == 0:
             self.keep_sample(job, step, prompts, texts, combined)
-        batch = self.rows(job, prompts, new_tokens, values)
-        log.debug("step %d | %d completions sampled and scored in %.2f s", step, len(prompts),
-                  time.perf_counter() - started)
-        return batch
+        return self.rows(job, prompts, new_tokens, values)
 
     def rows(self, job: PreparedJob, prompts: list[Prompt], new_tokens: list[list[int]],
              values: dict[str, torch.Tensor]) -> GlobalBatch:

@@ -143,7 +143,7 @@ def measured_rate(spec: RunSpec, step_flops: float, runs_dir: Path) -> Rate:
     """How long the run's steps take on its hardware: from the past runs on the same hardware, else from an MFU of
     its declared peak."""
     hardware = spec.hardware
-    past = [summary for summary in past_summaries(runs_dir) if summary.get("identity") == run_identity(spec)]
+    past = [summary for summary in past_summaries(runs_dir) if summary.get("identity") == hardware_identity(spec)]
     if past:
         return fitted_rate(past, step_flops)
     peak = hardware.peak_bf16_tflops * 1e12 * hardware.world_size
@@ -177,7 +177,7 @@ def fitted_rate(past: list[dict[str, Any]], step_flops: float) -> Rate:
                 0.0, overhead)
 
 
-def run_identity(spec: RunSpec) -> dict[str, Any]:
+def hardware_identity(spec: RunSpec) -> dict[str, Any]:
     """What a past run must share with this one for its FLOP rate to stand for this one's."""
     hardware = spec.hardware
     return {"device": hardware.device_name or hardware.accelerator.value, "processes": hardware.world_size,
@@ -186,9 +186,11 @@ def run_identity(spec: RunSpec) -> dict[str, Any]:
 
 
 def past_summaries(runs_dir: Path) -> list[dict[str, Any]]:
-    """The summaries of the finished runs under `runs_dir` (runs and sweeps' jobs) that record their FLOP rate."""
+    """The summaries of the finished runs under `runs_dir` (runs, <date>/<time>/, and sweeps' jobs,
+    multirun/<date>/<time>/<job>/) that record their FLOP rate: looked for at those depths only, not in the runs'
+    checkpoints and trackers' files."""
     found = []
-    for path in runs_dir.glob("**/summary.json"):
+    for path in (path for depth in range(5) for path in runs_dir.glob("*/" * depth + "summary.json")):
         try:
             summary = json.loads(path.read_text())
         except (OSError, ValueError):
