@@ -12,7 +12,8 @@ found alike from the floors to torch 2.14.1 and transformers 5.24.0: docs/testin
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 
 def shutdown_timeout(seconds: int, launch_config: Optional[type] = None) -> dict[str, int]:
@@ -76,3 +77,11 @@ def cache_keyword(model_class: type) -> str:
     """The keyword a transformers model's forward takes its key-value cache by: `cache` from transformers 5.24 on
     (which warns of `past_key_values`), `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def lm_eval_yaml(path: Path) -> dict[str, Any]:
+    """A task YAML file as lm-eval reads it, with its includes and !function tags: lm-eval 0.4.13 reads them in
+    lm_eval.tasks._yaml_loader, and has no public function for it."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(path)

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+def bundled(name: str) -> Path:
+    """conf/ and recipes/ ship inside the installed package (runner/conf) and sit beside it in a checkout."""
+    package = Path(__file__).resolve().parent
+    return package / name if (package / name).is_dir() else package.parent / name
+
+
 def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n")
 

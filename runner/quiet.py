@@ -31,7 +31,7 @@ def quiet_loggers() -> None:
     tensor is gathered over both (the gradient norm at each step, a checkpoint's whole weights). Errors still
     show."""
     for name in ("torchao", "torch.utils._pytree", "alembic", "matplotlib.font_manager", "huggingface_hub",
-                 "torch.distributed.tensor._redistribute"):
+                 "torch.distributed.tensor._redistribute", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)
     # datasets logs, as an error, the bad file that it then raises about (runner/data/stream.py names its line).
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)

@@ -21,15 +21,9 @@ from runner.config.optim import AdamWConfig, SGDConfig
 from runner.config.precision import PrecisionConfig
 from runner.config.scheduler import SchedulerConfig
 from runner.config.spec import RunSpec, load_spec, validate
+from runner.files import bundled
 from runner.strategies import STRATEGIES
 from runner.tasks import TASKS
-
-
-def bundled(name: str) -> Path:
-    """conf/ and recipes/ ship inside the installed package (runner/conf) and sit beside it in a checkout."""
-    package = Path(__file__).resolve().parent.parent
-    return package / name if (package / name).is_dir() else package.parent / name
-
 
 CONF_DIR = bundled("conf")
 RECIPES_DIR = bundled("recipes")

@@ -29,6 +29,8 @@ class TaskConfig:
     # train on one draw's rows (task=grpo's num_iterations).
     rows_per_prompt: ClassVar[int] = 1
     steps_per_draw: ClassVar[int] = 1
+    # The metrics its evaluations log, and whether higher is better: what train.keep_best may name.
+    eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False}
 
     def with_absolute_paths(self, base: Path) -> TaskConfig:
         """The task's local paths absolute from `base` (the directory `run` started in); none by default."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Optional
 
 from runner.errors import require
 
@@ -57,6 +58,16 @@ class TrainConfig:
     loss_chunk_tokens: int = 1024
     # torch.compile each transformer block (torchtitan's way: compile time does not grow with depth).
     compile: bool = False
+    # lm-evaluation-harness tasks scored on the model as it is placed for training: lm-eval task names, the runner's
+    # own (recipes/benchmarks/: local_arc_easy, ...) or task YAML files (docs/benchmark_scores.md).
+    benchmarks: list[str] = field(default_factory=list)
+    # Score them every N optimizer steps, and always after the last; 0: only after the last.
+    benchmark_every: int = 0
+    # Documents of each benchmark scored (lm-eval's `limit`); null: all of them.
+    benchmark_limit: Optional[int] = None
+    # Keep, besides the last checkpoints, the one with the best value of this metric: eval_loss (lowest), a
+    # benchmark's (bench/<task>/<metric>, as lm-eval ranks it) or the task's own eval metric.
+    keep_best: Optional[str] = None
 
 
 def check(train: TrainConfig) -> None:
@@ -67,4 +78,8 @@ def check(train: TrainConfig) -> None:
     require(train.keep_checkpoints >= 1, f"train.keep_checkpoints={train.keep_checkpoints} must be >= 1")
     require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0 (0 evaluates only at the end)")
     require(train.stall_report_s >= 0, f"train.stall_report_s={train.stall_report_s} must be >= 0 (0: no reports)")
+    require(train.benchmark_every >= 0, f"train.benchmark_every={train.benchmark_every} must be >= 0 (0 scores the "
+            "benchmarks only after the last step)")
+    require(train.benchmark_limit is None or train.benchmark_limit > 0,
+            f"train.benchmark_limit={train.benchmark_limit} must be a positive number of documents, or null for all")
     require(train.max_grad_norm >= 0, f"train.max_grad_norm={train.max_grad_norm} must be >= 0 (0 turns clipping off)")

@@ -5,8 +5,12 @@
                                     batch, scheduler
         rng-rank<N>.safetensors     each rank's random number generator states
         stream-rank<N>.json         a streamed run's: each rank's position in its stream (runner/data/stream.py)
+        rows-rank<N>.safetensors    rows the next step trains again (task=grpo's num_iterations), and their counts
         ...                         the model and optimizer, as the strategy's stepper writes them: whole
                                     (FULL), each rank's shards (SHARDED) or DeepSpeed's own (ENGINE)
+
+With train.keep_best, `checkpoints/best.json` names the checkpoint with the best value of its metric so far, which
+is kept besides the last few.
 
 A checkpoint is written into `step_<N>.partial/` and renamed once every rank has finished, so that a directory
 named `step_<N>` is always complete. On several nodes the run directory must be on a shared filesystem for the
@@ -18,7 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -32,6 +38,7 @@ from runner.files import (
     move_into_place,
     save_tensors,
     write_json,
+    write_json_atomically,
     written_whole,
 )
 from runner.memory.disk import disk_need
@@ -44,6 +51,20 @@ if TYPE_CHECKING:
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
+BEST = "best.json"
+
+
+@dataclass(frozen=True)
+class KeepBest:
+    """train.keep_best: the metric whose best value's checkpoint is kept, and whether higher values are better."""
+
+    metric: str
+    higher: bool
+
+    def better(self, value: float, best: float) -> bool:
+        if math.isnan(value):
+            return False
+        return math.isnan(best) or (value > best if self.higher else value < best)
 
 
 class Checkpointed(Protocol):
@@ -57,9 +78,11 @@ class Checkpointed(Protocol):
     global_batch_size: int
 
 
-def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional[GlobalBatch]) -> Path:
-    """Writes the checkpoint of `step` (a collective: every rank calls it) and keeps the last K. Of the step's
-    `batch`, a streamed rank's position in its stream, and rows the next step trains again."""
+def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional[GlobalBatch],
+         best: Optional[dict[str, Any]] = None) -> Path:
+    """Writes the checkpoint of `step` (a collective: every rank calls it) and keeps the last K, and the best one.
+    Of the step's `batch`, a streamed rank's position in its stream, and rows the next step trains again. `best`:
+    the metric and value that make this checkpoint the best so far."""
     rank = job.ranks.rank
     final = checkpoints_dir(job.run_dir) / f"step_{step:08d}"
     partial = final.with_name(final.name + PARTIAL)
@@ -92,10 +115,20 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional
     barrier()
     if rank == 0:
         move_into_place(partial, final)  # replacing an incomplete one of the same step, left by a killed run
+        if best is not None:
+            write_json_atomically(checkpoints_dir(job.run_dir) / BEST, {"checkpoint": final.name, **best})
+        kept = best_checkpoint(job.run_dir)
         for old in complete_checkpoints(job.run_dir)[: -job.spec.train.keep_checkpoints]:
-            shutil.rmtree(old)
+            if old != kept:
+                shutil.rmtree(old)
     barrier()
     return final
+
+
+def best_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The checkpoint train.keep_best kept, if any."""
+    record = checkpoints_dir(run_dir) / BEST
+    return checkpoints_dir(run_dir) / json.loads(record.read_text())["checkpoint"] if record.is_file() else None
 
 
 def load(job: Checkpointed, path: Path) -> dict[str, Any]:

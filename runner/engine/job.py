@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from runner.components.mixed_precision import PrecisionInEffect
     from runner.data.rows import RowSet
+    from runner.engine.checkpoint import KeepBest
     from runner.parallel.dims import ParallelDims
     from runner.parallel.pipeline.schedule import Pipeline
     from runner.parallel.sequence import SequenceSplit
@@ -75,6 +76,10 @@ class PreparedJob:
     # What the steps minimise and the evaluations report (runner/engine/step.py's Objective, which imports this
     # module): None, the next-token loss, unless the task sets its own.
     objective: Any = None
+    # The benchmarks' scores of the model as placed now, the same on every rank (train.benchmarks: the task sets it
+    # from runner/generation/benchmarks.py); scored every train.benchmark_every steps and after the last.
+    benchmarks: Optional[Callable[[PreparedJob], dict[str, float]]] = None
+    keep_best: Optional[KeepBest] = None  # train.keep_best's metric and its direction
     # Under pipeline parallelism, the schedule of this rank's stages, which runs the steps' forward and backward and
     # the evaluation; `model` then holds this rank's stages only.
     pipeline: Optional[Pipeline] = None

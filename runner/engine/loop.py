@@ -19,7 +19,7 @@ from runner.engine.metrics import MetricsWindow, ProgressBar, compile_seconds, p
 from runner.engine.out_of_memory import out_of_memory, record_out_of_memory
 from runner.engine.overview import overview
 from runner.engine.placement import frozen_base
-from runner.engine.step import SHOWN_METRICS, evaluate, objective_of, train_step
+from runner.engine.step import SHOWN_METRICS, benchmark, evaluate, objective_of, train_step
 from runner.engine.tally import DeviceTally
 from runner.errors import DeviceOutOfMemory, NonFiniteLoss, RewardFailed, Stopped
 from runner.files import (
@@ -55,6 +55,8 @@ class Progress:
     tokens_seen: float = 0
     train_time: float = 0.0  # the steps' own, compilation aside
     skipped_steps: int = 0
+    best_value: float = math.nan  # train.keep_best's metric's best value so far, and its step
+    best_step: int = 0
 
 
 def train(job: PreparedJob) -> dict[str, Any]:
@@ -101,7 +103,9 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         logging_step = step % cfg.log_every == 0 or step == cfg.max_steps
         evaluating = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
         checkpointing = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps
-        if not (logging_step or evaluating or checkpointing or stopping):
+        benchmarking = job.benchmarks is not None and (
+            (cfg.benchmark_every and step % cfg.benchmark_every == 0) or step == cfg.max_steps)
+        if not (logging_step or evaluating or benchmarking or checkpointing or stopping):
             bar.advance(**shown)  # what the last reading showed
             continue
 
@@ -119,12 +123,11 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         if logging_step:
             train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], reading.grad_norm,
                                                       result.outcome.loss_scale, progress.tokens_seen, job.device))
-        if evaluating:
-            watch.entering(f"evaluating after step {step}")
-            evaluated = evaluate(job, step)
-        if checkpointing or stopping:
+        fresh = _evaluated(job, step, evaluating, benchmarking, progress, watch)
+        evaluated, best = {**evaluated, **fresh}, _best_so_far(job, step, fresh, progress)
+        if checkpointing or stopping or best:
             watch.entering(f"saving the checkpoint of step {step}")
-            saved = checkpoint.save(job, step, asdict(progress), batch)
+            saved = checkpoint.save(job, step, asdict(progress), batch, best)
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
             vote.close()
@@ -136,6 +139,31 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
     bar.close()
     watch.entering("saving the model")
     return _finish(job, progress, train_loss, evaluated, started, planned)
+
+
+def _evaluated(job: PreparedJob, step: int, evaluating: bool, benchmarking: bool, progress: Progress,
+               watch: StallWatch) -> dict[str, float]:
+    """The metrics of this step's evaluation and the benchmarks' scores, where the step has them."""
+    fresh: dict[str, float] = {}
+    if evaluating:
+        watch.entering(f"evaluating after step {step}")
+        fresh.update(evaluate(job, step))
+    if benchmarking:
+        watch.entering(f"scoring the benchmarks after step {step}")
+        fresh.update(benchmark(job, step, progress.tokens_seen))
+    return fresh
+
+
+def _best_so_far(job: PreparedJob, step: int, fresh: dict[str, float], progress: Progress
+                 ) -> Optional[dict[str, Any]]:
+    """train.keep_best's metric and value where this step's is the best so far (its checkpoint is then kept)."""
+    keep = job.keep_best
+    if keep is None or keep.metric not in fresh or not keep.better(fresh[keep.metric], progress.best_value):
+        return None
+    progress.best_value, progress.best_step = fresh[keep.metric], step
+    log.info("step %d/%d | best %s so far: %.4f; its checkpoint is kept", step, job.spec.train.max_steps,
+             keep.metric, progress.best_value)
+    return {"metric": keep.metric, "value": progress.best_value, "step": step}
 
 
 def _starting_progress(job: PreparedJob, watch: StallWatch) -> Progress:
@@ -153,7 +181,7 @@ def _starting_progress(job: PreparedJob, watch: StallWatch) -> Progress:
                     "batches than that run's own; set train.micro_batch_size or train.grad_accum_steps to give "
                     "%d again for the same losses", job.global_batch_size, cfg.micro_batch_size, job.dp_size,
                     cfg.grad_accum_steps, written, written)
-    return Progress(**{f.name: job.progress[f.name] for f in fields(Progress)})
+    return Progress(**{f.name: job.progress.get(f.name, f.default) for f in fields(Progress)})
 
 
 def _advance_schedule(job: PreparedJob, outcome: StepOutcome, step: int, progress: Progress) -> None:
@@ -257,6 +285,7 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
         "precision": job.precision_in_effect().as_dict(),
         **_rate_reached(job, progress),
         "predicted": planned.as_dict() if planned is not None else None,
+        "best": _best(job, progress),
         **{name: value for name, value in evaluated.items() if name != "eval_loss"},
     }
     if job.ranks.rank == 0:
@@ -280,6 +309,17 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
         log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
                  "run task=evaluate task.trained=%s", job.run_dir, job.run_dir)
     return summary
+
+
+def _best(job: PreparedJob, progress: Progress) -> Optional[dict[str, Any]]:
+    """train.keep_best's checkpoint: its metric, value, step and directory."""
+    kept = checkpoint.best_checkpoint(job.run_dir) if job.keep_best is not None else None
+    if kept is None:
+        return None
+    log.info("best checkpoint: %s (%s %.4f at step %d)", kept, job.keep_best.metric, progress.best_value,
+             progress.best_step)
+    return {"metric": job.keep_best.metric, "value": progress.best_value, "step": progress.best_step,
+            "checkpoint": str(kept)}
 
 
 def _rate_reached(job: PreparedJob, progress: Progress) -> dict[str, Any]:

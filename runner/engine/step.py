@@ -4,6 +4,7 @@ strategy's step), and the evaluation (the loop's, and task=evaluate's)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, Protocol
 
@@ -125,6 +126,20 @@ def evaluate(job: PreparedJob, step: int) -> dict[str, float]:
     log.info("step %d/%d | eval loss %.4f%s", step, job.spec.train.max_steps, record["eval_loss"], shown)
     job.model.train()
     return record
+
+
+def benchmark(job: PreparedJob, step: int, tokens_seen: float) -> dict[str, float]:
+    """The benchmarks' scores (job.benchmarks), logged at `step` with the tokens trained so far."""
+    job.model.eval()
+    started = time.perf_counter()
+    scores = job.benchmarks(job)
+    job.model.train()
+    for tracker in job.trackers:
+        tracker.log({**scores, "tokens_seen": tokens_seen}, step)
+    shown = " | ".join(f"{name.removeprefix('bench/')} {value:.4f}" for name, value in scores.items())
+    log.info("step %d/%d | benchmarks: %s | %.1f s", step, job.spec.train.max_steps, shown,
+             time.perf_counter() - started)
+    return scores
 
 
 def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.device,

@@ -60,8 +60,9 @@ def disk_need(spec: RunSpec) -> DiskNeed:
     train = spec.train
     every = train.checkpoint_every or train.max_steps  # the last step's checkpoint is always written
     written = len({*range(every, train.max_steps + 1, every), train.max_steps})
-    kept = min(train.keep_checkpoints, written)
-    return DiskNeed(checkpoint=checkpoint, at_once=min(kept + 1, written), kept=kept,
+    best = 1 if train.keep_best else 0  # train.keep_best's checkpoint, besides the last ones
+    kept = min(train.keep_checkpoints, written) + best
+    return DiskNeed(checkpoint=checkpoint, at_once=min(kept + 1, written + best), kept=kept,
                     export=_export_bytes(spec, facts.parameters, trained) if train.save_model else 0)
 
 

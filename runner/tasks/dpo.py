@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from runner.config.data import DataFormat
 from runner.config.task import PostTrainingTaskConfig
@@ -45,6 +45,9 @@ class DpoTask(PostTrainingTaskConfig):
     # Compute the reference's log-probs of every pair once, before training, and keep them beside the token store's
     # rows for later runs: training then holds only the policy.
     precompute_reference: bool = False
+
+    eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_rewards/accuracies": True,
+                                               "eval_rewards/margins": True}
     @property
     def has_reference(self) -> bool:
         return self.loss is not PreferenceLossKind.simpo

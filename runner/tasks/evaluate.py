@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from runner.config.tracker import RunIdentity
     from runner.data.rows import RowSet
     from runner.distributed import Ranks
+    from runner.generation.benchmarks import Benchmarks
 
 log = logging.getLogger("runner")
 
@@ -40,7 +41,10 @@ class EvaluateTask(InferenceTaskConfig):
     split: EvalSplit = EvalSplit.eval
     # Batches of train.micro_batch_size rows; unset: train.eval_batches (the rows training evaluates); 0: every row.
     max_batches: Optional[int] = None
-
+    # lm-evaluation-harness tasks to score the model on besides the loss, as train.benchmarks
+    # (docs/benchmark_scores.md).
+    benchmarks: list[str] = field(default_factory=list)
+    benchmark_limit: Optional[int] = None  # documents of each (lm-eval's `limit`); null: all of them
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         require(self.max_batches is None or self.max_batches >= 0,
@@ -50,7 +54,20 @@ class EvaluateTask(InferenceTaskConfig):
                 "none; evaluate with data.streaming=false (the eval split is tokenized once, as training's is)")
         spec = self.with_trained_model(spec)
         check_causal_lm(spec.model)
+        if self.benchmarks:
+            from runner.components.modeling import build_tokenizer
+            from runner.generation.benchmarks import check_lengths
+
+            require(self.benchmark_limit is None or self.benchmark_limit > 0, f"task.benchmark_limit="
+                    f"{self.benchmark_limit} must be a positive number of documents, or null for all")
+            check_lengths(self.loaded_benchmarks(), build_tokenizer(spec.model), spec.data.seq_len,
+                          "task.benchmarks")
         return inference_answer(spec, self, **self.load(spec))
+
+    def loaded_benchmarks(self) -> Benchmarks:
+        from runner.generation.benchmarks import load_benchmarks
+
+        return load_benchmarks(self.benchmarks, "task.benchmarks", self.benchmark_limit)
 
     def load(self, spec: RunSpec) -> dict[str, Any]:
         """What a forward holds, for the memory estimate: training's eval batches."""
@@ -77,6 +94,7 @@ class EvaluateTask(InferenceTaskConfig):
         from runner.engine.metrics import peak_memory_gib
         from runner.engine.step import mean_loss
         from runner.files import write_json_atomically
+        from runner.generation.benchmark_model import Shard
         from runner.generation.data_parallel import inference_model
 
         rows = inputs if inputs is not None else self.inputs(spec)
@@ -94,9 +112,13 @@ class EvaluateTask(InferenceTaskConfig):
         started = time.perf_counter()
         try:
             result = mean_loss(model.model, batches, model.device, model.autocast, dims.counted(ranks.rank))
+            seconds = time.perf_counter() - started
+            scores = self.loaded_benchmarks().scores(
+                model.model, model.tokenizer, model.device, model.autocast, spec.data.seq_len,
+                spec.train.micro_batch_size, Shard(dims.dp_rank(ranks.rank), dims.dp_size, dims.counted(ranks.rank))
+            ) if self.benchmarks else {}
         finally:
             model.release()
-        seconds = time.perf_counter() - started
         summary = {
             "model": self.trained or spec.model.pretrained or "the model group's random init",
             "split": self.split.value,
@@ -108,6 +130,7 @@ class EvaluateTask(InferenceTaskConfig):
             "seconds": seconds,
             "processes": ranks.world_size,
             "peak_memory_gib": peak_memory_gib(model.device),
+            **scores,
         }
         if ranks.rank == 0:
             write_json_atomically(run_dir / "eval.json", summary)
@@ -126,4 +149,6 @@ def table(summary: dict[str, Any]) -> list[str]:
         f"  label tokens  {summary['label_tokens']:,}",
         f"  tokens/s      {summary['tokens_per_s']:,.0f}",
         f"  peak memory   {summary['peak_memory_gib']:.2f} GiB",
+        *(f"  {name.removeprefix('bench/')}  {value:.4f}" for name, value in summary.items()
+          if name.startswith("bench/")),
     ]

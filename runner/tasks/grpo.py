@@ -10,7 +10,7 @@ import inspect
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from runner.components.rewards import RewardSpec, load_reward
 from runner.config.data import DataFormat
@@ -71,6 +71,9 @@ class GrpoTask(PostTrainingTaskConfig):
     num_iterations: int = 1
     # The weight of the KL to the reference (the initial model; adapters off under LoRA). 0: no reference held.
     beta: float = 0.0
+
+    eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_reward": True}
+
     @property
     def rows_per_prompt(self) -> int:
         return self.num_generations

@@ -22,8 +22,10 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
     from runner.distributed import Ranks
+    from runner.engine.checkpoint import KeepBest
     from runner.engine.job import LoadedData, PreparedJob
     from runner.engine.step import Objective
+    from runner.generation.benchmarks import Benchmarks
 
 
 @dataclass
@@ -76,6 +78,9 @@ def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdenti
         job = prepare_job(spec, run_dir, ranks, identity, inputs)
         if objective is not None:
             job.objective = objective(job)
+        benchmarks = training_benchmarks(spec)
+        job.benchmarks = scored_during_training(benchmarks) if benchmarks is not None else None
+        job.keep_best = kept_best(spec, benchmarks)
         summary = train(job)
     finally:
         watch.close()
@@ -96,9 +101,61 @@ def check_training(spec: RunSpec, fit_check: bool) -> None:
         targets(spec.adapter, meta_model(spec.model))
     if spec.precision.fp8:  # an fp8 run without an fp8 layer is an error, not a bf16 run
         fp8_linears(meta_model(spec.model), spec.precision)
+    benchmarks = training_benchmarks(spec)
+    if benchmarks is not None:
+        check_benchmarks(spec, benchmarks)
+    kept_best(spec, benchmarks)
     if fit_check:
         check_fit(spec)
     check_services(spec.tracker)
+
+
+def training_benchmarks(spec: RunSpec) -> Optional[Benchmarks]:
+    """train.benchmarks, loaded (lm-eval reads their documents), or None."""
+    if not spec.train.benchmarks:
+        return None
+    from runner.generation.benchmarks import load_benchmarks
+
+    return load_benchmarks(spec.train.benchmarks, "train.benchmarks", spec.train.benchmark_limit)
+
+
+def check_benchmarks(spec: RunSpec, benchmarks: Benchmarks) -> None:
+    """What a run with benchmarks checks before launch: a layout whose ranks each run whole forwards, and prompts
+    within data.seq_len."""
+    from runner.components.modeling import build_tokenizer
+    from runner.generation.benchmarks import check_lengths
+
+    dims = spec.layout
+    require(dims.pp == 1 and dims.cp == 1, f"train.benchmarks with strategy.pp_size={dims.pp} and strategy.cp_size="
+            f"{dims.cp}: the benchmarks run whole forwards of the model on each rank; score them with pp_size and "
+            "cp_size 1, or on the trained model (task=evaluate task.benchmarks=...)")
+    check_lengths(benchmarks, build_tokenizer(spec.model), spec.data.seq_len, "train.benchmarks")
+
+
+def scored_during_training(benchmarks: Benchmarks) -> Callable[[PreparedJob], dict[str, float]]:
+    """The benchmarks' scores of a job's model as the strategy placed it, each data-parallel rank answering its
+    share of the requests."""
+    from runner.generation.benchmark_model import Shard
+
+    def scores(job: PreparedJob) -> dict[str, float]:
+        shard = Shard(job.dims.dp_rank(job.ranks.rank), job.dims.dp_size, job.counted)
+        return benchmarks.scores(job.model, job.tokenizer, job.device, job.autocast, job.spec.data.seq_len,
+                                 job.spec.train.micro_batch_size, shard)
+
+    return scores
+
+
+def kept_best(spec: RunSpec, benchmarks: Optional[Benchmarks]) -> Optional[KeepBest]:
+    """train.keep_best's metric and its direction: one of the task's eval metrics or of the benchmarks' scores."""
+    from runner.engine.checkpoint import KeepBest
+
+    name = spec.train.keep_best
+    if name is None:
+        return None
+    directions = {**spec.task.eval_metrics, **(benchmarks.higher_is_better if benchmarks is not None else {})}
+    require(name in directions, f"train.keep_best={name} is not a metric this run logs; it logs "
+            f"{', '.join(sorted(directions))}")
+    return KeepBest(name, directions[name])
 
 
 def check_torch_features(spec: RunSpec, tp: int, pp: int) -> None:
