@@ -74,14 +74,16 @@ def test_each_request_is_answered_as_lm_evals_hflm_answers_it(tmp_path):
     mine = evaluator.evaluate(placed, tasks, limit=DOCUMENTS, bootstrap_iters=0, log_samples=True)
     theirs = hflm_results(tmp_path / "model", tasks, samples=True)
     assert_same_answers(answers(mine), answers(theirs))
-    assert mine["results"]["copa_generate"]["exact_match,none"] == theirs["results"]["copa_generate"]["exact_match,none"]
+    exact = "exact_match,none"
+    assert mine["results"]["copa_generate"][exact] == theirs["results"]["copa_generate"][exact]
 
 
 @pytest.mark.distributed
 def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsdp(tmp_path):
     """A short run scores the four tasks every two steps on the model as its strategy placed it (one process, or
     FSDP2 over two, each rank answering half the requests); the last scores are HFLM's on the saved model, and
-    train.keep_best keeps the checkpoint of the best local_copa accuracy besides the last one."""
+    train.keep_best keeps the checkpoint of the best local_copa accuracy besides the last one; task=evaluate gives
+    the saved model the same scores."""
     from helpers import resolved_spec, train_in_workers
 
     from runner.generation.benchmarks import load_benchmarks
@@ -112,6 +114,14 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
         assert summary["best"]["step"] == best_step and summary["best"]["metric"] == "bench/local_copa/acc"
         kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
         assert kept == sorted({f"step_{best_step:08d}", "step_00000006"}), run
+    # task=evaluate scores what the run saved as the loop scored it last
+    result = run_cli("task=evaluate", f"task.trained={tmp_path / 'single' / 'model'}",
+                     f"task.benchmarks=[{','.join(BENCHMARKS)}]", f"task.benchmark_limit={DOCUMENTS}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    [evaluated] = (tmp_path / "outputs").glob("*/*/eval.json")
+    scores = {key: value for key, value in json.loads(evaluated.read_text()).items() if key.startswith("bench/")}
+    summary = json.loads((tmp_path / "single" / "summary.json").read_text())
+    assert len(scores) == 8 and scores == pytest.approx({key: summary[key] for key in scores}, rel=1e-6)
 
 
 BAD_RUNS = {

@@ -13,6 +13,9 @@ pytestmark = pytest.mark.slow
 ARGS = [*QUICK, "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
         "train.micro_batch_size=4"]
 LOGGED = {"loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "peak_memory_gib"}
+# A benchmark scored at steps 3 and 6 (tests/test_benchmarks.py checks its scores): each score is a metric.
+BENCHMARK = str(Path(__file__).parent / "data" / "benchmarks" / "copa_loglikelihood.yaml")
+SCORED = {"bench/copa_loglikelihood/acc", "bench/copa_loglikelihood/perplexity"}
 
 
 def jsonl_steps(run_dir: Path, key: str) -> list[int]:
@@ -58,7 +61,8 @@ def wandb_summary(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("tracked")
-    result = run_cli(*ARGS, "tracker=[wandb,tensorboard,mlflow]", cwd=cwd)
+    result = run_cli(*ARGS, "tracker=[wandb,tensorboard,mlflow]", f"train.benchmarks=[{BENCHMARK}]",
+                     "train.benchmark_limit=4", "train.benchmark_every=3", cwd=cwd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb:" not in result.stdout + result.stderr  # the trackers keep quiet
     return run_dirs(cwd)[0]
@@ -66,9 +70,9 @@ def tracked(tmp_path_factory):
 
 def test_wandb_offline_run_matches_metrics_jsonl(tracked):
     history = [r["history"] for r in wandb_records(tracked) if r.get("type") == "history"]
-    for key in (*LOGGED, "eval_loss"):
+    for key in (*LOGGED, *SCORED, "eval_loss"):
         logged = sorted({int(h["step"].get("num", 0)) for h in history if key in h["item"]})
-        assert logged == jsonl_steps(tracked, key), key
+        assert logged == sorted(set(jsonl_steps(tracked, key))), key  # a step's records: one row of wandb's
     summary = wandb_summary(tracked)
     assert summary["state"] == "finished"
     assert summary["config"]["train"]["max_steps"] == 6
@@ -80,7 +84,7 @@ def test_tensorboard_events_match_metrics_jsonl(tracked):
 
     events = EventAccumulator(str(tracked / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
-    for key in (*LOGGED, "eval_loss"):
+    for key in (*LOGGED, *SCORED, "eval_loss"):
         assert [e.step for e in events.Scalars(key)] == jsonl_steps(tracked, key), key
 
 
@@ -94,7 +98,7 @@ def test_mlflow_run_matches_metrics_jsonl(tracked, monkeypatch):
     assert run.info.run_name == f"{tracked.parent.name}/{tracked.name}"
     assert run.data.params["train.max_steps"] == "6"
     assert run.data.params["precision_in_effect.forward"] == "fp32"
-    for key in (*LOGGED, "eval_loss"):
+    for key in (*LOGGED, *SCORED, "eval_loss"):
         assert [m.step for m in client.get_metric_history(run.info.run_id, key)] == jsonl_steps(tracked, key), key
 
 
