@@ -1,7 +1,8 @@
 """A full disk, seen coming and met, on a real small filesystem (a tmpfs this test mounts): a run that cannot hold
 its checkpoints and model is refused before launch with the figures; a run whose disk fills at a checkpoint ends
 in one line that names the path and the sizes, leaves no half-written checkpoint, and, resumed once there is room,
-ends with the uninterrupted run's losses. Under one process, fsdp SHARDED and DeepSpeed ZeRO-2."""
+ends with the uninterrupted run's losses. Under one process, fsdp SHARDED and DeepSpeed ZeRO-2. A tracker that cannot
+write is reported once, and the run goes on."""
 
 import contextlib
 import os
@@ -145,3 +146,24 @@ def test_torch_save_cut_short_by_a_full_filesystem_is_a_refused_write_even_once_
     assert line.startswith(f"writing the checkpoint of step 6 failed: No space left on device ({partial}); it needs "
                            "about 1.0 MiB and "), line
     assert refused_write(OSError(28, "No space left on device")) and not refused_write(ValueError("a bug"))
+
+
+def test_a_tracker_that_cannot_write_is_reported_once_and_training_goes_on(tmp_path):
+    """MLflow's file store on a filesystem that turns read-only mid-run: one warning names the tracker and the
+    error, and the run trains to its end, its checkpoint and metrics.jsonl (elsewhere) whole."""
+    overrides = [*RUN, "train.checkpoint_every=0", "tracker=mlflow",
+                 f"tracker.mlflow.tracking_uri=file://{tmp_path / 'small' / 'mlruns'}"]
+    with small_filesystem(tmp_path / "small", 4 * MIB) as small:
+        job = start_cli(*overrides, cwd=tmp_path / "work", env={"MLFLOW_ALLOW_FILE_STORE": "true"}, stop_at_step=2)
+        try:
+            run_dir, _ = hold_at_step(job, tmp_path / "work")
+            subprocess.run(["mount", "-o", "remount,ro", str(small)], check=True)
+            job.resume()
+            assert job.wait(timeout=300) == 0, job.stderr()[-3000:]
+        finally:
+            job.kill()
+    warnings = [line for line in job.stdout().splitlines() if "stopped recording" in line]
+    assert len(warnings) == 1 and "MLflowTracker stopped recording: " in warnings[0], job.stdout()[-3000:]
+    assert "Read-only file system" in warnings[0] and "training goes on without it" in warnings[0]
+    assert len(step_losses(run_dir)) == 6
+    assert (run_dir / "checkpoints" / "step_00000006" / "meta.json").is_file()
