@@ -103,3 +103,21 @@ def test_a_negative_price_is_refused_in_one_line(workdir):
     result = run_cli("hardware.cost_per_gpu_hour=-1", cwd=workdir)
     assert result.returncode == 2
     assert result.stderr == "run: error: hardware.cost_per_gpu_hour=-1.0 must be >= 0 (0: no cost shown)\n"
+
+
+@pytest.mark.slow
+def test_a_cluster_sweep_past_its_time_limit_says_how_many_requeues_it_takes(workdir):
+    """Hydra's submitit launcher's time limit (hydra.launcher.timeout_min) against each job's predicted time: 2.1 and
+    4.2 hours of an 8-GPU Llama-3-8B run at the default MFU take 2 and 4 requeues of an hour; none within 10 h."""
+    from runner.planning.time_plan import plan, requeue_line
+
+    job = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "hardware=8xh100_80gb", "precision=bf16"]
+    planned = plan(composed([*job, "train.max_steps=20000"]), runs_dir=workdir)
+    assert planned.wall_s == pytest.approx(2.1 * 3600, rel=0.05)
+    assert "about 2 requeues" in requeue_line(planned, 60) and requeue_line(planned, 600) is None
+    result = run_cli("-m", *job, "train.max_steps=20000,40000", "hydra/launcher=slurm", "hydra.launcher.timeout_min=60",
+                     cwd=workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    limits = [line for line in result.stdout.splitlines() if line.startswith("time limit: ")]
+    assert len(limits) == 2 and "about 2 requeues" in limits[0] and "about 4 requeues" in limits[1], result.stdout
+    assert "hydra.launcher.timeout_min=60" in limits[0]

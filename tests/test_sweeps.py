@@ -8,7 +8,7 @@ import signal
 
 import pytest
 import yaml
-from helpers import QUICK, run_cli, start_cli, wait_until
+from helpers import QUICK, composed, run_cli, start_cli, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -17,8 +17,12 @@ SHORT = [*QUICK, "train.max_steps=4", "train.log_every=2", "train.eval_every=0",
 
 
 def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
+    """Each job's predicted and measured time, GPU-hours and cost (a declared peak and price), and its benchmark
+    scores, in the report and in benchmarks.png."""
     # 4 query heads cannot share 3 key-value heads: that job fails in its first forward; the other three train.
-    result = run_cli("-m", *SHORT, "model.architecture.hidden_size=96", "model.architecture.num_attention_heads=6,4",
+    result = run_cli("-m", *SHORT, "hardware.peak_bf16_tflops=1", "hardware.cost_per_gpu_hour=2",
+                     "train.benchmarks=[local_copa]", "train.benchmark_limit=8", "train.benchmark_every=2",
+                     "model.architecture.hidden_size=96", "model.architecture.num_attention_heads=6,4",
                      "model.architecture.num_key_value_heads=2,3", cwd=workdir)
     assert result.returncode != 0
     [sweep_dir] = workdir.glob("outputs/multirun/*/*")
@@ -35,6 +39,12 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     assert f"sweep report: {(sweep_dir / 'report.md').relative_to(workdir)}" in result.stdout
     assert "e+" not in (sweep_dir / "report.md").read_text()  # tokens/s as 16,080, not 1.608e+04
     assert (sweep_dir / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    for row in (row for row in rows if row not in failed):
+        summary = json.loads((sweep_dir / row["job"] / "summary.json").read_text())
+        assert float(row["predicted_wall_time_s"]) == summary["predicted"]["wall_time_s"] > 0
+        assert float(row["cost"]) == pytest.approx(2 * float(row["gpu_hours"])) and float(row["predicted_cost"]) > 0
+        assert 0 <= float(row["bench/local_copa/acc"]) == summary["bench/local_copa/acc"] <= 1
+    assert (sweep_dir / "benchmarks.png").read_bytes()[:4] == b"\x89PNG" and "benchmarks.png" in result.stdout
 
 
 @pytest.mark.signals
@@ -90,3 +100,13 @@ def test_an_estimate_sweep_over_glob_estimates_every_option_and_trains_nothing(w
         "== task=estimate strategy=ddp hardware.nproc_per_node=2",
         "== task=estimate strategy=fsdp hardware.nproc_per_node=2"]
     assert not (workdir / "outputs").exists()
+    # the sweep's total: its jobs' plans summed
+    from runner.planning.time_plan import plan, sweep_line
+
+    priced = ["hardware.peak_bf16_tflops=10", "hardware.cost_per_gpu_hour=3"]
+    result = run_cli("-m", "task=estimate", "strategy=ddp,fsdp", "hardware.nproc_per_node=2", *priced, cwd=workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    plans = [plan(composed(["task=estimate", f"strategy={name}", "hardware.nproc_per_node=2", *priced]))
+             for name in ("ddp", "fsdp")]
+    assert result.stdout.strip().splitlines()[-1] == sweep_line(plans)
+    assert sweep_line(plans).startswith("sweep: 2 jobs, about ") and "$" in sweep_line(plans)

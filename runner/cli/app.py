@@ -35,6 +35,7 @@ from runner.errors import (
 )
 from runner.files import complete_checkpoints
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
+from runner.planning.time_plan import plan, requeue_line, sweep_line
 from runner.processes.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
 from runner.processes.signals import SweepStop
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
@@ -275,14 +276,15 @@ class ValidateSpec(Callback):
         # The basic sweeper's points are its jobs; another sweeper (Optuna) chooses its own as it goes, from any
         # value of each parameter.
         points = BasicSweeper.split_arguments(overrides, None)[0] if basic else each_value(overrides)
-        answers, training = {}, []
+        answers, specs, training = {}, {}, []
         for job_overrides in points:
             name = " ".join(job_overrides)
             try:
                 job_config = loader.load_sweep_config(config, job_overrides)
             except USER_ERRORS as error:
                 raise LaunchRefused(f"{name}: {one_line(error)}") from None
-            spec, answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)
+            specs[name], answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)
+            spec = specs[name]
             if answers[name] is None and spec.task.trains:
                 training.append(spec)
         if training and not self.print_spec:
@@ -300,9 +302,26 @@ class ValidateSpec(Callback):
         if answered and len(answered) < len(answers):
             raise LaunchRefused("a sweep is either all task=estimate or all training jobs")
         if answered:
-            for name, answer in answered.items():
-                print(f"== {name}\n{answer}\n", flush=True)
+            print_estimates(answered, specs, launcher)
             raise NothingToLaunch()
+        if launcher is not None and not self.print_spec:
+            for name, spec in specs.items():
+                requeues = requeue_line(plan(spec), launcher.timeout_min) if "timeout_min" in launcher else None
+                if requeues and spec.task.trains:
+                    print(f"{name}: {requeues}", flush=True)
+
+
+def print_estimates(answered: dict[str, str], specs: dict[str, RunSpec], launcher: Optional[DictConfig]) -> None:
+    """Each job's estimate, its cluster time limit's requeues where it passes it, then the sweep's total time."""
+    plans = []
+    for name, answer in answered.items():
+        planned = specs[name].task.planned(specs[name])
+        if planned is not None and launcher is not None and "timeout_min" in launcher:
+            answer = "\n".join(filter(None, [answer, requeue_line(planned, launcher.timeout_min)]))
+        print(f"== {name}\n{answer}\n", flush=True)
+        plans += [planned] if planned is not None else []
+    if plans:
+        print(sweep_line(plans), flush=True)
 
 
 def refuse_used_directory(directory: Path, key: str) -> None:

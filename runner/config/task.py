@@ -36,6 +36,11 @@ class TaskConfig:
         """The task's local paths absolute from `base` (the directory `run` started in); none by default."""
         return self
 
+    def planned(self, spec: Spec) -> Any:
+        """The time plan (runner/planning/time_plan.py's TimePlan) of the training run this task's answer
+        estimates, which a sweep of estimates sums; None for a task that answers nothing of the kind."""
+        return None
+
     def memory_terms(self, spec: Spec, facts: Any, estimate: Any) -> Any:
         """The memory estimate (runner/memory/terms.py's Estimate, which this layer cannot name) of a training run of
         this task, from the strategy's terms: those of next-token training by default."""

@@ -288,6 +288,8 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
         "best": _best(job, progress),
         **{name: value for name, value in evaluated.items() if name != "eval_loss"},
     }
+    summary["gpu_hours"] = summary["wall_time_s"] * job.ranks.world_size / 3600
+    summary["cost"] = summary["gpu_hours"] * job.spec.hardware.cost_per_gpu_hour or None  # (where a price is set)
     if job.ranks.rank == 0:
         write_json_atomically(job.run_dir / "summary.json", summary)
     for tracker in list(job.trackers):

@@ -89,6 +89,33 @@ class TimePlan:
                 f"{self.rate.source})")
 
 
+def requeue_line(planned: TimePlan, limit_min: float) -> Optional[str]:
+    """What a cluster job whose predicted time passes its time limit (hydra.launcher.timeout_min) will take: the
+    submissions after the first that each resume from the last checkpoint; None when it fits."""
+    limit_s = limit_min * 60
+    if not planned.known or planned.wall_s <= limit_s:
+        return None
+    requeues = math.ceil(planned.wall_s / limit_s) - 1
+    return (f"time limit: about {readable_seconds(planned.wall_s)} passes the {readable_seconds(limit_s)} of "
+            f"hydra.launcher.timeout_min={limit_min:g}: about {requeues} requeue{'s' if requeues > 1 else ''}, each "
+            "resuming from the last checkpoint (set train.checkpoint_every so that little is trained again)")
+
+
+def sweep_line(plans: list[TimePlan]) -> str:
+    """A sweep's jobs' plans summed (`run -m ... task=estimate`)."""
+    unknown = sum(not planned.known for planned in plans)
+    if unknown:
+        return (f"sweep: {len(plans)} jobs; {unknown} of them have no known time (no peak declared and no past run "
+                "measured), so the sweep's has none")
+    hours = sum(planned.gpu_hours for planned in plans)
+    priced = [planned.gpu_hours * planned.cost_per_gpu_hour for planned in plans if planned.cost_per_gpu_hour]
+    cost = "" if not priced else f", ${sum(priced):,.2f}" + (
+        "" if len(priced) == len(plans) else f" for the {len(priced)} jobs with a hardware.cost_per_gpu_hour")
+    unit = "GPU-hours" if all(planned.on_gpus for planned in plans) else "device-hours"
+    return (f"sweep: {len(plans)} jobs, about {readable_seconds(sum(planned.wall_s for planned in plans))} one after "
+            f"another, {hours:,.3g} {unit}{cost}")
+
+
 def readable_seconds(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.3g} s"

@@ -13,6 +13,7 @@ from runner.memory.report import report
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
+    from runner.planning.time_plan import TimePlan
 
 
 @dataclass
@@ -25,6 +26,9 @@ class EstimateTask(TaskConfig):
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         if spec.adapter.active:
             targets(spec.adapter, meta_model(spec.model))
+        return f"{report(spec, accelerate_view=self.accelerate_view)}\n\n{self.planned(spec).line()}"
+
+    def planned(self, spec: RunSpec) -> TimePlan:
         from runner.planning.time_plan import plan
 
-        return f"{report(spec, accelerate_view=self.accelerate_view)}\n\n{plan(spec).line()}"
+        return plan(spec)

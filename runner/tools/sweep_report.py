@@ -18,9 +18,13 @@ from runner.errors import Stopped
 from runner.processes.cluster import is_first_task
 
 COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib",
-           "wall_time_s", "error"]
+           "wall_time_s", "predicted_wall_time_s", "gpu_hours", "predicted_gpu_hours", "error"]
 # The objective's own metrics (task=dpo's, task=grpo's), after eval_loss where a job has them.
 OBJECTIVE_COLUMNS = ["eval_rewards/accuracies", "eval_rewards/margins", "eval_reward"]
+# Where a job set hardware.cost_per_gpu_hour: its cost, and the one its plan predicted.
+COST_COLUMNS = ["cost", "predicted_cost"]
+SCORES = "bench/"  # each benchmark score's column (runner/generation/benchmarks.py), after the others
+BENCHMARKS_PLOT = "benchmarks.png"
 # A failed job's error, in its run directory: the report's `error` column and a job's status before the sweep ends.
 ERROR_FILE = "error.txt"
 
@@ -55,7 +59,8 @@ def record_error(job_dir: Path, error: BaseException) -> None:
 
 
 def say_where(sweep_dir: Path) -> None:
-    print(f"sweep report: {sweep_dir / 'report.md'} (and report.csv, loss_curves.png)", flush=True)
+    plots = "loss_curves.png" + (f", {BENCHMARKS_PLOT}" if (sweep_dir / BENCHMARKS_PLOT).exists() else "")
+    print(f"sweep report: {sweep_dir / 'report.md'} (and report.csv, {plots})", flush=True)
 
 
 def job_rows(sweep_dir: Path, ended: bool, not_started: list[list[str]]) -> list[dict[str, Any]]:
@@ -72,13 +77,16 @@ def job_rows(sweep_dir: Path, ended: bool, not_started: list[list[str]]) -> list
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
         error_file = job_dir / ERROR_FILE
         error = error_file.read_text().strip() if error_file.exists() else None
+        predicted = summary.get("predicted") or {}
         rows.append({
             "job": job_dir.name,
             "overrides": " ".join(overrides),
             "swept": overrides,
             "status": "completed" if summary else status_of(error) if error else "failed" if ended else "running",
             **{key: summary.get(key) for key in COLUMNS[4:-1]},
-            **{key: summary[key] for key in OBJECTIVE_COLUMNS if key in summary},
+            **{f"predicted_{key}": predicted.get(key) for key in ("wall_time_s", "gpu_hours", "cost")},
+            **{key: summary[key] for key in [*OBJECTIVE_COLUMNS, "cost"] if summary.get(key) is not None},
+            **{key: value for key, value in summary.items() if key.startswith(SCORES)},
             "error": error,
         })
     first = int(rows[-1]["job"]) + 1 if rows and rows[-1]["job"].isdigit() else 0
@@ -98,7 +106,9 @@ def status_of(error: str) -> str:
 def write_report(sweep_dir: Path, ended: bool, not_started: Optional[list[list[str]]] = None) -> None:
     rows = job_rows(sweep_dir, ended, not_started or [])
     objective = [key for key in OBJECTIVE_COLUMNS if any(key in row for row in rows)]
-    columns = COLUMNS[:6] + objective + COLUMNS[6:]
+    cost = [key for key in COST_COLUMNS if any(row.get(key) is not None for row in rows)]
+    scores = sorted({key for row in rows for key in row if key.startswith(SCORES)})
+    columns = COLUMNS[:6] + objective + COLUMNS[6:-1] + cost + scores + COLUMNS[-1:]
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
     writer.writeheader()
@@ -113,11 +123,12 @@ def write_report(sweep_dir: Path, ended: bool, not_started: Optional[list[list[s
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
     (sweep_dir / "report.md").write_text(f"# Sweep {sweep_dir}\n\n" + "\n".join(lines) + "\n")
-    plot_losses(sweep_dir, rows)
+    plot_curves(sweep_dir, rows)
 
 
-def plot_losses(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
-    """Training loss against step for every job that logged one (matplotlib is optional)."""
+def plot_curves(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """loss_curves.png: the training loss against step, a line per job; benchmarks.png, where jobs scored
+    benchmarks: a panel per score, each against the tokens trained, a line per job (matplotlib is optional)."""
     try:
         import matplotlib
 
@@ -125,18 +136,40 @@ def plot_losses(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    files = {row["job"]: sweep_dir / row["job"] / "metrics.jsonl" for row in rows}
+    records = {job: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+               for job, path in files.items()}
+    labels = {row["job"]: f"{row['job']}: {row['swept']}"[:80] for row in rows}
     figure, axes = plt.subplots(figsize=(8, 5))
-    for row in rows:
-        metrics = sweep_dir / row["job"] / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        points = [(r["step"], r["loss"]) for r in records if "loss" in r]
-        if points:
-            # Markers: a short job's single logged step is a point, which a line alone would not draw.
-            axes.plot(*zip(*points), marker="o", markersize=3, label=f"{row['job']}: {row['swept']}"[:80])
-    axes.set_xlabel("step")
-    axes.set_ylabel("training loss")
+    draw(axes, records, labels, "step", "loss", "training loss")
     axes.set_title(str(sweep_dir))
-    if axes.lines:
-        axes.legend(fontsize="small")
     figure.savefig(sweep_dir / "loss_curves.png", dpi=100, bbox_inches="tight")
     plt.close(figure)
+    scores = sorted({key for logged in records.values() for record in logged for key in record
+                     if key.startswith(SCORES)})
+    if not scores:
+        return
+    columns = min(3, len(scores))
+    lines = -(-len(scores) // columns)
+    figure, panels = plt.subplots(lines, columns, figsize=(5 * columns, 3.5 * lines), squeeze=False)
+    for score, axes in zip(scores, panels.flat):
+        draw(axes, records, labels, "tokens_seen", score, score.removeprefix(SCORES))
+    for axes in panels.flat[len(scores):]:
+        axes.set_visible(False)
+    figure.suptitle(str(sweep_dir))
+    figure.savefig(sweep_dir / BENCHMARKS_PLOT, dpi=100, bbox_inches="tight")
+    plt.close(figure)
+
+
+def draw(axes: Any, records: dict[str, list[dict[str, Any]]], labels: dict[str, str], x: str, y: str,
+         name: str) -> None:
+    """`y` against `x` for each job that logged both in one record."""
+    for job, logged in records.items():
+        points = [(record[x], record[y]) for record in logged if x in record and y in record]
+        if points:
+            # Markers: a short job's single logged step is a point, which a line alone would not draw.
+            axes.plot(*zip(*points), marker="o", markersize=3, label=labels[job])
+    axes.set_xlabel("tokens trained" if x == "tokens_seen" else x)
+    axes.set_ylabel(name)
+    if axes.lines:
+        axes.legend(fontsize="small")
