@@ -110,7 +110,7 @@ def write_report(sweep_dir: Path, ended: bool, not_started: Optional[list[list[s
     scores = sorted({key for row in rows for key in row if key.startswith(SCORES)})
     columns = COLUMNS[:6] + objective + COLUMNS[6:-1] + cost + scores + COLUMNS[-1:]
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=columns, restval="")
+    writer = csv.DictWriter(buffer, fieldnames=columns, restval="", extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     (sweep_dir / "report.csv").write_text(buffer.getvalue())
