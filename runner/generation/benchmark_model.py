@@ -119,15 +119,19 @@ class PlacedModelLM(TemplateLM):
         for start in range(0, len(asked), self.batch_size):
             batch = asked[start:start + self.batch_size]
             limit = max(kwargs.get("max_gen_toks", DEFAULT_GENERATED) for _, kwargs in batch)
-            stops = [stop for _, kwargs in batch for stop in _until(kwargs.get("until"))]
+            stops = [_until(kwargs.get("until")) for _, kwargs in batch]
             decoding = Decoding(max_new_tokens=limit, eos_token_id=self.eot_token_id,
                                 pad_token_id=self.tokenizer.pad_token_id or 0)
             contexts = [self.tok_encode(context) or [self.prefix_token_id] for context, _ in batch]
+
+            def stopped(row: int, tokens: list[int]) -> bool:
+                return any(stop in self.tokenizer.decode(tokens) for stop in stops[row])
+
             new_tokens = sample(self.model, contexts, [None] * len(contexts), decoding, self._device, self.autocast,
-                                stopped=lambda tokens: any(stop in self.tokenizer.decode(tokens) for stop in stops))
-            for (_, kwargs), tokens in zip(batch, new_tokens):
+                                stopped)
+            for row_stops, tokens in zip(stops, new_tokens):
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                for stop in _until(kwargs.get("until")):
+                for stop in row_stops:
                     text = text.split(stop)[0]
                 texts.append(text)
         return texts[:len(requests)]

@@ -148,12 +148,12 @@ def completion_seed(seed: int, step: int, index: int) -> int:
 
 def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]], decoding: Decoding,
            device: torch.device, autocast: Callable[[], ContextManager],
-           stopped: Optional[Callable[[list[int]], bool]] = None) -> list[list[int]]:
+           stopped: Optional[Callable[[int, list[int]], bool]] = None) -> list[list[int]]:
     """Each prompt's new tokens, up to and including the stop token (decoding.eos_token_id) or the token after
-    which `stopped` says the row has ended, at most decoding.max_new_tokens: one forward per token over the
-    left-padded prompts and a KV cache, each row drawing from its own generator (seed None: the argmax). Under
-    several processes every rank runs forwards until every rank's rows have ended: sharded weights are gathered in
-    each forward, by every rank."""
+    which `stopped(row, its new tokens)` says the row has ended, at most decoding.max_new_tokens: one forward per
+    token over the left-padded prompts and a KV cache, each row drawing from its own generator (seed None: the
+    argmax). Under several processes every rank runs forwards until every rank's rows have ended: sharded weights
+    are gathered in each forward, by every rank."""
     import torch
     import torch.distributed as dist
     from transformers import DynamicCache
@@ -176,7 +176,7 @@ def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]
             for i, token in enumerate(chosen):
                 if not ended[i]:
                     new_tokens[i].append(token)
-                    ended[i] = token == decoding.eos_token_id or (stopped is not None and stopped(new_tokens[i]))
+                    ended[i] = token == decoding.eos_token_id or (stopped is not None and stopped(i, new_tokens[i]))
             running = torch.tensor([float(not all(ended))], device=device)
             if synced:
                 dist.all_reduce(running)
