@@ -68,9 +68,7 @@ def test_hardware_without_a_figure_takes_the_default_and_without_a_peak_has_no_t
 
 def test_a_finished_run_calibrates_the_plan_of_the_next_on_the_same_hardware(workdir):
     """The default job's first run has no time to predict on a CPU; its summary records the FLOP rate it reached,
-    which task=estimate, and the next run's start, use; its summary holds that prediction beside its own time.
-    With a second run of another step size, the plan fits a line through both (the per-step overhead a tiny model
-    on a CPU pays besides its FLOPs)."""
+    which task=estimate, and the next run's start, use; its summary holds that prediction beside its own time."""
     first = run_cli("hardware=cpu", "train.max_steps=6", "train.eval_every=0", "train.eval_batches=1", cwd=workdir)
     assert first.returncode == 0, first.stderr[-2000:]
     assert "the time is unknown" in first.stdout
@@ -92,11 +90,26 @@ def test_a_finished_run_calibrates_the_plan_of_the_next_on_the_same_hardware(wor
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["predicted"]["rate_source"] == f"measured by your run {calibration}"
     assert summary["predicted"]["wall_time_s"] > 0 and summary["wall_time_s"] > 0
-    # Two runs of two step sizes: a fixed part of a step, and a part per FLOP, fitted through both.
-    fitted = run_cli("task=estimate", "hardware=cpu", "data.seq_len=512", cwd=workdir)
-    assert "fitted to your 2 runs on this hardware, the nearest " in fitted.stdout
     other = run_cli("task=estimate", "hardware=cpu", "strategy=ddp", "hardware.nproc_per_node=2", cwd=workdir)
     assert "the time is unknown" in other.stdout  # two processes under DDP: not the hardware the runs measured
+
+
+def test_runs_of_two_step_sizes_fit_a_fixed_part_of_a_step_and_a_part_per_flop(tmp_path):
+    """The per-step overhead a tiny model on a CPU pays besides its FLOPs, told apart by two past runs of two step
+    sizes (their summaries written here, so that no test depends on this machine's speed)."""
+    from runner.planning.time_plan import flops_per_token, hardware_identity, plan, step_tokens
+
+    spec = validate(composed(["hardware=cpu", f"hardware.measured_runs={tmp_path}"]))
+    step_flops = flops_per_token(spec) * step_tokens(spec)
+    for name, flops in (("small", step_flops / 2), ("large", 2 * step_flops)):
+        (tmp_path / name).mkdir()
+        summary = {"identity": hardware_identity(spec), "flops_per_step": flops, "step_time_s": 0.01 + flops * 1e-12,
+                   "steps": 30, "wall_time_s": 30 * (0.01 + flops * 1e-12) + 2.0, "run_dir": str(tmp_path / name)}
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    found = plan(spec)
+    assert found.rate.source.startswith("fitted to your 2 runs on this hardware, the nearest ")
+    assert found.rate.per_step_s == pytest.approx(0.01) and found.rate.per_flop_s == pytest.approx(1e-12)
+    assert found.step_s == pytest.approx(0.01 + step_flops * 1e-12) and found.rate.overhead_s == pytest.approx(2.0)
 
 
 def test_a_negative_price_is_refused_in_one_line(workdir):
@@ -105,19 +118,68 @@ def test_a_negative_price_is_refused_in_one_line(workdir):
     assert result.stderr == "run: error: hardware.cost_per_gpu_hour=-1.0 must be >= 0 (0: no cost shown)\n"
 
 
+def a_plan(wall_s, processes=8, cost_per_gpu_hour=0.0, known=True):
+    from runner.planning.time_plan import Rate, TimePlan
+
+    rate = Rate(1e-15 if known else 0.0, "a stated rate")
+    return TimePlan(100, 1000, 1e15, rate, wall_s / 100, wall_s, processes, cost_per_gpu_hour)
+
+
+def test_a_plan_past_the_time_limit_takes_a_requeue_per_limit_less_the_warning():
+    """Each submission trains until SLURM's warning, signal_delay_s before the limit, when the job checkpoints and
+    requeues itself: 2 h in 60 min submissions is one requeue without a warning, two with a 90 s one."""
+    from runner.planning.time_plan import requeue_line
+
+    assert requeue_line(a_plan(7200), 60) == (
+        "time limit: about 2.0 h passes the 60.0 min of hydra.launcher.timeout_min=60: about 1 requeue, each resuming "
+        "from the last checkpoint (set train.checkpoint_every so that little is trained again)")
+    assert requeue_line(a_plan(7200), 60, warning_s=90) == (
+        "time limit: about 2.0 h passes the 60.0 min of hydra.launcher.timeout_min=60: about 2 requeues, each "
+        "resuming from the checkpoint the job writes at SLURM's warning, 90 s before the limit "
+        "(hydra.launcher.signal_delay_s)")
+    assert requeue_line(a_plan(3510), 60, warning_s=90) is None  # trained to its end before the warning
+    assert "about 1 requeue," in requeue_line(a_plan(3520), 60, warning_s=90)
+    assert requeue_line(a_plan(3520), 60) is None
+    assert requeue_line(a_plan(10**6, known=False), 60) is None  # no time known: nothing to say
+
+
+def test_a_sweeps_total_sums_its_jobs_time_gpu_hours_and_the_cost_where_a_price_is_set():
+    from runner.planning.time_plan import sweep_line
+
+    plans = [a_plan(3600, 8, 2.0), a_plan(1800, 8, 2.0), a_plan(720, 1)]
+    # 102 min; 8 + 4 + 0.2 GPU-hours; $16 + $8, the third job unpriced
+    assert sweep_line(plans) == ("sweep: 3 jobs, about 102.0 min one after another, 12.2 GPU-hours, $24.00 for the 2 "
+                                 "jobs with a hardware.cost_per_gpu_hour")
+    assert sweep_line(plans[:2]) == "sweep: 2 jobs, about 90.0 min one after another, 12 GPU-hours, $24.00"
+    assert sweep_line([*plans, a_plan(60, known=False)]).startswith("sweep: 4 jobs; 1 of them have no known time")
+
+
 @pytest.mark.slow
-def test_a_cluster_sweep_past_its_time_limit_says_how_many_requeues_it_takes(workdir):
-    """Hydra's submitit launcher's time limit (hydra.launcher.timeout_min) against each job's predicted time: 2.1 and
-    4.2 hours of an 8-GPU Llama-3-8B run at the default MFU take 2 and 4 requeues of an hour; none within 10 h."""
+def test_an_estimate_past_its_cluster_time_limit_says_how_many_requeues_it_takes(workdir):
+    """Hydra's submitit launcher's time limit (hydra.launcher.timeout_min, less its signal_delay_s warning) against
+    each job's predicted time: 2.1 and 4.2 hours of an 8-GPU Llama-3-8B run at the default MFU take 2 and 4 requeues
+    of an hour; none within 10 h. A single estimate composed with the launcher says it too; planning needs no sbatch
+    (this machine's PATH holds none here)."""
     from runner.planning.time_plan import plan, requeue_line
 
     job = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "hardware=8xh100_80gb", "precision=bf16"]
-    planned = plan(composed([*job, "train.max_steps=20000"]), runs_dir=workdir)
+
+    def planned_for(steps):
+        return plan(validate(composed([*job, f"train.max_steps={steps}"]), on_this_machine=False),
+                    runs_dir=workdir / "outputs")
+
+    planned = planned_for(20000)
     assert planned.wall_s == pytest.approx(2.1 * 3600, rel=0.05)
-    assert "about 2 requeues" in requeue_line(planned, 60) and requeue_line(planned, 600) is None
+    assert "about 2 requeues" in requeue_line(planned, 60, 90) and requeue_line(planned, 600, 90) is None
+    no_slurm = {"PATH": str(workdir)}
     result = run_cli("-m", *job, "train.max_steps=20000,40000", "hydra/launcher=slurm", "hydra.launcher.timeout_min=60",
-                     cwd=workdir)
+                     cwd=workdir, env=no_slurm)
     assert result.returncode == 0, result.stderr[-2000:]
     limits = [line for line in result.stdout.splitlines() if line.startswith("time limit: ")]
-    assert len(limits) == 2 and "about 2 requeues" in limits[0] and "about 4 requeues" in limits[1], result.stdout
-    assert "hydra.launcher.timeout_min=60" in limits[0]
+    assert limits == [requeue_line(planned, 60, 90), requeue_line(planned_for(40000), 60, 90)], result.stdout
+    assert "about 4 requeues" in limits[1]
+    single = run_cli(*job, "train.max_steps=20000", "hydra/launcher=slurm", "hydra.launcher.timeout_min=60",
+                     cwd=workdir, env=no_slurm)
+    assert single.returncode == 0, single.stderr[-2000:]
+    time_line, limit_line = single.stdout.strip().splitlines()[-2:]
+    assert time_line == planned.line() and limit_line == limits[0]

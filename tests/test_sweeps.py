@@ -4,6 +4,7 @@ stops the whole sweep; the Optuna sweeper searches with the run's eval loss as i
 import csv
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -100,13 +101,31 @@ def test_an_estimate_sweep_over_glob_estimates_every_option_and_trains_nothing(w
         "== task=estimate strategy=ddp hardware.nproc_per_node=2",
         "== task=estimate strategy=fsdp hardware.nproc_per_node=2"]
     assert not (workdir / "outputs").exists()
-    # the sweep's total: its jobs' plans summed
+
+
+def test_an_estimate_sweep_prints_each_jobs_plan_and_their_total(workdir):
+    """Three jobs' plans, each after its estimate, then the sweep's: their wall times, GPU-hours and cost summed."""
+    from runner.config.spec import validate
     from runner.planning.time_plan import plan, sweep_line
 
-    priced = ["hardware.peak_bf16_tflops=10", "hardware.cost_per_gpu_hour=3"]
-    result = run_cli("-m", "task=estimate", "strategy=ddp,fsdp", "hardware.nproc_per_node=2", *priced, cwd=workdir)
+    job = ["task=estimate", "model=llama3_2_1b", "hardware=h100_80gb", "precision=bf16", "hardware.cost_per_gpu_hour=3"]
+    result = run_cli("-m", *job, "train.max_steps=10000,20000,40000", cwd=workdir)
     assert result.returncode == 0, result.stderr[-2000:]
-    plans = [plan(composed(["task=estimate", f"strategy={name}", "hardware.nproc_per_node=2", *priced]))
-             for name in ("ddp", "fsdp")]
-    assert result.stdout.strip().splitlines()[-1] == sweep_line(plans)
-    assert sweep_line(plans).startswith("sweep: 2 jobs, about ") and "$" in sweep_line(plans)
+    assert not (workdir / "outputs").exists()
+    plans = [plan(validate(composed([*job, f"train.max_steps={steps}"]), on_this_machine=False),
+                  runs_dir=workdir / "outputs") for steps in (10000, 20000, 40000)]
+    lines = result.stdout.strip().splitlines()
+    shown = [line for line in lines if line.startswith("time: ")]
+    assert shown == [planned.line() for planned in plans]
+    assert lines[-1] == sweep_line(plans)
+
+    def hours_and_cost(line):
+        return [float(value.replace(",", ""))
+                for value in re.search(r"([\d.,]+) GPU-hours, \$([\d.,]+)", line).groups()]
+
+    # the total is the sum of the jobs' plans as their lines show them (to their rounding)
+    jobs = [hours_and_cost(line) for line in shown]
+    total_hours, total_cost = hours_and_cost(lines[-1])
+    assert total_hours == pytest.approx(sum(hours for hours, _ in jobs), rel=1e-2)
+    assert total_cost == pytest.approx(sum(cost for _, cost in jobs), abs=0.02) and total_cost > 0
+    assert lines[-1].startswith("sweep: 3 jobs, about ")

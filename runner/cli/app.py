@@ -35,8 +35,16 @@ from runner.errors import (
 )
 from runner.files import complete_checkpoints
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
-from runner.planning.time_plan import plan, requeue_line, sweep_line
-from runner.processes.cluster import Task, check_launcher, current_task, requeue, requeued, submits_to_cluster
+from runner.planning.time_plan import TimePlan, plan, requeue_line, sweep_line
+from runner.processes.cluster import (
+    Task,
+    check_launcher,
+    check_submitter,
+    current_task,
+    requeue,
+    requeued,
+    submits_to_cluster,
+)
 from runner.processes.signals import SweepStop
 from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report
@@ -226,6 +234,8 @@ def checked(config: DictConfig, prefix: str = "", launcher: Optional[DictConfig]
         spec = validated(config, Path.cwd(), on_this_machine=launcher is None)
         if launcher is None:
             check_rendezvous(spec.hardware)
+        elif spec.task.runs_on_this_machine:  # an estimate submits nothing
+            check_submitter(launcher)
         return spec, shown_spec(config, spec) if print_spec else spec.task.before_launch(spec)
     except USER_ERRORS as error:
         raise LaunchRefused(f"{prefix}{one_line(error)}") from None
@@ -254,7 +264,10 @@ class ValidateSpec(Callback):
             except SpecError as error:
                 raise LaunchRefused(str(error)) from None
         if answer is not None:
-            print(answer, flush=True)
+            # An estimate composed with the submitit launcher (which only a sweep submits to) says its requeues.
+            launcher = config.hydra.launcher if submits_to_cluster(config) and not self.print_spec else None
+            planned = spec.task.planned(spec) if launcher is not None else None
+            print("\n".join(filter(None, [answer, requeues(planned, launcher)])), flush=True)
             raise NothingToLaunch()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -302,26 +315,35 @@ class ValidateSpec(Callback):
         if answered and len(answered) < len(answers):
             raise LaunchRefused("a sweep is either all task=estimate or all training jobs")
         if answered:
-            print_estimates(answered, specs, launcher)
+            # `run --cfg job` prints the specs alone: their plans would import the model's libraries.
+            plans = {} if self.print_spec else {name: specs[name].task.planned(specs[name]) for name in answered}
+            print_estimates(answered, plans, launcher)
             raise NothingToLaunch()
         if launcher is not None and not self.print_spec:
             for name, spec in specs.items():
-                requeues = requeue_line(plan(spec), launcher.timeout_min) if "timeout_min" in launcher else None
-                if requeues and spec.task.trains:
-                    print(f"{name}: {requeues}", flush=True)
+                said = requeues(plan(spec), launcher) if spec.task.trains else None
+                if said:
+                    print(f"{name}: {said}", flush=True)
 
 
-def print_estimates(answered: dict[str, str], specs: dict[str, RunSpec], launcher: Optional[DictConfig]) -> None:
-    """Each job's estimate, its cluster time limit's requeues where it passes it, then the sweep's total time."""
-    plans = []
+def print_estimates(answered: dict[str, str], plans: dict[str, Optional[TimePlan]],
+                    launcher: Optional[DictConfig]) -> None:
+    """Each job's estimate, its cluster time limit's requeues where it passes it, then the sweep's total time
+    (`plans`: each job's TimePlan, or None where its task plans no training run)."""
     for name, answer in answered.items():
-        planned = specs[name].task.planned(specs[name])
-        if planned is not None and launcher is not None and "timeout_min" in launcher:
-            answer = "\n".join(filter(None, [answer, requeue_line(planned, launcher.timeout_min)]))
-        print(f"== {name}\n{answer}\n", flush=True)
-        plans += [planned] if planned is not None else []
-    if plans:
-        print(sweep_line(plans), flush=True)
+        said = "\n".join(filter(None, [answer, requeues(plans.get(name), launcher)]))
+        print(f"== {name}\n{said}\n", flush=True)
+    planned = [planned for planned in plans.values() if planned is not None]
+    if planned:
+        print(sweep_line(planned), flush=True)
+
+
+def requeues(planned: Optional[TimePlan], launcher: Optional[DictConfig]) -> Optional[str]:
+    """How many requeues a job planned to take longer than the submitit launcher's time limit will take; None
+    where it fits, or where there is no launcher, time limit or plan."""
+    if planned is None or launcher is None or "timeout_min" not in launcher:
+        return None
+    return requeue_line(planned, launcher.timeout_min, launcher.get("signal_delay_s", 0))
 
 
 def refuse_used_directory(directory: Path, key: str) -> None:

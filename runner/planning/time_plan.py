@@ -89,16 +89,21 @@ class TimePlan:
                 f"{self.rate.source})")
 
 
-def requeue_line(planned: TimePlan, limit_min: float) -> Optional[str]:
+def requeue_line(planned: TimePlan, limit_min: float, warning_s: float = 0.0) -> Optional[str]:
     """What a cluster job whose predicted time passes its time limit (hydra.launcher.timeout_min) will take: the
-    submissions after the first that each resume from the last checkpoint; None when it fits."""
+    submissions after the first, each of which trains until SLURM's warning (`warning_s`, the launcher's
+    signal_delay_s, before the limit), when the job checkpoints and requeues itself; None when it fits."""
     limit_s = limit_min * 60
-    if not planned.known or planned.wall_s <= limit_s:
+    trains_s = limit_s - warning_s if limit_s > warning_s else limit_s
+    if not planned.known or planned.wall_s <= trains_s:
         return None
-    requeues = math.ceil(planned.wall_s / limit_s) - 1
+    requeues = math.ceil(planned.wall_s / trains_s) - 1
+    resumes = (f"the checkpoint the job writes at SLURM's warning, {readable_seconds(warning_s)} before the limit "
+               "(hydra.launcher.signal_delay_s)" if trains_s < limit_s else
+               "the last checkpoint (set train.checkpoint_every so that little is trained again)")
     return (f"time limit: about {readable_seconds(planned.wall_s)} passes the {readable_seconds(limit_s)} of "
             f"hydra.launcher.timeout_min={limit_min:g}: about {requeues} requeue{'s' if requeues > 1 else ''}, each "
-            "resuming from the last checkpoint (set train.checkpoint_every so that little is trained again)")
+            f"resuming from {resumes}")
 
 
 def sweep_line(plans: list[TimePlan]) -> str:
@@ -111,7 +116,7 @@ def sweep_line(plans: list[TimePlan]) -> str:
     priced = [planned.gpu_hours * planned.cost_per_gpu_hour for planned in plans if planned.cost_per_gpu_hour]
     cost = "" if not priced else f", ${sum(priced):,.2f}" + (
         "" if len(priced) == len(plans) else f" for the {len(priced)} jobs with a hardware.cost_per_gpu_hour")
-    unit = "GPU-hours" if all(planned.on_gpus for planned in plans) else "device-hours"
+    unit = "GPU-hours" if all(planned.on_gpus for planned in plans) else "process-hours"
     return (f"sweep: {len(plans)} jobs, about {readable_seconds(sum(planned.wall_s for planned in plans))} one after "
             f"another, {hours:,.3g} {unit}{cost}")
 

@@ -87,14 +87,18 @@ def submits_to_cluster(config: DictConfig) -> bool:
     return str(config.hydra.launcher.get("_target_", "")).startswith(SUBMITIT_LAUNCHERS)
 
 
+def check_submitter(launcher: DictConfig) -> None:
+    """A sweep whose jobs go to SLURM (not one that only plans them, task=estimate) is submitted with sbatch."""
+    if launcher._target_.endswith("SlurmLauncher") and not shutil.which("sbatch"):
+        raise SpecError("hydra/launcher=slurm submits with sbatch, which this machine does not have: submit from a "
+                        "SLURM login node, or try the sweep here with hydra/launcher=slurm_local")
+
+
 def check_launcher(launcher: DictConfig, job_config: DictConfig) -> None:
     """The submitit job of a sweep point must have one task per rank of that point's spec, as its hardware option
     declares it (before validation fills in the submitting machine's)."""
     from omegaconf.errors import OmegaConfBaseException
 
-    if launcher._target_.endswith("SlurmLauncher") and not shutil.which("sbatch"):
-        raise SpecError("hydra/launcher=slurm submits with sbatch, which this machine does not have: submit from a "
-                        "SLURM login node, or try the sweep here with hydra/launcher=slurm_local")
     declared = job_config.hardware
     if declared.accelerator == "auto" or declared.nproc_per_node is None:
         raise SpecError("a cluster job needs a hardware option that declares its nodes' devices (for example "

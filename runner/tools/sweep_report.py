@@ -163,12 +163,12 @@ def plot_curves(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
 
 def draw(axes: Any, records: dict[str, list[dict[str, Any]]], labels: dict[str, str], x: str, y: str,
          name: str) -> None:
-    """`y` against `x` for each job that logged both in one record."""
-    for job, logged in records.items():
+    """`y` against `x` for each job that logged both in one record, each job in its own colour in every panel."""
+    for number, (job, logged) in enumerate(records.items()):
         points = [(record[x], record[y]) for record in logged if x in record and y in record]
         if points:
             # Markers: a short job's single logged step is a point, which a line alone would not draw.
-            axes.plot(*zip(*points), marker="o", markersize=3, label=labels[job])
+            axes.plot(*zip(*points), marker="o", markersize=3, label=labels[job], color=f"C{number % 10}")
     axes.set_xlabel("tokens trained" if x == "tokens_seen" else x)
     axes.set_ylabel(name)
     if axes.lines:
