@@ -5,6 +5,9 @@ bench/plan_accuracy.py (docs/planning.md): a test does not depend on this machin
 
 import json
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from helpers import composed, run_cli, run_dirs
@@ -183,3 +186,23 @@ def test_an_estimate_past_its_cluster_time_limit_says_how_many_requeues_it_takes
     assert single.returncode == 0, single.stderr[-2000:]
     time_line, limit_line = single.stdout.strip().splitlines()[-2:]
     assert time_line == planned.line() and limit_line == limits[0]
+
+
+def test_cfg_job_of_an_estimate_sweep_prints_the_specs_without_plans_or_torch(workdir):
+    """`run --cfg job -m task=estimate ...` prints each point's spec; the plans, which read the model's facts, are
+    task=estimate's."""
+    probe = textwrap.dedent(
+        """
+        import sys
+        sys.argv = ["run", "--cfg", "job", "-m", "task=estimate", "strategy=ddp,fsdp", "hardware.nproc_per_node=2",
+                    "hardware.peak_bf16_tflops=10"]
+        from runner.cli.main import main
+        main()
+        print("torch imported:", "torch" in sys.modules)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=workdir, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n# hardware=auto strategy=") == 2
+    assert "time: " not in result.stdout and "sweep: " not in result.stdout
+    assert "torch imported: False" in result.stdout
