@@ -69,6 +69,7 @@ def test_hardware_without_a_figure_takes_the_default_and_without_a_peak_has_no_t
     assert not unknown.known and "the time is unknown" in unknown.line()
 
 
+@pytest.mark.slow  # trains two runs
 def test_a_finished_run_calibrates_the_plan_of_the_next_on_the_same_hardware(workdir):
     """The default job's first run has no time to predict on a CPU; its summary records the FLOP rate it reached,
     which task=estimate, and the next run's start, use; its summary holds that prediction beside its own time."""
