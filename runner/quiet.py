@@ -28,8 +28,8 @@ def quiet_loggers() -> None:
     alembic, which the Optuna sweeper imports, lists its plugins; matplotlib (the sweep report's plot) says it
     builds its font cache; huggingface_hub retries an unreachable hub five times, a warning each, before the one
     error the run reports; DTensor suggests flattening mesh dimensions whenever a tensor-parallel and FSDP-sharded
-    tensor is gathered over both (the gradient norm at each step, a checkpoint's whole weights). Errors still
-    show."""
+    tensor is gathered over both (the gradient norm at each step, a checkpoint's whole weights); lm-eval logs each
+    task it builds. Errors still show."""
     for name in ("torchao", "torch.utils._pytree", "alembic", "matplotlib.font_manager", "huggingface_hub",
                  "torch.distributed.tensor._redistribute", "lm_eval"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -296,8 +296,8 @@ class ValidateSpec(Callback):
                 job_config = loader.load_sweep_config(config, job_overrides)
             except USER_ERRORS as error:
                 raise LaunchRefused(f"{name}: {one_line(error)}") from None
-            specs[name], answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)
-            spec = specs[name]
+            spec, answers[name] = checked(job_config, f"{name}: ", launcher, self.print_spec)
+            specs[name] = spec
             if answers[name] is None and spec.task.trains:
                 training.append(spec)
         if training and not self.print_spec:

@@ -10,6 +10,7 @@ Hugging Face hub). A file's `data_files` are read relative to the file. The scor
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,11 +78,18 @@ def metric_name(task: str, metric: str, kept: str) -> str:
 
 def load_benchmarks(names: list[str], key: str, limit: Optional[int]) -> Benchmarks:
     """The named benchmarks, loaded, or a one-line SpecError naming the one that cannot be (`key`: the spec's key
-    that names them)."""
+    that names them). Loaded once a process: a job of one process runs where `run` checked them."""
     try:
-        from lm_eval.tasks import TaskManager
+        import lm_eval.tasks  # noqa: F401
     except ImportError:
         raise SpecError(f"{key} needs lm-evaluation-harness, which is not installed: {INSTALL}") from None
+    return _loaded(tuple(names), key, limit)
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded(names: tuple[str, ...], key: str, limit: Optional[int]) -> Benchmarks:
+    from lm_eval.tasks import TaskManager
+
     sources = [source(name, key) for name in names]
     registry = TaskManager() if any(isinstance(s, str) for s in sources) else TaskManager(include_defaults=False)
     tasks: dict[str, dict[str, Any]] = {"tasks": {}, "groups": {}, "group_map": {}}

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from runner.data.prompts import Prompt, PromptBatch
     from runner.engine.job import PreparedJob
 
+
 @dataclass
 class Rollout:
     generations: int  # completions per prompt

@@ -48,6 +48,7 @@ class DpoTask(PostTrainingTaskConfig):
 
     eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_rewards/accuracies": True,
                                                "eval_rewards/margins": True}
+
     @property
     def has_reference(self) -> bool:
         return self.loss is not PreferenceLossKind.simpo

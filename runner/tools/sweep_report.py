@@ -83,9 +83,9 @@ def job_rows(sweep_dir: Path, ended: bool, not_started: list[list[str]]) -> list
             "overrides": " ".join(overrides),
             "swept": overrides,
             "status": "completed" if summary else status_of(error) if error else "failed" if ended else "running",
-            **{key: summary.get(key) for key in COLUMNS[4:-1]},
+            **{key: summary.get(key) for key in [*COLUMNS[4:-1], "cost"]},
             **{f"predicted_{key}": predicted.get(key) for key in ("wall_time_s", "gpu_hours", "cost")},
-            **{key: summary[key] for key in [*OBJECTIVE_COLUMNS, "cost"] if summary.get(key) is not None},
+            **{key: summary[key] for key in OBJECTIVE_COLUMNS if key in summary},
             **{key: value for key, value in summary.items() if key.startswith(SCORES)},
             "error": error,
         })
