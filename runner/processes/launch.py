@@ -272,6 +272,14 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
         joining.close()
     try:
         return spec.task.run(spec, run_dir, ranks, identity)
+    except Exception as error:
+        # This rank's error goes to the launcher's error file before the group closes: closing it fails a peer that
+        # waits in a collective, and the launcher, seeing that peer fail first, may end this rank before the
+        # error file is written (the peer's lost connection would then be all the job could say).
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+        raise
     finally:
         dist.destroy_process_group()
 
