@@ -45,15 +45,18 @@ def name_deepspeed_accelerator(accelerator: str) -> None:
 
 @contextlib.contextmanager
 def deepspeed_setup() -> Iterator[None]:
-    """DeepSpeed prints that it built its shared-memory op whenever it sets up its collectives on the CPU, and its
-    first look at which ops this machine can build logs, at INFO, the commands of a test compile (through
-    setuptools' distutils, whose logger's name changes between versions). Its errors raise; its warnings show."""
+    """DeepSpeed as the runner runs it. On the CPU, DeepSpeed compiles a shared-memory op the first time it sets up
+    its collectives (a minute or two, and a C++ compiler), though only its inference all-reduce uses it, which the
+    runner never calls: it is marked unavailable, so that the collectives go through torch.distributed, as training's
+    always do. Its first look at which ops this machine can build logs, at INFO, the commands of a test compile
+    (through setuptools' distutils, whose logger's name changes between versions), and its setup prints. Its errors
+    raise; its warnings show."""
     import deepspeed.ops
 
     before = logging.root.manager.disable
     logging.disable(logging.INFO)
     try:
-        deepspeed.ops.__compatible_ops__  # probed once, then kept
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # probed once, then kept
     finally:
         logging.disable(before)
     with contextlib.redirect_stdout(io.StringIO()):

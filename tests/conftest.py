@@ -13,10 +13,7 @@ and short single-process training runs; the full suite is `python -m pytest`.
 pytest-xdist runs two workers (pyproject.toml's addopts), each taking whole modules; `-n 0` runs one process.
 """
 
-import glob
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -61,26 +58,6 @@ def warm_server(token_store):
     """The forkserver every `run` and worker of the tests comes from, started before the first test, so that no
     test finds it among its new processes; its children inherit its environment, the token store's place with it."""
     warm_processes()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def deepspeed_op(request):
-    """DeepSpeed compiles its CPU communication op the first time it runs on a machine (half a minute here), within
-    whichever test gets there first. On a machine without it, the first worker compiles it in the background from
-    the session's start, while the other tests run; torch's lock file makes a job that needs it first wait."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or f"{get_default_build_root()}/*"
-    needed = any("distributed" in item.keywords for item in request.session.items)
-    first_worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0") == "gw0"
-    if not needed or not first_worker or glob.glob(f"{root}/deepspeed_shm_comm/*.so"):
-        yield
-        return
-    build = subprocess.Popen([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                             env={**os.environ, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    yield
-    build.wait()  # not killed: a compile stopped midway leaves its lock behind
 
 
 @pytest.fixture(scope="session")

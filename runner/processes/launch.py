@@ -29,7 +29,6 @@ from runner.distributed import Ranks, free_port
 from runner.errors import ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files import complete_checkpoints
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
-from runner.processes.build_locks import clear_stale_build_locks
 from runner.processes.cluster import Task, check_reachable
 from runner.processes.stall_watch import StallWatch
 from runner.quiet import name_deepspeed_accelerator, quiet_loggers
@@ -77,7 +76,6 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         # within its fixed 30 s).
         **shutdown_timeout(600),
     )
-    clear_stale_build_locks()
     log = logging.getLogger("runner")
     # A spawned worker imports torch and the runner anew before it trains: seconds, which the line accounts for.
     spawned = " (spawned: each imports the libraries anew)" if config.start_method == "spawn" else ""
@@ -329,8 +327,6 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
         MASTER_ADDR=task.main_host,
         MASTER_PORT=str(task_port(task.job_id)),
     )
-    if task.local_rank == 0:
-        clear_stale_build_locks()
     return rank_main(spec, run_dir, log_format, identity, task)
 
 
