@@ -83,16 +83,26 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
     """A short run scores the four tasks every two steps on the model as its strategy placed it (one process, or
     FSDP2 over two, each rank answering half the requests); the last scores are HFLM's on the saved model, and
     train.keep_best keeps the checkpoint of the best local_copa accuracy besides the last one; task=evaluate gives
-    the saved model the same scores."""
+    the saved model the same scores. The run's time plan counts the benchmarks' forwards."""
     from helpers import resolved_spec, train_in_workers
 
-    from runner.generation.benchmarks import load_benchmarks
+    from runner.components.modeling import build_tokenizer
+    from runner.generation.benchmarks import forward_tokens, load_benchmarks
+    from runner.planning.time_plan import flops_per_token, plan
 
     overrides = ["train.max_steps=6", "train.log_every=2", "train.eval_every=2", "train.eval_batches=2",
                  "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.benchmark_every=2",
                  f"train.benchmarks=[{','.join(BENCHMARKS)}]", f"train.benchmark_limit={DOCUMENTS}",
-                 "train.keep_best=bench/local_copa/acc", "optim.lr=0.01"]
-    train_in_workers([resolved_spec(overrides)], [tmp_path / "single"], nproc=1)
+                 "train.keep_best=bench/local_copa/acc", "optim.lr=0.01", "hardware.peak_bf16_tflops=1",
+                 f"hardware.measured_runs={tmp_path / 'no runs'}"]
+    spec = resolved_spec(overrides)
+    train_in_workers([spec], [tmp_path / "single"], nproc=1)
+    predicted = json.loads((tmp_path / "single" / "summary.json").read_text())["predicted"]
+    benchmarks = load_benchmarks(BENCHMARKS, "train.benchmarks", DOCUMENTS)
+    tokens = forward_tokens(benchmarks, build_tokenizer(spec.model))
+    assert predicted["flops"] == pytest.approx(plan(spec, benchmark_tokens=tokens).flops)
+    # scored at steps 2, 4 and 6, each a forward (a third of a trained token's work) of every request's tokens
+    assert predicted["flops"] - plan(spec).flops == pytest.approx(3 * tokens * flops_per_token(spec) / 3)
     train_in_workers([resolved_spec([*overrides, "strategy=fsdp", "hardware.nproc_per_node=2"])],
                      [tmp_path / "fsdp"])
     tasks = load_benchmarks(BENCHMARKS, "train.benchmarks", DOCUMENTS).tasks

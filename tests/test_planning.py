@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from helpers import composed, run_cli, run_dirs
@@ -114,6 +115,58 @@ def test_runs_of_two_step_sizes_fit_a_fixed_part_of_a_step_and_a_part_per_flop(t
     assert found.rate.source.startswith("fitted to your 2 runs on this hardware, the nearest ")
     assert found.rate.per_step_s == pytest.approx(0.01) and found.rate.per_flop_s == pytest.approx(1e-12)
     assert found.step_s == pytest.approx(0.01 + step_flops * 1e-12) and found.rate.overhead_s == pytest.approx(2.0)
+
+
+PAIRS = Path(__file__).parent / "data" / "llama_factory" / "dpo_en_demo.json"
+PROMPTS = Path(__file__).parent / "data" / "gsm8k" / "test_head.jsonl"
+
+
+@pytest.mark.parametrize("task, passes", [
+    (["task=dpo", "data=preference_files", f"data.files={PAIRS}"], 1),  # the reference's log-probs
+    (["task=dpo", "data=preference_files", f"data.files={PAIRS}", "task.loss=simpo"], 0),  # no reference
+    (["task=grpo", "data=prompt_files", f"data.files={PROMPTS}"], 1),  # sampling
+    # sampling, the sampling policy's and the reference's log-probs, for two steps
+    (["task=grpo", "data=prompt_files", f"data.files={PROMPTS}", "task.num_iterations=2", "task.beta=0.1"], 1.5),
+])
+def test_post_training_counts_its_forward_passes_and_only_its_own_past_runs(task, passes, tmp_path):
+    """A forward pass over a step's rows besides the trained one (DPO's reference, GRPO's sampling and log-probs)
+    adds a third of the step's work; a past run of another kind of step (here next-token training, with the same
+    step size) does not stand for its rate."""
+    from runner.planning.time_plan import flops_per_token, hardware_identity, step_flops, step_tokens
+
+    common = ["hardware=cpu", "train.max_steps=10", "train.eval_every=0", "train.eval_batches=1",
+              f"hardware.measured_runs={tmp_path}"]
+    trained, _ = planned(*common)
+    spec, found = planned(*common, *task)
+    assert step_flops(spec) == pytest.approx(flops_per_token(spec) * step_tokens(spec) * (1 + passes / 3))
+    assert found.flops == pytest.approx(10 * step_flops(spec) + flops_per_token(spec) * step_tokens(spec) * 2 / 3)
+    summary = {"identity": hardware_identity(trained), "flops_per_step": step_flops(trained), "step_time_s": 0.1,
+               "steps": 10, "wall_time_s": 2.0, "run_dir": str(tmp_path / "trained")}
+    (tmp_path / "trained").mkdir()
+    (tmp_path / "trained" / "summary.json").write_text(json.dumps(summary))
+    assert planned(*common)[1].known and not planned(*common, *task)[1].known
+
+
+def test_post_training_estimate_only_prints_its_time(workdir):
+    result = run_cli("task=dpo", "data=preference_files", f"data.files={PAIRS}", "task.estimate_only=true",
+                     "hardware.peak_bf16_tflops=100", "train.max_steps=7", cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("time: ")]
+    assert line.startswith("time: 7 steps, ") and "30% MFU, the default" in line
+    assert not (workdir / "outputs").exists()
+
+
+def test_each_scoring_of_the_benchmarks_is_a_forward_of_their_tokens(tmp_path):
+    """Scored at steps 4 and 8 and after the last (10); task=estimate, which does not load them, says so."""
+    from runner.planning.time_plan import flops_per_token, plan
+
+    spec, without = planned("hardware=h100_80gb", "train.max_steps=10", "train.benchmarks=[local_copa]",
+                            "train.benchmark_every=4", f"hardware.measured_runs={tmp_path}")
+    counted = plan(spec, benchmark_tokens=1000)
+    assert counted.flops - without.flops == pytest.approx(3 * 1000 * flops_per_token(spec) / 3)
+    assert counted.wall_s > without.wall_s
+    assert without.line().endswith("; the benchmarks' forwards are not counted")
+    assert not counted.line().endswith("not counted")
 
 
 def test_a_negative_price_is_refused_in_one_line(workdir):

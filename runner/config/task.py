@@ -31,6 +31,12 @@ class TaskConfig:
     steps_per_draw: ClassVar[int] = 1
     # The metrics its evaluations log, and whether higher is better: what train.keep_best may name.
     eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False}
+    # What a step of its training does, for the time plan: a past run's measured rate stands for another run of the
+    # same kind only (next-token training: train, and task=estimate's plan of it).
+    step_kind: ClassVar[str] = "train"
+    # The forward passes a step makes over its rows besides the trained one (a reference's log-probs, sampling), which
+    # the time plan counts at a third of a trained row's work each.
+    forward_passes: ClassVar[float] = 0.0
 
     def with_absolute_paths(self, base: Path) -> TaskConfig:
         """The task's local paths absolute from `base` (the directory `run` started in); none by default."""

@@ -79,6 +79,7 @@ class PreparedJob:
     # The benchmarks' scores of the model as placed now, the same on every rank (train.benchmarks: the task sets it
     # from runner/generation/benchmarks.py); scored every train.benchmark_every steps and after the last.
     benchmarks: Optional[Callable[[PreparedJob], dict[str, float]]] = None
+    benchmark_tokens: int = 0  # what one scoring passes forward, for the time plan (rank 0's)
     keep_best: Optional[KeepBest] = None  # train.keep_best's metric and its direction
     # Under pipeline parallelism, the schedule of this rank's stages, which runs the steps' forward and backward and
     # the evaluation; `model` then holds this rank's stages only.

@@ -32,7 +32,7 @@ from runner.files import (
 )
 from runner.memory.disk import disk_need
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
-from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_tokens
+from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_flops
 from runner.processes.signals import GracefulStop, StopVote
 from runner.processes.stall_watch import StallWatch, process_watch
 from runner.strategies.protocol import unwrapped
@@ -234,7 +234,7 @@ def _start(job: PreparedJob) -> tuple[MetricsWindow, Optional[TimePlan]]:
     n_params = job.parameter_count()
     for line in overview(job, n_params):
         log.info("%s", line)
-    planned = plan(spec) if job.ranks.rank == 0 else None
+    planned = plan(spec, benchmark_tokens=job.benchmark_tokens) if job.ranks.rank == 0 else None
     if planned is not None:
         log.info("%s", planned.line())
     return MetricsWindow(flops_per_token(spec), spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size), planned
@@ -327,11 +327,11 @@ def _best(job: PreparedJob, progress: Progress) -> Optional[dict[str, Any]]:
 def _rate_reached(job: PreparedJob, progress: Progress) -> dict[str, Any]:
     """The steps' own time and the FLOP rate they reached (their work counted as the plan counts it: rows at full
     length), and on what: what later runs' plans read."""
-    spec, per_token = job.spec, flops_per_token(job.spec)
+    spec, per_step = job.spec, step_flops(job.spec)
     step_s = progress.train_time / spec.train.max_steps
-    achieved = per_token * step_tokens(spec) / step_s
+    achieved = per_step / step_s
     peak = spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size
-    return {"flops_per_token": per_token, "flops_per_step": per_token * step_tokens(spec), "step_time_s": step_s,
+    return {"flops_per_token": flops_per_token(spec), "flops_per_step": per_step, "step_time_s": step_s,
             "achieved_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
             "identity": hardware_identity(spec)}
 

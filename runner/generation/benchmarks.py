@@ -14,7 +14,7 @@ import functools
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 from runner.errors import SpecError, require
 from runner.files import bundled
@@ -152,21 +152,32 @@ def higher_is_better(tasks: dict[str, dict[str, Any]]) -> dict[str, bool]:
 def check_lengths(benchmarks: Benchmarks, tokenizer: PreTrainedTokenizerBase, seq_len: int, key: str) -> None:
     """Refuses, in one line, a benchmark whose prompt and answer (or prompt and the tokens it may generate) take
     more than data.seq_len tokens: the model was not trained on positions that far."""
-    from runner.generation.benchmark_model import DEFAULT_GENERATED
-
     for name, task in benchmarks.tasks["tasks"].items():
-        with contextlib.redirect_stderr(io.StringIO()):
-            task.build_all_requests(limit=benchmarks.limit, rank=0, world_size=1)
         longest, document = 0, None
-        for instance in task.instances:
-            if instance.request_type == "generate_until":
-                context, settings = instance.args
-                length = len(tokenizer.encode(context)) + settings.get("max_gen_toks", DEFAULT_GENERATED)
-            elif instance.request_type == "loglikelihood":
-                length = len(tokenizer.encode("".join(instance.args)))
-            else:  # loglikelihood_rolling: scored in windows of seq_len
-                continue
-            if length > longest:
+        for instance, length in request_lengths(task, benchmarks.limit, tokenizer):
+            if instance.request_type != "loglikelihood_rolling" and length > longest:  # rolling: in windows
                 longest, document = length, instance.doc_id
         require(longest <= seq_len, f"{key}: {name}'s document {document} takes {longest} tokens, more than "
                 f"data.seq_len={seq_len}; raise data.seq_len, or limit the documents (train.benchmark_limit)")
+
+
+def forward_tokens(benchmarks: Benchmarks, tokenizer: PreTrainedTokenizerBase) -> int:
+    """The tokens one scoring of the benchmarks passes forward, every generation at its longest: what the time plan
+    counts."""
+    return sum(length for task in benchmarks.tasks["tasks"].values()
+               for _, length in request_lengths(task, benchmarks.limit, tokenizer))
+
+
+def request_lengths(task: Any, limit: Optional[int], tokenizer: PreTrainedTokenizerBase) -> Iterator[tuple[Any, int]]:
+    """Each of a task's requests (lm-eval's instances) and its tokens: a prompt and answer, a prompt and the tokens
+    it may generate, or a whole document (scored in windows)."""
+    from runner.generation.benchmark_model import DEFAULT_GENERATED
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        task.build_all_requests(limit=limit, rank=0, world_size=1)
+    for instance in task.instances:
+        if instance.request_type == "generate_until":
+            context, settings = instance.args
+            yield instance, len(tokenizer.encode(context)) + settings.get("max_gen_toks", DEFAULT_GENERATED)
+        else:
+            yield instance, len(tokenizer.encode("".join(instance.args)))

@@ -3,8 +3,10 @@
 Work: FLOPs per token = 6 x trained parameters + 4 x frozen ones (forward, and the backward through them to the
 activations: a frozen weight gets no gradient of its own) + 12 x layers x width x sequence for attention (PaLM's
 count, appendix B). A step holds at most global batch x data.seq_len tokens (rows at full length; padding is not
-counted, so padded data takes less). An evaluation runs a forward (a third of the work) over train.eval_batches
-micro batches on each data-parallel rank.
+counted, so padded data takes less). A forward alone is a third of the work: an evaluation's, over train.eval_batches
+micro batches on each data-parallel rank, the task's own passes over a step's rows (task.forward_passes: DPO's
+reference, GRPO's sampling and log-probs), and each scoring of train.benchmarks where the run counted its requests'
+tokens (its own start does; task=estimate does not load the benchmarks, and says so).
 
 Rate: the FLOP/s the hardware reaches, from the first of
   1. the nearest of the user's past runs on the same hardware (device, processes, strategy, compute dtype and
@@ -63,6 +65,7 @@ class TimePlan:
     processes: int
     cost_per_gpu_hour: float
     on_gpus: bool = True  # (the line's unit: GPU-hours, or a CPU's process-hours)
+    uncounted: str = ""  # what the plan leaves out, said after its line
 
     @property
     def known(self) -> bool:
@@ -86,7 +89,7 @@ class TimePlan:
         unit = "GPU-hours" if self.on_gpus else "process-hours"
         return (f"time: {work}; about {readable_seconds(self.step_s)} a step, {readable_seconds(self.wall_s)} in all, "
                 f"{self.gpu_hours:,.3g} {unit}{cost} (at {self.rate.flops_per_s / 1e12:,.3g} TFLOP/s: "
-                f"{self.rate.source})")
+                f"{self.rate.source}){self.uncounted}")
 
 
 def requeue_line(planned: TimePlan, limit_min: float, warning_s: float = 0.0) -> Optional[str]:
@@ -149,16 +152,26 @@ def step_tokens(spec: RunSpec) -> int:
     return train.micro_batch_size * spec.layout.dp_size * train.grad_accum_steps * spec.data.seq_len
 
 
-def plan(spec: RunSpec, runs_dir: Optional[Path] = None) -> TimePlan:
+def step_flops(spec: RunSpec) -> float:
+    """A step's work: its rows trained, and the task's forward passes over them."""
+    return flops_per_token(spec) * step_tokens(spec) * (1 + spec.task.forward_passes / 3)
+
+
+def plan(spec: RunSpec, runs_dir: Optional[Path] = None, benchmark_tokens: int = 0) -> TimePlan:
     """The run's work, and its time at the rate its hardware reaches (past runs under `runs_dir`: the spec's
-    hardware.measured_runs, else ./outputs)."""
+    hardware.measured_runs, else ./outputs). `benchmark_tokens`: what one scoring of train.benchmarks passes
+    forward (0: not counted)."""
     train, hardware = spec.train, spec.hardware
-    per_token, tokens = flops_per_token(spec), step_tokens(spec)
+    per_token, per_step = flops_per_token(spec), step_flops(spec)
     evaluations = (train.max_steps // train.eval_every if train.eval_every else 0) + 2  # before, and at the end
     eval_tokens = evaluations * train.eval_batches * train.micro_batch_size * spec.layout.dp_size * spec.data.seq_len
-    flops = per_token * (train.max_steps * tokens + eval_tokens / 3)
-    rate = measured_rate(spec, per_token * tokens, Path(runs_dir or hardware.measured_runs or "outputs"))
-    step_s = rate.per_step_s + per_token * tokens * rate.per_flop_s
+    every = train.benchmark_every
+    scorings = (train.max_steps // every if every else 0) + (not every or train.max_steps % every > 0)
+    eval_tokens += scorings * benchmark_tokens
+    uncounted = "; the benchmarks' forwards are not counted" if train.benchmarks and not benchmark_tokens else ""
+    flops = train.max_steps * per_step + per_token * eval_tokens / 3
+    rate = measured_rate(spec, per_step, Path(runs_dir or hardware.measured_runs or "outputs"))
+    step_s = rate.per_step_s + per_step * rate.per_flop_s
     wall_s = 0.0
     if rate.per_flop_s:
         from runner.memory.disk import disk_need
@@ -167,8 +180,8 @@ def plan(spec: RunSpec, runs_dir: Optional[Path] = None) -> TimePlan:
         checkpoints = (train.max_steps // train.checkpoint_every if train.checkpoint_every else 0) + 1
         writing = (checkpoints * need.checkpoint + need.export) / CHECKPOINT_BYTES_PER_S
         wall_s = train.max_steps * step_s + per_token * eval_tokens / 3 * rate.per_flop_s + writing + rate.overhead_s
-    return TimePlan(train.max_steps, train.max_steps * tokens, flops, rate, step_s, wall_s, hardware.world_size,
-                    hardware.cost_per_gpu_hour, hardware.accelerator.value == "cuda")
+    return TimePlan(train.max_steps, train.max_steps * step_tokens(spec), flops, rate, step_s, wall_s,
+                    hardware.world_size, hardware.cost_per_gpu_hour, hardware.accelerator.value == "cuda", uncounted)
 
 
 def measured_rate(spec: RunSpec, step_flops: float, runs_dir: Path) -> Rate:
@@ -214,7 +227,7 @@ def hardware_identity(spec: RunSpec) -> dict[str, Any]:
     hardware = spec.hardware
     return {"device": hardware.device_name or hardware.accelerator.value, "processes": hardware.world_size,
             "strategy": spec.strategy.name, "compute_dtype": spec.precision.compute_dtype.value,
-            "compile": spec.train.compile, "adapter": spec.adapter.kind.value}
+            "compile": spec.train.compile, "adapter": spec.adapter.kind.value, "step": spec.task.step_kind}
 
 
 def past_summaries(runs_dir: Path) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 from runner.config.data import DataFormat
 from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
-from runner.tasks.train import check_training, run_training, training_inputs
+from runner.planning.time_plan import TimePlan, plan
+from runner.tasks.train import estimated_or_checked, run_training, training_inputs
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -49,9 +50,16 @@ class DpoTask(PostTrainingTaskConfig):
     eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_rewards/accuracies": True,
                                                "eval_rewards/margins": True}
 
+    step_kind: ClassVar[str] = "dpo"
+
     @property
     def has_reference(self) -> bool:
         return self.loss is not PreferenceLossKind.simpo
+
+    @property
+    def forward_passes(self) -> float:
+        """The reference's log-probs of each pair (precomputed ones too: once, before training)."""
+        return 1.0 if self.has_reference else 0.0
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         require(spec.data.format is DataFormat.preference,
@@ -65,12 +73,10 @@ class DpoTask(PostTrainingTaskConfig):
         require(self.loss in SMOOTHED or not self.label_smoothing,
                 f"task.label_smoothing is for the losses {', '.join(kind.value for kind in SMOOTHED)}, not "
                 f"task.loss={self.loss.value}")
-        if self.estimate_only:
-            from runner.memory.report import report
+        return estimated_or_checked(spec, self)
 
-            return report(spec)
-        check_training(spec, self.fit_check)
-        return None
+    def planned(self, spec: RunSpec) -> Optional[TimePlan]:
+        return plan(spec) if self.estimate_only else None
 
     def inputs(self, spec: RunSpec) -> LoadedData:
         return training_inputs(spec)

@@ -16,7 +16,8 @@ from runner.components.rewards import RewardSpec, load_reward
 from runner.config.data import DataFormat
 from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
-from runner.tasks.train import check_training, run_training, training_inputs
+from runner.planning.time_plan import TimePlan, plan
+from runner.tasks.train import estimated_or_checked, run_training, training_inputs
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -78,9 +79,18 @@ class GrpoTask(PostTrainingTaskConfig):
     def rows_per_prompt(self) -> int:
         return self.num_generations
 
+    step_kind: ClassVar[str] = "grpo"
+
     @property
     def steps_per_draw(self) -> int:
         return self.num_iterations
+
+    @property
+    def forward_passes(self) -> float:
+        """Each draw samples its rows (prompt and completion, each token once through the KV cache, at most the full
+        length), and takes the sampling policy's log-probs (num_iterations > 1) and the reference's (beta > 0); its
+        num_iterations steps share them."""
+        return (1 + (self.num_iterations > 1) + (self.beta > 0)) / self.num_iterations
 
     def with_absolute_paths(self, base: Path) -> GrpoTask:
         """A reward in a file (`path/to/file.py:function`) named from `base`."""
@@ -125,12 +135,10 @@ class GrpoTask(PostTrainingTaskConfig):
         names = [reward_name(reward) for reward in self.rewards]
         twice = sorted({name for name in names if names.count(name) > 1})
         require(not twice, f"task.rewards: two rewards are called {', '.join(twice)}; give each its own `name`")
-        if self.estimate_only:
-            from runner.memory.report import report
+        return estimated_or_checked(spec, self)
 
-            return report(spec)
-        check_training(spec, self.fit_check)
-        return None
+    def planned(self, spec: RunSpec) -> Optional[TimePlan]:
+        return plan(spec) if self.estimate_only else None
 
     def inputs(self, spec: RunSpec) -> LoadedData:
         """The prompts, checked: enough of them for a step and for every rank's evaluation, each with the fields the

@@ -11,12 +11,14 @@ from runner.compat import dtensor_flattens_a_sharded_sequence, pipeline_passes_i
 from runner.components.lora import targets
 from runner.components.trackers import check_services
 from runner.config.data import DataFormat
-from runner.config.task import TaskConfig
+from runner.config.task import PostTrainingTaskConfig, TaskConfig
 from runner.engine.checkpoint import check_resumable
 from runner.errors import require
 from runner.memory.advice import check_fit
 from runner.memory.facts import check_causal_lm, fp8_linears, meta_model
+from runner.memory.report import report
 from runner.parallel.tensor import block_plan
+from runner.planning.time_plan import plan
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -79,12 +81,26 @@ def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdenti
         if objective is not None:
             job.objective = objective(job)
         benchmarks = training_benchmarks(spec)
-        job.benchmarks = scored_during_training(benchmarks) if benchmarks is not None else None
+        if benchmarks is not None:
+            job.benchmarks = scored_during_training(benchmarks)
+            if ranks.rank == 0:
+                from runner.generation.benchmarks import forward_tokens
+
+                job.benchmark_tokens = forward_tokens(benchmarks, job.tokenizer)
         job.keep_best = kept_best(spec, benchmarks)
         summary = train(job)
     finally:
         watch.close()
     return {**summary, "objective": summary["eval_loss"]}
+
+
+def estimated_or_checked(spec: RunSpec, task: PostTrainingTaskConfig) -> Optional[str]:
+    """What a post-training task (dpo, grpo) answers before launch: with task.estimate_only, its run's memory per
+    device and time plan; otherwise nothing, once its run is checked."""
+    if task.estimate_only:
+        return f"{report(spec)}\n\n{plan(spec).line()}"
+    check_training(spec, task.fit_check)
+    return None
 
 
 def check_training(spec: RunSpec, fit_check: bool) -> None:
