@@ -38,6 +38,9 @@ register(RECIPES_DIR)
 
 # A small slice of the default corpus keeps test runs to seconds: 20 documents, 2 held out.
 SMALL_CORPUS = f"{sysconfig.get_paths()['stdlib']}/email/*.py"
+# Two of the default model's four blocks, for the tests that train it under many layouts: a strategy's work goes
+# block by block, and two blocks show it at two thirds of the time.
+TWO_BLOCKS = ["model.architecture.num_hidden_layers=2"]
 QUICK = [
     f"data.files={SMALL_CORPUS}",
     "data.eval_fraction=0.1",

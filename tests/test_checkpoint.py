@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     QUICK,
+    TWO_BLOCKS,
     hold_at_step,
     kill_at_step,
     logged,
@@ -35,7 +36,7 @@ STEPS = 12
 TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=1"]
 ONE_RANK = ["hardware.nproc_per_node=1", "train.grad_accum_steps=2"]  # the same global batch
 ARGS = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.checkpoint_every=3"]
+        "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.checkpoint_every=3", *TWO_BLOCKS]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
