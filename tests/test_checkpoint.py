@@ -68,6 +68,30 @@ def test_kill_and_resume_gives_the_same_losses(uninterrupted, tmp_path):
 
 
 @pytest.mark.signals
+def test_a_killed_run_keeps_its_best_checkpoint_and_value_across_the_resume(tmp_path):
+    """train.keep_best=eval_loss with a learning rate whose eval loss is lowest at step 2 and higher after: killed at
+    step 5 and resumed, the run still names step 2 the best (a best forgotten in the resume would take step 6's
+    worse loss), keeps its checkpoint beside the last one, and reports what the uninterrupted run reports."""
+    args = [*QUICK, *TWO_BLOCKS, "train.max_steps=8", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
+            "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.keep_best=eval_loss", "optim.lr=0.03",
+            "scheduler=constant", "scheduler.warmup_steps=0", "train.save_model=false"]
+    (tmp_path / "uninterrupted").mkdir()
+    uninterrupted = run_cli(*args, cwd=tmp_path / "uninterrupted")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+    [expected_dir] = run_dirs(tmp_path / "uninterrupted")
+    expected = json.loads((expected_dir / "summary.json").read_text())["best"]
+    evaluated = logged(expected_dir, "eval_loss")
+    assert expected["step"] == 2 and min(evaluated[step] for step in (4, 6, 8)) > evaluated[2]  # what it tests
+    run_dir = kill_at_step(args, tmp_path, 5)
+    resumed = run_cli("resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    best = json.loads((run_dir / "summary.json").read_text())["best"]
+    assert (best["step"], best["value"]) == (expected["step"], expected["value"])
+    assert best["checkpoint"] == str(run_dir / "checkpoints" / "step_00000002")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002", "step_00000008"]
+
+
+@pytest.mark.signals
 def test_a_half_written_newest_checkpoint_is_skipped(uninterrupted, tmp_path):
     run_dir = kill_at_step(ARGS, tmp_path, 8)
     # The kill may also have left the next step's checkpoint half-written, as step_<N>.partial.
