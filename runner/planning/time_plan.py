@@ -167,9 +167,9 @@ def plan(spec: RunSpec, runs_dir: Optional[Path] = None, benchmark_tokens: int =
     eval_tokens = evaluations * train.eval_batches * train.micro_batch_size * spec.layout.dp_size * spec.data.seq_len
     every = train.benchmark_every
     scorings = (train.max_steps // every if every else 0) + (not every or train.max_steps % every > 0)
-    eval_tokens += scorings * benchmark_tokens
+    forward_only = eval_tokens + scorings * benchmark_tokens  # tokens passed forward outside the steps
     uncounted = "; the benchmarks' forwards are not counted" if train.benchmarks and not benchmark_tokens else ""
-    flops = train.max_steps * per_step + per_token * eval_tokens / 3
+    flops = train.max_steps * per_step + per_token * forward_only / 3
     rate = measured_rate(spec, per_step, Path(runs_dir or hardware.measured_runs or "outputs"))
     step_s = rate.per_step_s + per_step * rate.per_flop_s
     wall_s = 0.0
@@ -179,7 +179,7 @@ def plan(spec: RunSpec, runs_dir: Optional[Path] = None, benchmark_tokens: int =
         need = disk_need(spec)
         checkpoints = (train.max_steps // train.checkpoint_every if train.checkpoint_every else 0) + 1
         writing = (checkpoints * need.checkpoint + need.export) / CHECKPOINT_BYTES_PER_S
-        wall_s = train.max_steps * step_s + per_token * eval_tokens / 3 * rate.per_flop_s + writing + rate.overhead_s
+        wall_s = train.max_steps * step_s + per_token * forward_only / 3 * rate.per_flop_s + writing + rate.overhead_s
     return TimePlan(train.max_steps, train.max_steps * step_tokens(spec), flops, rate, step_s, wall_s,
                     hardware.world_size, hardware.cost_per_gpu_hour, hardware.accelerator.value == "cuda", uncounted)
 

@@ -49,7 +49,6 @@ class DpoTask(PostTrainingTaskConfig):
 
     eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_rewards/accuracies": True,
                                                "eval_rewards/margins": True}
-
     step_kind: ClassVar[str] = "dpo"
 
     @property

@@ -74,12 +74,11 @@ class GrpoTask(PostTrainingTaskConfig):
     beta: float = 0.0
 
     eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_reward": True}
+    step_kind: ClassVar[str] = "grpo"
 
     @property
     def rows_per_prompt(self) -> int:
         return self.num_generations
-
-    step_kind: ClassVar[str] = "grpo"
 
     @property
     def steps_per_draw(self) -> int:
