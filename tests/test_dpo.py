@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import run_cli, run_dirs
+from helpers import TWO_BLOCKS, run_cli, run_dirs
 
 DATA = Path(__file__).parent / "data"
 TEMPLATES = DATA / "trl_chat_templates"
@@ -346,9 +346,10 @@ def llama3_tokenizer_dir(tmp_path_factory) -> Path:
 
 def dpo_run(pairs: Path, tokenizer_dir: Path, steps: int = 3) -> list[str]:
     return ["task=dpo", "data=preference_files", f"data.files={pairs}",
-            f"data.chat_template={TEMPLATES / 'llama3.jinja'}", f"model.tokenizer={tokenizer_dir}", "data.seq_len=128", "data.drop_long_prompts=true",
+            f"data.chat_template={TEMPLATES / 'llama3.jinja'}", f"model.tokenizer={tokenizer_dir}", "data.seq_len=128",
+            "data.drop_long_prompts=true",
             "data.eval_fraction=0.1", f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=0",
-            "train.eval_batches=1", "train.save_model=false", "train.micro_batch_size=2", "optim.lr=1e-3"]
+            "train.eval_batches=1", "train.save_model=false", "train.micro_batch_size=2", "optim.lr=1e-3", *TWO_BLOCKS]
 
 
 @pytest.mark.distributed
