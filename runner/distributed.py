@@ -1,4 +1,4 @@
-"""The distributed plumbing every layer shares: ranks, ports, cross-rank sums, plain CPU copies of tensors.
+"""The distributed plumbing every layer shares: ranks, ports, cross-rank sums and maxima, plain CPU copies of tensors.
 
 torch is imported inside the functions: the command line answers `--help` and `--cfg` without it.
 """
@@ -37,6 +37,19 @@ def all_ranks_sums(values: list[float], counted: bool = True) -> list[float]:
     totals = torch.tensor([float(value) * counted for value in values], dtype=torch.float64)
     dist.all_reduce(totals)
     return totals.tolist()
+
+
+def all_ranks_maxima(values: list[float]) -> list[float]:
+    """The largest of each of several numbers over all ranks, in one collective (the numbers themselves in a single
+    process); the least of x is minus the largest of -x."""
+    import torch
+    import torch.distributed as dist
+
+    if not process_group_up():
+        return list(values)
+    maxima = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    return maxima.tolist()
 
 
 def summed_on_device(counts: list[int], device: torch.device, counted: bool = True) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import logged, run_cli, run_dirs
+from helpers import TWO_BLOCKS, logged, run_cli, run_dirs
 from test_dpo import tiny_llama, word_tokenizer
 
 DATA = Path(__file__).parent / "data"
@@ -247,25 +247,47 @@ def test_bad_grpo_runs_are_refused_in_one_line_before_anything_starts(case, work
 
 # ---- training
 
-def grpo_run(steps: int = 3) -> list[str]:
+def grpo_run(steps: int = 3, model: tuple[str, ...] = tuple(TWO_BLOCKS)) -> list[str]:
     """recipe=cpu_grpo, shorter: groups of 4 completions, 16 a step (4 prompts), a KL to the reference; each
     prompt's group sampled on its own, whatever the layout."""
     return ["recipe=cpu_grpo", "task.num_generations=4", "task.sampling_batch_size=4", "task.beta=0.04",
             f"train.max_steps={steps}",
             "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.save_model=false",
-            "train.micro_batch_size=8"]
+            "train.micro_batch_size=8", *model]
+
+
+@pytest.fixture(scope="module")
+def stopping_policy(tmp_path_factory) -> Path:
+    """A saved two-block default model whose end-of-sequence token has 25 times its output weights (tied to its
+    input's): its completions stop after 1 to 8 tokens, where a random model's all run to the length limit."""
+    import torch
+    from helpers import resolved_spec
+
+    from runner.components.modeling import build_model, build_tokenizer
+
+    spec = resolved_spec(grpo_run())
+    tokenizer = build_tokenizer(spec.model)
+    torch.manual_seed(0)
+    model = build_model(spec.model, tokenizer)
+    with torch.no_grad():
+        model.get_output_embeddings().weight[tokenizer.eos_token_id] *= 25
+    folder = tmp_path_factory.mktemp("stopping_policy")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.mark.distributed
-def test_grpo_losses_are_the_same_under_every_strategy(tmp_path):
+def test_grpo_losses_are_the_same_under_every_strategy(stopping_policy, tmp_path):
     """One global batch of 16 completions (4 prompts x 4) a step: 1 process x 2 accumulation steps, or 2 x 1 under
     ddp, fsdp and ZeRO-2 and 3, the reference a frozen copy of the initial model placed as each strategy places it;
     with LoRA (the reference: the adapters off) under single and fsdp; two steps on each rollout under ZeRO-3. Each
     completion draws from its own seeded generator, each prompt's group sampled on its own: the same completions,
-    rewards, losses and gradient norms whatever the layout."""
+    rewards, losses and gradient norms whatever the layout. The completions stop at the end-of-sequence token
+    after 1 to 8 tokens, at different steps on each rank: the shortest and longest are the global batch's."""
     from helpers import resolved_spec, step_losses, train_in_workers
 
-    base = grpo_run()
+    base = grpo_run(model=("model=pretrained", f"model.pretrained={stopping_policy}"))
     lora = ["adapter=lora", "adapter.rank=4"]
     singles = {"full": resolved_spec([*base, "train.grad_accum_steps=2"]),
                "lora": resolved_spec([*base, *lora, "train.grad_accum_steps=2"])}
@@ -283,8 +305,14 @@ def test_grpo_losses_are_the_same_under_every_strategy(tmp_path):
     rewards = {name: list(logged(tmp_path / name, "reward").values()) for name in [*singles, *runs]}
     norms = {name: list(logged(tmp_path / name, "grad_norm").values()) for name in [*singles, *runs]}
     assert len(expected["full"]) == 3 and min(norms["full"]) > 0 and len(set(rewards["full"])) > 1
+    lengths = {name: [list(logged(tmp_path / name, f"completions/{kind}_length").values())
+                      for kind in ("min", "mean", "max")] for name in [*singles, *runs]}
+    shortest, mean, longest = lengths["full"]
+    assert all(low <= middle <= high for low, middle, high in zip(*lengths["full"])) and shortest[0] < longest[0]
+    assert 0 < min(logged(tmp_path / "full", "completions/clipped_ratio").values()) < 1
     for name, (single, _) in runs.items():
         assert rewards[name] == rewards[single], name  # the same completions, scored alike
+        assert lengths[name] == lengths[single], name  # the extremes over both ranks' completions
         assert step_losses(tmp_path / name) == pytest.approx(expected[single], rel=1e-5, abs=1e-6), name
         assert norms[name] == pytest.approx(norms[single], rel=1e-5, abs=1e-6), name
     steps = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
@@ -392,7 +420,8 @@ def test_the_trackers_record_the_reward_and_completion_metrics(workdir, monkeypa
     assert result.returncode == 0, result.stderr[-2000:]
     [run_dir] = run_dirs(workdir)
     names = ["reward", "reward_std", "frac_reward_zero_std", "rewards/lowercase/mean", "completions/mean_length",
-             "completions/clipped_ratio", "clip_ratio/region_mean", "kl", "eval_reward", "eval_rewards/lowercase/mean"]
+             "completions/min_length", "completions/max_length", "completions/clipped_ratio", "clip_ratio/region_mean",
+             "kl", "eval_reward", "eval_rewards/lowercase/mean"]
     each_tracker_logged(run_dir, names, monkeypatch)
     sampled = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert [record["step"] for record in sampled] == [1] * 4 + [2] * 4

@@ -21,7 +21,7 @@ from runner.compat import cache_keyword
 from runner.components.rewards import Reward, rewards_of
 from runner.data.batches import GlobalBatch, collate
 from runner.data.rows import columns, row_inputs
-from runner.distributed import all_ranks_sums, process_group_up
+from runner.distributed import all_ranks_maxima, all_ranks_sums, process_group_up
 from runner.engine.grpo_loss import group_advantages, token_logps
 from runner.errors import RewardFailed
 from runner.generation.decoding import Decoding, completion, next_tokens, prompt_batches
@@ -72,12 +72,16 @@ class Rollout:
             batch_std = torch.tensor(math.sqrt(max(0.0, squares - total ** 2 / count) / max(1.0, count - 1)))
         advantages, group_std = group_advantages(combined, self.generations, self.scale, batch_std)
         lengths = torch.tensor([float(len(tokens)) for tokens in new_tokens])
+        # every row carries the global batch's extremes: their mean over the global batch is the extreme itself
+        longest, shortest = all_ranks_maxima([lengths.max().item(), -lengths.min().item()])
         values = {
             "advantages": advantages,
             "reward": combined.nan_to_num(0.0),
             "reward_std": group_std.nan_to_num(0.0),
             "frac_reward_zero_std": (group_std.nan_to_num(0.0) < 1e-6).float(),
             "completions/mean_length": lengths,
+            "completions/min_length": torch.full_like(lengths, -shortest),
+            "completions/max_length": torch.full_like(lengths, longest),
             "completions/clipped_ratio": torch.tensor([float(not tokens or tokens[-1] != decoding.eos_token_id)
                                                        for tokens in new_tokens]),
             **{f"rewards/{name}/mean": torch.tensor(row).nan_to_num(0.0)
