@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+from helpers import TWO_BLOCKS, run_cli
 
 TASK_FILES = Path(__file__).parent / "data" / "benchmarks"
 BENCHMARKS = ["local_copa", *(str(TASK_FILES / f"copa_{kind}.yaml") for kind in ("loglikelihood", "rolling",
@@ -94,7 +94,7 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
                  "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.benchmark_every=2",
                  f"train.benchmarks=[{','.join(BENCHMARKS)}]", f"train.benchmark_limit={DOCUMENTS}",
                  "train.keep_best=bench/local_copa/acc", "optim.lr=0.01", "hardware.peak_bf16_tflops=1",
-                 f"hardware.measured_runs={tmp_path / 'no runs'}"]
+                 f"hardware.measured_runs={tmp_path / 'no runs'}", *TWO_BLOCKS]
     spec = resolved_spec(overrides)
     train_in_workers([spec], [tmp_path / "single"], nproc=1)
     predicted = json.loads((tmp_path / "single" / "summary.json").read_text())["predicted"]
@@ -194,7 +194,7 @@ def test_the_scores_are_the_same_under_zero3_tensor_parallelism_and_lora(tmp_pat
     from helpers import resolved_spec, train_in_workers
 
     base = ["train.max_steps=1", "train.eval_batches=1", "train.save_model=false", f"train.benchmark_limit={DOCUMENTS}",
-            f"train.benchmarks=[{','.join(BENCHMARKS[:3])}]", "train.micro_batch_size=4"]
+            f"train.benchmarks=[{','.join(BENCHMARKS[:3])}]", "train.micro_batch_size=4", *TWO_BLOCKS]
     twice = [*base, "train.grad_accum_steps=2"]
     singles = {"full": resolved_spec(twice), "lora": resolved_spec([*twice, "adapter=lora"])}
     runs = {"zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),

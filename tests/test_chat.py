@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import run_cli, run_dirs
+from helpers import TWO_BLOCKS, run_cli, run_dirs
 
 from runner.components.modeling import byte_tokenizer
 from runner.config.data import DataConfig, DataFormat
@@ -309,7 +309,7 @@ def chat_run(name: str, tokenizer_dir: Path) -> list[str]:
     return ["data=chat_files", f"data.files={path}", f"data.chat_template={TEMPLATES / f'{template}.jinja'}",
             f"model.tokenizer={tokenizer_dir}", "data.seq_len=256", "data.packing=true", "data.eval_fraction=0.1",
             f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-            "train.save_model=false", "train.micro_batch_size=2"]
+            "train.save_model=false", "train.micro_batch_size=2", *TWO_BLOCKS]
 
 
 @pytest.mark.distributed

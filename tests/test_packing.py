@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import (
     QUICK,
+    TWO_BLOCKS,
     killed_and_resumed,
     logged,
     resolved_spec,
@@ -284,7 +285,7 @@ def test_the_estimate_counts_one_chunk_of_logits_under_the_chunked_loss():
 
 STEPS = 8
 BASE = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.eval_fraction=0.1"]
+        "train.save_model=false", "train.micro_batch_size=2", "data.eval_fraction=0.1", *TWO_BLOCKS]
 
 
 def packed_run(pairs: Path) -> list[str]:
