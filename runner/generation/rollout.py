@@ -73,14 +73,14 @@ class Rollout:
         advantages, group_std = group_advantages(combined, self.generations, self.scale, batch_std)
         lengths = torch.tensor([float(len(tokens)) for tokens in new_tokens])
         # every row carries the global batch's extremes: their mean over the global batch is the extreme itself
-        longest, shortest = all_ranks_maxima([lengths.max().item(), -lengths.min().item()])
+        longest, minus_shortest = all_ranks_maxima([lengths.max().item(), -lengths.min().item()])
         values = {
             "advantages": advantages,
             "reward": combined.nan_to_num(0.0),
             "reward_std": group_std.nan_to_num(0.0),
             "frac_reward_zero_std": (group_std.nan_to_num(0.0) < 1e-6).float(),
             "completions/mean_length": lengths,
-            "completions/min_length": torch.full_like(lengths, -shortest),
+            "completions/min_length": torch.full_like(lengths, -minus_shortest),
             "completions/max_length": torch.full_like(lengths, longest),
             "completions/clipped_ratio": torch.tensor([float(not tokens or tokens[-1] != decoding.eos_token_id)
                                                        for tokens in new_tokens]),
