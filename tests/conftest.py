@@ -13,11 +13,12 @@ and short single-process training runs; the full suite is `python -m pytest`.
 pytest-xdist runs two workers (pyproject.toml's addopts), each taking whole modules; `-n 0` runs one process.
 """
 
+import importlib
 import os
 from pathlib import Path
 
 import pytest
-from helpers import warm_processes
+from helpers import WARM_IMPORTS, warm_processes
 
 # One thread per process: two workers share the two cores, and each test's processes take one each. Two runs of the
 # default job at once took 8.7 s with one thread each, 11.9 s with torch's two (one alone: 8.2 s and 7.6 s).
@@ -56,8 +57,11 @@ def token_store(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def warm_server(token_store):
     """The forkserver every `run` and worker of the tests comes from, started before the first test, so that no
-    test finds it among its new processes; its children inherit its environment, the token store's place with it."""
+    test finds it among its new processes; its children inherit its environment, the token store's place with it.
+    This process imports what the forkserver imports, and freezes it as the forkserver does (frozen_heap.py)."""
     warm_processes()
+    for module in WARM_IMPORTS:
+        importlib.import_module(module)
 
 
 @pytest.fixture(scope="session")

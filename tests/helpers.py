@@ -53,9 +53,10 @@ QUICK = [
 ]
 
 # What the forkserver imports once: what `python -m runner` imports before it runs, then what a run imports (a run
-# that saves its model imports DeepSpeed too, through transformers' save_pretrained, where it is installed).
+# that saves its model imports DeepSpeed too, through transformers' save_pretrained, where it is installed); last,
+# frozen_heap, which takes all of it out of the garbage collector's passes.
 WARM_IMPORTS = ["runner.cli.main", "torch", "transformers.models.llama.modeling_llama", "datasets",
-                "runner.engine.job", "runner.engine.loop", "deepspeed", "helpers"]
+                "runner.engine.job", "runner.engine.loop", "deepspeed", "helpers", "frozen_heap"]
 # The longest any one `run` of the tests may take before it is ended and the test fails.
 RUN_TIMEOUT_S = 600
 
