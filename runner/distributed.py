@@ -29,27 +29,24 @@ def process_group_up() -> bool:
 def all_ranks_sums(values: list[float], counted: bool = True) -> list[float]:
     """The sums of several numbers over all ranks, in one collective (the numbers themselves in a single process).
     A rank that is not `counted` adds zeros: it repeats another's shares (a tensor-parallel group's other ranks)."""
-    import torch
-    import torch.distributed as dist
-
-    if not process_group_up():
-        return list(values)
-    totals = torch.tensor([float(value) * counted for value in values], dtype=torch.float64)
-    dist.all_reduce(totals)
-    return totals.tolist()
+    return _all_reduced(values, "SUM", counted)
 
 
 def all_ranks_maxima(values: list[float]) -> list[float]:
     """The largest of each of several numbers over all ranks, in one collective (the numbers themselves in a single
     process); the least of x is minus the largest of -x."""
+    return _all_reduced(values, "MAX")
+
+
+def _all_reduced(values: list[float], op: str, counted: bool = True) -> list[float]:
     import torch
     import torch.distributed as dist
 
     if not process_group_up():
         return list(values)
-    maxima = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-    return maxima.tolist()
+    reduced = torch.tensor([float(value) * counted for value in values], dtype=torch.float64)
+    dist.all_reduce(reduced, op=getattr(dist.ReduceOp, op))
+    return reduced.tolist()
 
 
 def summed_on_device(counts: list[int], device: torch.device, counted: bool = True) -> torch.Tensor:

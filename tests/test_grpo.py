@@ -308,7 +308,7 @@ def test_grpo_losses_are_the_same_under_every_strategy(stopping_policy, tmp_path
     lengths = {name: [list(logged(tmp_path / name, f"completions/{kind}_length").values())
                       for kind in ("min", "mean", "max")] for name in [*singles, *runs]}
     shortest, mean, longest = lengths["full"]
-    assert all(low <= middle <= high for low, middle, high in zip(*lengths["full"])) and shortest[0] < longest[0]
+    assert all(low <= middle <= high for low, middle, high in zip(shortest, mean, longest)) and shortest[0] < longest[0]
     assert 0 < min(logged(tmp_path / "full", "completions/clipped_ratio").values()) < 1
     for name, (single, _) in runs.items():
         assert rewards[name] == rewards[single], name  # the same completions, scored alike
