@@ -11,7 +11,7 @@ from runner.strategies import STRATEGIES
 PACKAGE = Path(runner.__file__).resolve().parent
 # The parts of runner/, from the bottom: each may import its own modules and those of the parts below it.
 LAYERS = [
-    {"errors", "distributed", "quiet", "compat"},
+    {"errors", "distributed", "quiet", "compat", "frameworks"},
     {"files"},
     {"config"},
     {"components"},

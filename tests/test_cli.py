@@ -52,6 +52,59 @@ def test_help_does_not_import_torch(workdir):
     assert result.stdout.strip().endswith("False")
 
 
+def in_a_new_interpreter(cwd, *parts: str) -> str:
+    probe = "".join(textwrap.dedent(part) for part in parts)
+    result = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+COUNT_COLLECTIONS = """
+    import gc
+    collections = []
+    gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
+"""
+
+
+def test_the_collector_pauses_once_and_leaves_a_disabled_collector_disabled(workdir):
+    stdout = in_a_new_interpreter(workdir, COUNT_COLLECTIONS, """
+        from runner.frameworks import collector_paused
+        collections.clear()
+        with collector_paused():
+            paused = not gc.isenabled()
+            garbage = []
+            for _ in range(100_000):
+                garbage.append([garbage])
+            inside = len(collections)
+        print("first:", paused, inside, gc.isenabled(), gc.get_freeze_count() > 0)
+        frozen = gc.get_freeze_count()
+        with collector_paused():
+            print("then:", gc.isenabled(), gc.get_freeze_count() == frozen)
+        gc.unfreeze()
+        gc.disable()
+        with collector_paused():
+            pass
+        print("disabled:", gc.isenabled())
+    """)
+    assert stdout.splitlines() == ["first: True 0 True True", "then: True True", "disabled: False"]
+
+
+@pytest.mark.slow
+def test_a_jobs_checks_import_torch_and_transformers_without_a_collection(workdir):
+    """A task's checks before launch are where `run` and a cluster job's tasks first import the frameworks."""
+    stdout = in_a_new_interpreter(workdir, COUNT_COLLECTIONS, """
+        import sys
+        from pathlib import Path
+        from runner.cli.app import task_checked, validated
+        from runner.cli.compose import compose_config
+        spec = validated(compose_config(["train.max_steps=7"]), Path.cwd())
+        collections.clear()
+        task_checked(spec)
+        print("transformers.modeling_utils" in sys.modules, collections, gc.isenabled(), gc.get_freeze_count() > 0)
+    """)
+    assert stdout.strip() == "True [] True True"
+
+
 @pytest.mark.slow
 def test_installed_package_carries_conf_and_recipes(tmp_path):
     """`pip install .` (not editable) gives a runner that works outside the repository."""

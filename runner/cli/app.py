@@ -34,6 +34,7 @@ from runner.errors import (
     WriteFailed,
 )
 from runner.files import complete_checkpoints
+from runner.frameworks import collector_paused
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
 from runner.planning.time_plan import TimePlan, plan, requeue_line, sweep_line
 from runner.processes.cluster import (
@@ -110,7 +111,7 @@ def prepared_job(config: DictConfig, hydra_config: DictConfig, first: bool) -> t
     processes (`first`) writes the run directory's spec.yaml; input that cannot be read refuses the launch."""
     spec = validated(config, Path(hydra_config.runtime.cwd))
     name_deepspeed_accelerator(spec.hardware.accelerator.value)
-    spec.task.before_launch(spec)  # on a cluster's node, the first time on this machine
+    task_checked(spec)  # on a cluster's node, the first time on this machine
     run_dir = Path(hydra_config.runtime.output_dir)
     if first:
         (run_dir / "spec.yaml").write_text(spec_file(spec, hydra_config, run_dir))
@@ -216,6 +217,13 @@ def validated(config: DictConfig, started_in: Path, on_this_machine: bool = True
     return validate(with_absolute_paths(load_spec(config), started_in), on_this_machine=on_this_machine)
 
 
+def task_checked(spec: RunSpec) -> Optional[str]:
+    """The task's own checks before launch (its answer, where it launches nothing). A process imports torch and
+    transformers in them the first time: a training task builds the model on the meta device."""
+    with collector_paused():
+        return spec.task.before_launch(spec)
+
+
 hydra_main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(run_job)
 
 
@@ -236,7 +244,7 @@ def checked(config: DictConfig, prefix: str = "", launcher: Optional[DictConfig]
             check_rendezvous(spec.hardware)
         elif spec.task.runs_on_this_machine:  # an estimate submits nothing
             check_submitter(launcher)
-        return spec, shown_spec(config, spec) if print_spec else spec.task.before_launch(spec)
+        return spec, shown_spec(config, spec) if print_spec else task_checked(spec)
     except USER_ERRORS as error:
         raise LaunchRefused(f"{prefix}{one_line(error)}") from None
 

@@ -28,6 +28,7 @@ from runner.compat import shutdown_timeout
 from runner.distributed import Ranks, free_port
 from runner.errors import ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files import complete_checkpoints
+from runner.frameworks import import_frameworks
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
 from runner.processes.cluster import Task, check_reachable
 from runner.processes.stall_watch import StallWatch
@@ -242,6 +243,7 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
               task: Task | None = None) -> dict[str, Any]:
     """Runs the task as one rank of the job's process group: of the elastic launcher's workers, or the submitit job's
     `task`."""
+    import_frameworks()  # a spawned worker (CUDA) starts without them
     import torch
     import torch.distributed as dist
 
