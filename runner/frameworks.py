@@ -19,7 +19,7 @@ def collector_paused() -> Iterator[None]:
     Importing torch and transformers makes millions of objects, and each full collection during the imports walks
     all made so far: a quarter of their time (0.8 of 3.4 s on a 2-core machine), at every `run`, every spawned
     rank and every task of a cluster job. Frozen, those objects also stay out of the run's own full collections:
-    a run starts 1.2 s sooner. Freezing once only keeps the cycles of later garbage (each sweep point's config)
+    a run starts about 1.5 s sooner. Freezing once only keeps the cycles of later garbage (each sweep point's config)
     collectable."""
     if gc.get_freeze_count():  # frozen before, or by the process this one was forked from
         yield
