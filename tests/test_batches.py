@@ -3,6 +3,9 @@ gives them, no attention mask where no row is padded (transformers would read an
 and the next global batch built on a thread while the step runs, which ends with the loop and raises its errors
 in it."""
 
+import os
+import subprocess
+import sys
 import sysconfig
 import threading
 import time
@@ -260,6 +263,39 @@ def test_an_error_in_the_batches_is_raised_in_the_loop_with_where_it_happened():
     assert "a_broken_row_reader" in frames
     with pytest.raises(StopIteration):
         next(batches)
+
+
+ONE_CORE_PROBE = """
+import os, threading, torch
+from runner.data.prefetch import ahead
+
+torch.set_num_threads(2)
+torch.ones(100_000).add_(1)  # the main thread's OpenMP team, before counting
+threads = lambda: len(os.listdir("/proc/self/task"))
+before, counted = threads(), threading.Event()
+
+def permutations():
+    yield torch.randperm(100_000).numpy()  # filled in parallel: past ATen's grain of 32,768
+    yield torch.get_num_threads()
+    counted.wait(30)
+
+batches = ahead(permutations())
+next(batches)
+on_the_thread = next(batches)
+print(threads() - before, on_the_thread, torch.get_num_threads())
+counted.set()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts a process's threads in /proc")
+def test_the_thread_ahead_runs_torch_on_one_core_and_leaves_the_loops_threads_alone():
+    """A permutation of 100,000 rows on the thread ahead starts no OpenMP team beside the loop's: with two, a CPU
+    step took 1.5 times as long (runner/data/prefetch.py, on_one_core)."""
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", ONE_CORE_PROBE], env=env, capture_output=True, text=True,
+                          timeout=120, check=True)
+    new_threads, on_the_thread, on_the_loop = map(int, done.stdout.split())
+    assert (new_threads, on_the_thread, on_the_loop) == (1, 1, 2)  # the thread ahead alone, no worker of its own
 
 
 @pytest.mark.slow  # waits on a real stall report

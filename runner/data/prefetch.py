@@ -33,6 +33,7 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
         return False
 
     def build() -> None:
+        on_one_core()
         try:
             for item in items:
                 if not put((item, None)):
@@ -62,3 +63,17 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
             yield item
     finally:
         stop.set()
+
+
+def on_one_core() -> None:
+    """torch's operations on this thread run on it alone.
+
+    Nothing a batch needs is worth a parallel kernel, and a torch operation that runs one here (torch.randperm of
+    more than 32,768 rows fills them in parallel) gives this thread an OpenMP team of its own, idle but kept. With
+    more OpenMP threads than cores, libgomp stops spinning between parallel regions, and each kernel of the training
+    thread then waits to be woken: a CPU step of the default model over 35k rows took 1.5 times as long. OpenMP and
+    MKL keep the count per thread, so the training thread, which ran torch before this one started, keeps its own;
+    torch keeps one more count, for the threads it has yet to see, which starts at 1 from here on."""
+    import torch
+
+    torch.set_num_threads(1)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 from runner.config.data import DataFormat, file_kind, resolve_files
 from runner.data.chat import conversation
 from runner.data.pack import GROUP, GROUP_TOKENS, group_rows
+from runner.data.prefetch import ahead
 from runner.data.read import fields, read_item, read_records, values, work_items
 from runner.data.rows import HeldRows, RowList
 from runner.data.tokenize import Encoder, token_dtype
@@ -219,37 +220,10 @@ class StreamedRows:
 
     def rows(self, start: StreamPosition) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
         """Each row from `start` on, with the position after it; the next chunk is tokenized while this one trains."""
-        for epoch, first, rows, order in ahead(self.chunks(start)):
+        for epoch, first, rows, order in ahead(self.chunks(start), name="documents"):
             skip = start.rows if (epoch, first) == (start.epoch, start.document) else 0
             for taken in range(skip, len(rows)):
                 yield rows.row(order[taken]), StreamPosition(epoch, first, taken + 1)
-
-
-def ahead(iterator: Iterator[Any]) -> Iterator[Any]:
-    """The iterator's items, the next ones made in a thread while the caller uses the current one (tokenizers and
-    numpy release the GIL). The thread is a daemon: a process that is done does not wait for it (a hub that
-    stopped answering would keep it)."""
-    import queue
-    import threading
-
-    made: queue.Queue = queue.Queue(maxsize=1)
-
-    def make() -> None:
-        try:
-            for item in iterator:
-                made.put((item, None))
-            made.put((None, StopIteration()))
-        except BaseException as error:  # the caller's to raise: a bad document, a source gone
-            made.put((None, error))
-
-    threading.Thread(target=make, name="stream", daemon=True).start()
-    while True:
-        item, error = made.get()
-        if isinstance(error, StopIteration):
-            return
-        if error is not None:
-            raise error
-        yield item
 
 
 def position_of(saved: Optional[dict[str, int]]) -> StreamPosition:
