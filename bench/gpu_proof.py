@@ -23,7 +23,8 @@ rows (bench/compare_loops.py's plan). The sections, in the order they run (the b
                  runner's run is strategies' single, the hand loop's plan the same steps, rows and log_every
     host         the runner against the hand loop on the tiny default model, where the host's cost shows: tokens/s
     precision    Llama-3.2-1B's shapes, 4 x 2048 tokens a step: bf16 eager and compiled, fp8 tensorwise and rowwise
-                 compiled (bench/precision_throughput.py's runs): tokens/s and MFU
+                 compiled (bench/precision_throughput.py's runs): tokens/s and MFU. The bf16 MFU go to the plan's
+                 table of measured figures, runner/planning/measured_mfu.yaml, in place of this GPU's earlier ones
     memory       the memory estimate (bench/memory_accuracy.py's) against the measured peak
                  (torch.cuda.max_memory_allocated): single bf16 4 x 2048 (precision's eager run), fsdp, ZeRO-2 and
                  ZeRO-3 on one GPU, and single fp32
@@ -470,6 +471,7 @@ class Report:
         self.sections = sections
         self.targets: list[str] = []
         self.lines: list[str] = []
+        self.bf16_mfu: dict[bool, float] = {}  # compiled or eager: the 1B run's MFU, for the plan's table
 
     def get(self, key: str) -> Outcome | None:
         return self.outcomes.get(key)
@@ -666,6 +668,8 @@ class Report:
             rows.append(f"| {precision} | {blocks} | {found['tokens_per_s']:,.0f} | {ratio} | {found['mfu']:.1%} | "
                         f"{found['peak_memory_gib']:.1f} | {found['compile_time_s']:.0f} | "
                         f"{found['precision'].get('fp8_linear_layers', 0)} |")
+        self.bf16_mfu = {name == "bf16 compiled": figures[name]["mfu"] for name in ("bf16 eager", "bf16 compiled")
+                         if name in figures}
         notes = []
         if "fp8 tensorwise compiled" in figures and "bf16 compiled" in figures:
             notes.append(f"- fp8 tensorwise against bf16, both compiled: "
@@ -783,11 +787,19 @@ def main() -> None:
     proof = Proof(args, workdir)
     print(f"gpu_proof: {len(runs)} runs in {workdir}, at most {args.budget:.0f} s", flush=True)
     proof.run_all(runs)
-    figures = Report(proof, sections).build()
+    report = Report(proof, sections)
+    figures = report.build()
     print()
     print(figures)
     write_doc(args.out, figures)
     print(f"wrote {args.out} ({proof.budget.used():.0f} s)")
+    if report.bf16_mfu and torch.cuda.is_available():
+        from runner.planning.time_plan import MEASURED_MFU, record_measured_mfu
+
+        device = torch.cuda.get_device_name(0)
+        record_measured_mfu(MEASURED_MFU, device, report.bf16_mfu, "Llama-3.2-1B's shapes",
+                            datetime.date.today().isoformat())
+        print(f"added {device}'s MFU to {MEASURED_MFU} (the plan's table of measured figures)")
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -120,6 +120,7 @@ def test_installed_package_carries_conf_and_recipes(tmp_path):
     for source, shipped in (("conf", "conf"), ("recipes", "recipes")):
         expected = {p.relative_to(repo / source) for p in (repo / source).rglob("*.yaml")}
         assert {p.relative_to(target / "runner" / shipped) for p in (target / "runner" / shipped).rglob("*.yaml")} == expected
+    assert (target / "runner" / "planning" / "measured_mfu.yaml").exists()  # the plan's table of GPU figures
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}

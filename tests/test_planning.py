@@ -63,6 +63,29 @@ def test_an_h200_takes_the_measured_figure_and_the_cost_follows_the_gpu_hours(co
     assert f"{found.gpu_hours:,.3g} GPU-hours, ${found.gpu_hours * 3.5:,.2f} (at " in line
 
 
+def test_the_gpu_proofs_figures_go_to_the_table_in_place_of_its_gpus_own_and_the_plan_takes_them(tmp_path,
+                                                                                                   monkeypatch):
+    """bench/gpu_proof.py's bf16 figures for an H100, put in a copy of the shipped table twice (a second proof
+    replaces the first's rows): the H200's rows stay, and a plan on an H100 takes the H100's."""
+    from runner.planning import time_plan
+
+    table = tmp_path / "measured_mfu.yaml"
+    table.write_text(time_plan.MEASURED_MFU.read_text())
+    h100 = "NVIDIA H100 80GB HBM3"
+    time_plan.record_measured_mfu(table, h100, {False: 0.31, True: 0.45}, "Llama-3.2-1B's shapes", "2026-12-01")
+    time_plan.record_measured_mfu(table, h100, {False: 0.32, True: 0.41}, "Llama-3.2-1B's shapes", "2026-12-02")
+    rows = time_plan.measured_mfu(table)
+    assert [(row["device"], row["compile"], row["mfu"]) for row in rows] == [
+        ("NVIDIA H200", True, 0.373), ("NVIDIA H200", False, 0.299), (h100, True, 0.41), (h100, False, 0.32)]
+    assert table.read_text().startswith("# The share of a GPU's dense bf16 peak (MFU)")
+    monkeypatch.setattr(time_plan, "MEASURED_MFU", table)
+    _, found = planned("model=llama3_2_1b", "hardware=h100_80gb", "precision=bf16", "train.compile=true",
+                       f"hardware.measured_runs={tmp_path}")
+    assert found.rate.flops_per_s == pytest.approx(0.41 * 989e12)
+    assert found.rate.source == (f"41.0% MFU, the runner's figure for Llama-3.2-1B's shapes, bf16, compiled; {h100}, "
+                                 "2026-12-02")
+
+
 def test_hardware_without_a_figure_takes_the_default_and_without_a_peak_has_no_time(tmp_path):
     _, default = planned("hardware=rtx4090", "precision=bf16", f"hardware.measured_runs={tmp_path}")
     assert default.rate.source == "30% MFU, the default: no figure measured for this hardware"

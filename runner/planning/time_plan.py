@@ -11,7 +11,8 @@ tokens (its own start does; task=estimate does not load the benchmarks, and says
 Rate: the FLOP/s the hardware reaches, from the first of
   1. the nearest of the user's past runs on the same hardware (device, processes, strategy, compute dtype and
      compile), by the work per token: its summary.json records the FLOP/s it reached (`achieved_tflops`);
-  2. the runner's table of figures measured on real GPUs (MEASURED_MFU), as a share (MFU) of the declared peak;
+  2. the runner's table of figures measured on real GPUs (measured_mfu.yaml, to which bench/gpu_proof.py adds), as a
+     share (MFU) of the declared peak;
   3. DEFAULT_MFU of the declared peak.
 Hardware without a declared peak (a CPU) has only the first.
 
@@ -30,12 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
 
-# The share of the peak bf16 FLOP/s reached, measured with bench/ on real GPUs: (device name part, compute dtype,
-# compiled) -> (MFU, what and when).
-MEASURED_MFU = {
-    ("H200", "bf16", True): (0.373, "Llama-3.2-1B's shapes, bf16, compiled; H200, 2026-11"),
-    ("H200", "bf16", False): (0.299, "Llama-3.2-1B's shapes, bf16, eager; H200, 2026-11"),
-}
+MEASURED_MFU = Path(__file__).with_name("measured_mfu.yaml")
 DEFAULT_MFU = 0.30
 CHECKPOINT_BYTES_PER_S = 1 * 2**30
 
@@ -196,9 +192,10 @@ def measured_rate(spec: RunSpec, step_flops: float, runs_dir: Path) -> Rate:
         return Rate(0.0, "none")
     device = hardware.device_name or ""
     dtype = spec.precision.compute_dtype.value
-    for (name, measured_dtype, compiled), (mfu, what) in MEASURED_MFU.items():
-        if name in device and measured_dtype == dtype and compiled == spec.train.compile:
-            return Rate(1 / (mfu * peak), f"{mfu:.1%} MFU, the runner's figure for {what}")
+    for row in measured_mfu():
+        if row["device"] in device and row["compute_dtype"] == dtype and row["compile"] == spec.train.compile:
+            return Rate(1 / (row["mfu"] * peak), f"{row['mfu']:.1%} MFU, the runner's figure for {row['what']}; "
+                                                 f"{row['device']}, {row['measured']}")
     return Rate(1 / (DEFAULT_MFU * peak), f"{DEFAULT_MFU:.0%} MFU, the default: no figure measured for this hardware")
 
 
@@ -220,6 +217,27 @@ def fitted_rate(past: list[dict[str, Any]], step_flops: float) -> Rate:
                         max(0.0, mean_y - slope * mean_x), overhead)
     return Rate(nearest["step_time_s"] / nearest["flops_per_step"], f"measured by your run {nearest['run_dir']}",
                 0.0, overhead)
+
+
+def measured_mfu(table: Optional[Path] = None) -> list[dict[str, Any]]:
+    """The rows of the runner's table of figures measured on real GPUs (`table`: another copy of it)."""
+    import yaml
+
+    return yaml.safe_load((table or MEASURED_MFU).read_text())
+
+
+def record_measured_mfu(table: Path, device: str, figures: dict[bool, float], what: str, measured: str) -> None:
+    """Puts a GPU's bf16 figures (MFU, eager and compiled: `figures[compile]`) in the table, in place of its rows of
+    the same setting; the table's leading comment is kept."""
+    import yaml
+
+    kept = [row for row in measured_mfu(table)
+            if not (row["device"] == device and row["compute_dtype"] == "bf16" and row["compile"] in figures)]
+    added = [{"device": device, "compute_dtype": "bf16", "compile": compiled, "mfu": round(mfu, 4),
+              "what": f"{what}, bf16, {'compiled' if compiled else 'eager'}", "measured": measured}
+             for compiled, mfu in sorted(figures.items(), reverse=True)]
+    comment = "".join(line for line in table.read_text().splitlines(keepends=True) if line.startswith("#"))
+    table.write_text(comment + yaml.safe_dump(kept + added, sort_keys=False, allow_unicode=True))
 
 
 def hardware_identity(spec: RunSpec) -> dict[str, Any]:
