@@ -287,6 +287,7 @@ counted.set()
 """
 
 
+@pytest.mark.slow  # a new interpreter that imports torch
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts a process's threads in /proc")
 def test_the_thread_ahead_runs_torch_on_one_core_and_leaves_the_loops_threads_alone():
     """A permutation of 100,000 rows on the thread ahead starts no OpenMP team beside the loop's: with two, a CPU
