@@ -46,6 +46,7 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
             if close is not None:
                 close()
 
+    keep_this_threads_cores()
     thread = threading.Thread(target=build, name=f"{name} ahead", daemon=True)
     thread.start()
     try:
@@ -65,6 +66,16 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
         stop.set()
 
 
+def keep_this_threads_cores() -> None:
+    """Fixes the calling thread's count of torch threads at what it is now. torch gives a thread its count when the
+    thread first asks for it, from a default that on_one_core lowers to 1: a loop thread that had run no parallel
+    kernel before its thread ahead started would otherwise train on one core (torch.set_num_threads alone does not
+    fix it)."""
+    import torch
+
+    torch.get_num_threads()
+
+
 def on_one_core() -> None:
     """torch's operations on this thread run on it alone.
 
@@ -72,8 +83,8 @@ def on_one_core() -> None:
     more than 32,768 rows fills them in parallel) gives this thread an OpenMP team of its own, idle but kept. With
     more OpenMP threads than cores, libgomp stops spinning between parallel regions, and each kernel of the training
     thread then waits to be woken: a CPU step of the default model over 35k rows took 1.5 times as long. OpenMP and
-    MKL keep the count per thread, so the training thread, which ran torch before this one started, keeps its own;
-    torch keeps one more count, for the threads it has yet to see, which starts at 1 from here on."""
+    MKL keep the count per thread, and the thread that started this one fixed its own first
+    (keep_this_threads_cores); torch's default for threads it has not seen yet becomes 1."""
     import torch
 
     torch.set_num_threads(1)
