@@ -243,6 +243,7 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
               task: Task | None = None) -> dict[str, Any]:
     """Runs the task as one rank of the job's process group: of the elastic launcher's workers, or the submitit job's
     `task`."""
+    quiet_worker(spec.hardware.accelerator.value)  # before the imports: torchao's warn as they load
     import_frameworks()  # a spawned worker (CUDA) starts without them
     import torch
     import torch.distributed as dist
@@ -250,7 +251,6 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
     ranks = Ranks(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     configure_worker_logging(run_dir, ranks.rank, log_format)
     logging.getLogger("runner.rank").info("rank %d of %d, process %d", ranks.rank, ranks.world_size, os.getpid())
-    quiet_worker(spec.hardware.accelerator.value)
     if spec.hardware.accelerator.value == "cuda":
         torch.cuda.set_device(ranks.local_rank)
         # NCCL reduces CUDA tensors only. Gloo takes the CPU ones: the loop's host-side sums, and under FSDP's
