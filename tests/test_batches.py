@@ -296,9 +296,8 @@ counted.set()
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts a process's threads in /proc")
 def test_the_thread_ahead_runs_torch_on_one_core_and_leaves_the_loops_threads_alone():
     """A permutation of 100,000 rows on the thread ahead starts no OpenMP team beside the loop's: with two, a CPU
-    step took 1.5 times as long (runner/data/prefetch.py, on_one_core). The loop's thread keeps its two threads,
-    even when its first parallel kernel comes after the thread ahead lowered torch's default (keep_this_threads_cores).
-    """
+    step took 1.5 times as long (runner/data/prefetch.py's `ahead`). The loop's thread keeps its two threads, even
+    when its first parallel kernel comes after the thread ahead lowered torch's default."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     done = subprocess.run([sys.executable, "-c", ONE_CORE_PROBE], env=env, capture_output=True, text=True,
                           timeout=120, check=True)

@@ -19,7 +19,14 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
     The wait for an item is the loop's own: the stall watch (runner/processes/stall_watch.py) shows where both threads
     are; a thread that ended without an item is said in one line rather than waited on.
 
-    `items` must run no collective: every rank issues those in the same order, from its main thread."""
+    `items` must run no collective: every rank issues those in the same order, from its main thread.
+
+    The thread runs torch on one core: a parallel kernel there (torch.randperm of over 32,768 rows) gives it an idle
+    OpenMP team of its own, and with more OpenMP threads than cores libgomp wakes each kernel of the training thread
+    instead of spinning (a CPU step took 1.5 times as long). torch.set_num_threads also lowers the default a thread
+    takes when it first asks for its count, so the calling thread asks first and keeps its own."""
+    import torch
+
     ready: queue.Queue = queue.Queue(maxsize=1)
     stop = threading.Event()
 
@@ -33,7 +40,7 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
         return False
 
     def build() -> None:
-        on_one_core()
+        torch.set_num_threads(1)
         try:
             for item in items:
                 if not put((item, None)):
@@ -46,7 +53,7 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
             if close is not None:
                 close()
 
-    keep_this_threads_cores()
+    torch.get_num_threads()
     thread = threading.Thread(target=build, name=f"{name} ahead", daemon=True)
     thread.start()
     try:
@@ -64,27 +71,3 @@ def ahead(items: Iterator[T], name: str = "batches") -> Iterator[T]:
             yield item
     finally:
         stop.set()
-
-
-def keep_this_threads_cores() -> None:
-    """Fixes the calling thread's count of torch threads at what it is now. torch gives a thread its count when the
-    thread first asks for it, from a default that on_one_core lowers to 1: a loop thread that had run no parallel
-    kernel before its thread ahead started would otherwise train on one core (torch.set_num_threads alone does not
-    fix it)."""
-    import torch
-
-    torch.get_num_threads()
-
-
-def on_one_core() -> None:
-    """torch's operations on this thread run on it alone.
-
-    Nothing a batch needs is worth a parallel kernel, and a torch operation that runs one here (torch.randperm of
-    more than 32,768 rows fills them in parallel) gives this thread an OpenMP team of its own, idle but kept. With
-    more OpenMP threads than cores, libgomp stops spinning between parallel regions, and each kernel of the training
-    thread then waits to be woken: a CPU step of the default model over 35k rows took 1.5 times as long. OpenMP and
-    MKL keep the count per thread, and the thread that started this one fixed its own first
-    (keep_this_threads_cores); torch's default for threads it has not seen yet becomes 1."""
-    import torch
-
-    torch.set_num_threads(1)

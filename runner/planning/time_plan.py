@@ -231,12 +231,13 @@ def record_measured_mfu(table: Path, device: str, figures: dict[bool, float], wh
     the same setting; the table's leading comment is kept."""
     import yaml
 
-    kept = [row for row in measured_mfu(table)
+    text = table.read_text()
+    kept = [row for row in yaml.safe_load(text)
             if not (row["device"] == device and row["compute_dtype"] == "bf16" and row["compile"] in figures)]
     added = [{"device": device, "compute_dtype": "bf16", "compile": compiled, "mfu": round(mfu, 4),
               "what": f"{what}, bf16, {'compiled' if compiled else 'eager'}", "measured": measured}
              for compiled, mfu in sorted(figures.items(), reverse=True)]
-    comment = "".join(line for line in table.read_text().splitlines(keepends=True) if line.startswith("#"))
+    comment = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     table.write_text(comment + yaml.safe_dump(kept + added, sort_keys=False, allow_unicode=True))
 
 
