@@ -210,8 +210,9 @@ def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], 
     try:
         yield
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
-        # A writer that fails some other way on a filesystem left without room failed for want of it.
-        if not (refused_write(error) or free_bytes(partial) < FULL_BELOW):
+        # A writer that fails some other way on a filesystem left without room failed for want of it; one whose
+        # directory is gone failed because a peer's write was refused and the peer removed it (below).
+        if not (refused_write(error) or free_bytes(partial) < FULL_BELOW or not partial.exists()):
             raise
         shutil.rmtree(partial, ignore_errors=True)
         raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed(), trained)) from None
@@ -245,7 +246,9 @@ def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: P
     free = shutil.disk_usage(where).free
     reason, path = _refusal(error, free < needed), partial
     told = next((cause for cause in _causes(error) if isinstance(cause, OSError) and cause.strerror), None)
-    if told is not None:
+    if not partial.exists() and free >= needed:  # a peer's write was refused, for a reason it tells
+        reason = "another rank's write was refused"
+    elif told is not None and partial.exists():  # not the missing file of a directory that a peer removed
         reason, path = told.strerror, told.filename or partial
     found = complete_checkpoints(run_dir)
     last, then = ((f"the last complete checkpoint, {found[-1]}, is intact", f"continue with: run resume={run_dir}")

@@ -6,13 +6,15 @@ write is reported once, and the run goes on."""
 
 import contextlib
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from helpers import QUICK, composed, hold_at_step, run_cli, run_dirs, start_cli, step_losses
 
-from runner.files import refused_write, write_failed_line
+from runner.errors import WriteFailed
+from runner.files import refused_write, write_failed_line, written_whole
 from runner.memory.disk import disk_need
 
 pytestmark = pytest.mark.slow
@@ -146,6 +148,26 @@ def test_torch_save_cut_short_by_a_full_filesystem_is_a_refused_write_even_once_
     assert line.startswith(f"writing the checkpoint of step 6 failed: No space left on device ({partial}); it needs "
                            "about 1.0 MiB and "), line
     assert refused_write(OSError(28, "No space left on device")) and not refused_write(ValueError("a bug"))
+
+
+@pytest.mark.parametrize("room", ["full", "freed"])
+def test_a_rank_whose_checkpoint_a_peer_removed_ends_with_the_refused_write(room, tmp_path):
+    """Under DeepSpeed, a rank whose write was refused removes the half-written checkpoint while its peer still
+    writes into it; the peer's torch.save then finds no directory ("Parent directory ... does not exist"). That is
+    the same refused write, in one line, whichever rank the launcher hears first: for want of room where the
+    checkpoint still cannot fit."""
+    import torch
+
+    partial = tmp_path / "run" / "checkpoints" / "step_00000006.partial"
+    needed = 2**60 if room == "full" else MIB
+    with pytest.raises(WriteFailed) as failed:
+        with written_whole(partial, "the checkpoint of step 6", tmp_path / "run", lambda: needed):
+            (partial / "deepspeed" / "engine").mkdir(parents=True)
+            shutil.rmtree(partial)  # the peer's refusal
+            torch.save({"weights": torch.zeros(4)}, partial / "deepspeed" / "engine" / "zero_pp_rank_1_optim.pt")
+    reason = "No space left on device" if room == "full" else "another rank's write was refused"
+    line = str(failed.value)
+    assert line.startswith(f"writing the checkpoint of step 6 failed: {reason} ({partial}); "), line
 
 
 def test_a_tracker_that_cannot_write_is_reported_once_and_training_goes_on(tmp_path):
