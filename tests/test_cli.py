@@ -68,6 +68,7 @@ COUNT_COLLECTIONS = """
 
 def test_the_collector_pauses_once_and_leaves_a_disabled_collector_disabled(workdir):
     stdout = in_a_new_interpreter(workdir, COUNT_COLLECTIONS, """
+        import os
         from runner.frameworks import collector_paused
         collections.clear()
         with collector_paused():
@@ -80,13 +81,22 @@ def test_the_collector_pauses_once_and_leaves_a_disabled_collector_disabled(work
         frozen = gc.get_freeze_count()
         with collector_paused():
             print("then:", gc.isenabled(), gc.get_freeze_count() == frozen)
-        gc.unfreeze()
+        if os.fork() == 0:  # a forked process is frozen already: the collector stays on
+            with collector_paused():
+                print("forked:", gc.isenabled(), flush=True)
+            os._exit(0)
+        os.wait()
+    """)
+    assert stdout.splitlines() == ["first: True 0 True True", "then: True True", "forked: True"]
+    stdout = in_a_new_interpreter(workdir, """
+        import gc
+        from runner.frameworks import collector_paused
         gc.disable()
         with collector_paused():
             pass
-        print("disabled:", gc.isenabled())
+        print("disabled:", gc.isenabled(), gc.get_freeze_count() > 0)
     """)
-    assert stdout.splitlines() == ["first: True 0 True True", "then: True True", "disabled: False"]
+    assert stdout.strip() == "disabled: False True"
 
 
 @pytest.mark.slow
