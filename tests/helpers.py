@@ -53,10 +53,12 @@ QUICK = [
 ]
 
 # What the forkserver imports once: what `python -m runner` imports before it runs, then what a run imports (a run
-# that saves its model imports DeepSpeed too, through transformers' save_pretrained, where it is installed); last,
+# that saves its model imports DeepSpeed too, through transformers' save_pretrained, where it is installed, and each
+# rank of strategy=deepspeed imports its Muon optimizer, and torch's compiler with it, as it starts: 1.6 s); last,
 # frozen_heap, which takes all of it out of the garbage collector's passes.
 WARM_IMPORTS = ["runner.cli.main", "torch", "transformers.models.llama.modeling_llama", "datasets",
-                "runner.engine.job", "runner.engine.loop", "deepspeed", "helpers", "frozen_heap"]
+                "runner.engine.job", "runner.engine.loop", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
+                "helpers", "frozen_heap"]
 # The longest any one `run` of the tests may take before it is ended and the test fails.
 RUN_TIMEOUT_S = 600
 
@@ -305,7 +307,9 @@ def environment(added: Optional[dict[str, str]]) -> dict[str, str]:
 @functools.cache
 def warm_processes() -> multiprocessing.context.BaseContext:
     """multiprocessing's forkserver, its imports made once, after the libraries were quieted as `run` quiets them
-    before it imports them (their verbosity comes from the environment they were imported in)."""
+    before it imports them (their verbosity comes from the environment they were imported in). Python 3.11's
+    forkserver ignores the tests' sys.path as it imports (3.12 passes it on), so PYTHONPATH names the tests' own
+    modules for it; without them, every process it forked imported helpers again, and froze nothing."""
     from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 
     context = multiprocessing.get_context("forkserver")
@@ -313,6 +317,7 @@ def warm_processes() -> multiprocessing.context.BaseContext:
     before = dict(os.environ)
     quiet_libraries()
     name_deepspeed_accelerator("cpu")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), before.get("PYTHONPATH")]))
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
