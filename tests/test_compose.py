@@ -1,10 +1,12 @@
 """Every option of every group composes into a typed spec and validates (or says why not on this machine);
 the recipes have their own tests, in test_recipes.py."""
 
+import copy
 from pathlib import Path
 
 import pytest
 from helpers import composed
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from runner.cli.compose import GROUP_DIRS
@@ -61,6 +63,19 @@ def test_option_composes_and_validates(group, option, tmp_path):
     resolved = validate(spec)
     assert resolved.hardware.accelerator is not Accelerator.auto
     assert resolved.hardware.nproc_per_node >= 1
+
+
+def test_composing_leaves_the_config_store_whole_and_does_not_copy_it():
+    """Hydra copies its repository, the ConfigStore within, each time it composes: the runner shares the store
+    instead (runner/cli/compose.py's share_the_store), and two compositions of different options leave it as it
+    was."""
+    store = ConfigStore.instance()
+    composed(["strategy=fsdp"])
+    assert copy.deepcopy(store) is store
+    before = OmegaConf.to_yaml(store.load("schema/strategy/fsdp.yaml").node)
+    assert composed(["strategy=fsdp", "strategy.sharding_strategy=NO_SHARD"]).strategy.sharding_strategy.value == \
+        "NO_SHARD"
+    assert OmegaConf.to_yaml(store.load("schema/strategy/fsdp.yaml").node) == before
 
 
 def test_default_spec_is_resolved_and_typed():
