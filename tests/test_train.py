@@ -182,7 +182,7 @@ def test_the_start_shows_what_the_run_is_at_a_glance(cli_run):
     assert "LlamaForCausalLM, 0.77M parameters, random init (model.architecture: llama); tokenizer bytes" in tree[1]
     assert "email/*.py (20 files): " in tree[2] and "train sequences of 128 tokens" in tree[2]
     assert "AdamW lr 0.003, weight decay 0.1; 3 warmup steps, then cosine decay to 0.1 x lr" in tree[3]
-    assert "global batch 4 = micro batch 4 x 1 data-parallel ranks x 1 accumulation steps; 30 steps of 512 " \
+    assert "global batch 2 = micro batch 2 x 1 data-parallel ranks x 1 accumulation steps; 30 steps of 256 " \
            "tokens" in tree[4]
     assert "full logits (train.loss=auto)" in tree[5]  # a 259-token vocabulary: nothing to chunk
     assert tree[6].endswith("single, 1 process") and tree[8].endswith("metrics.jsonl")
