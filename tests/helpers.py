@@ -50,7 +50,7 @@ QUICK = [
     "train.max_steps=30",
     "train.log_every=10",
     "train.eval_every=15",
-    "train.eval_batches=4",
+    "train.eval_batches=2",
 ]
 
 # What the forkserver imports once: what `python -m runner` imports before it runs, then what a run imports (a run
