@@ -212,10 +212,12 @@ def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], 
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
         # A writer that fails some other way on a filesystem left without room failed for want of it; one whose
         # directory is gone failed because a peer's write was refused and the peer removed it (below).
-        if not (refused_write(error) or free_bytes(partial) < FULL_BELOW or not partial.exists()):
+        removed_by_peer = not partial.exists()
+        if not (refused_write(error) or free_bytes(partial) < FULL_BELOW or removed_by_peer):
             raise
         shutil.rmtree(partial, ignore_errors=True)
-        raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed(), trained)) from None
+        raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed(), trained,
+                                            removed_by_peer)) from None
 
 
 def _refusal(error: BaseException, short_of_room: bool) -> str:
@@ -238,7 +240,7 @@ def free_bytes(path: Path) -> int:
 
 
 def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: Path, needed: int,
-                      trained: bool = False) -> str:
+                      trained: bool = False, removed_by_peer: bool = False) -> str:
     failures = getattr(error, "failures", None)  # CheckpointException: each rank's (exception, traceback)
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]
@@ -246,9 +248,9 @@ def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: P
     free = shutil.disk_usage(where).free
     reason, path = _refusal(error, free < needed), partial
     told = next((cause for cause in _causes(error) if isinstance(cause, OSError) and cause.strerror), None)
-    if not partial.exists() and free >= needed:  # a peer's write was refused, for a reason it tells
-        reason = "another rank's write was refused"
-    elif told is not None and partial.exists():  # not the missing file of a directory that a peer removed
+    if removed_by_peer:  # this rank's error is the missing directory; the room left says why the peer's failed
+        reason = "No space left on device" if free < needed else "another rank's write was refused"
+    elif told is not None:
         reason, path = told.strerror, told.filename or partial
     found = complete_checkpoints(run_dir)
     last, then = ((f"the last complete checkpoint, {found[-1]}, is intact", f"continue with: run resume={run_dir}")

@@ -150,6 +150,17 @@ def test_torch_save_cut_short_by_a_full_filesystem_is_a_refused_write_even_once_
     assert refused_write(OSError(28, "No space left on device")) and not refused_write(ValueError("a bug"))
 
 
+def test_a_write_refused_with_room_left_says_the_filesystems_reason(tmp_path):
+    partial = tmp_path / "run" / "checkpoints" / "step_00000006.partial"
+    refused = partial / "model.safetensors"
+    with pytest.raises(WriteFailed) as failed:
+        with written_whole(partial, "the checkpoint of step 6", tmp_path / "run", lambda: MIB):
+            partial.mkdir(parents=True)
+            raise OSError(122, "Disk quota exceeded", str(refused))
+    assert str(failed.value).startswith(f"writing the checkpoint of step 6 failed: Disk quota exceeded ({refused}); ")
+    assert not partial.exists()
+
+
 @pytest.mark.parametrize("room", ["full", "freed"])
 def test_a_rank_whose_checkpoint_a_peer_removed_ends_with_the_refused_write(room, tmp_path):
     """Under DeepSpeed, a rank whose write was refused removes the half-written checkpoint while its peer still
