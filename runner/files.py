@@ -203,16 +203,18 @@ def refused_write(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], int], trained: bool = False):
+def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], int], trained: bool = False,
+                  shared: bool = False):
     """Writes `what` into `partial`: a write the filesystem refuses removes what was written of it and ends the run
     in one line (WriteFailed) with the path, the bytes it needs (`needed()`) and those free, the last complete
-    checkpoint and the command that continues (`trained`: the training is done, the last checkpoint holds it)."""
+    checkpoint and the command that continues (`trained`: the training is done, the last checkpoint holds it).
+    `shared`: other ranks write into `partial` too, having made it before they write."""
     try:
         yield
     except BaseException as error:  # torch.distributed.checkpoint's CheckpointException is one
         # A writer that fails some other way on a filesystem left without room failed for want of it; one whose
-        # directory is gone failed because a peer's write was refused and the peer removed it (below).
-        removed_by_peer = not partial.exists()
+        # shared directory is gone failed because a peer's write was refused and the peer removed it (below).
+        removed_by_peer = shared and isinstance(error, Exception) and not partial.exists()
         if not (refused_write(error) or free_bytes(partial) < FULL_BELOW or removed_by_peer):
             raise
         shutil.rmtree(partial, ignore_errors=True)

@@ -161,6 +161,13 @@ def test_a_write_refused_with_room_left_says_the_filesystems_reason(tmp_path):
     assert not partial.exists()
 
 
+def test_an_error_before_a_directory_of_ones_own_exists_is_not_a_refused_write(tmp_path):
+    """The model's directory is rank 0's alone, made by save_pretrained: an error before it exists is the error."""
+    with pytest.raises(ValueError, match="a bug"):
+        with written_whole(tmp_path / "run" / "model.partial", "the model", tmp_path / "run", lambda: MIB):
+            raise ValueError("a bug")
+
+
 @pytest.mark.parametrize("room", ["full", "freed"])
 def test_a_rank_whose_checkpoint_a_peer_removed_ends_with_the_refused_write(room, tmp_path):
     """Under DeepSpeed, a rank whose write was refused removes the half-written checkpoint while its peer still
@@ -172,7 +179,7 @@ def test_a_rank_whose_checkpoint_a_peer_removed_ends_with_the_refused_write(room
     partial = tmp_path / "run" / "checkpoints" / "step_00000006.partial"
     needed = 2**60 if room == "full" else MIB
     with pytest.raises(WriteFailed) as failed:
-        with written_whole(partial, "the checkpoint of step 6", tmp_path / "run", lambda: needed):
+        with written_whole(partial, "the checkpoint of step 6", tmp_path / "run", lambda: needed, shared=True):
             (partial / "deepspeed" / "engine").mkdir(parents=True)
             shutil.rmtree(partial)  # the peer's refusal
             torch.save({"weights": torch.zeros(4)}, partial / "deepspeed" / "engine" / "zero_pp_rank_1_optim.pt")

@@ -90,7 +90,8 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional
         shutil.rmtree(partial, ignore_errors=True)
     barrier()
     # Every rank writes into the directory (on several nodes, a shared filesystem makes it one directory).
-    with written_whole(partial, f"the checkpoint of step {step}", job.run_dir, lambda: disk_need(job.spec).checkpoint):
+    with written_whole(partial, f"the checkpoint of step {step}", job.run_dir, lambda: disk_need(job.spec).checkpoint,
+                       shared=job.ranks.world_size > 1):
         partial.mkdir(parents=True, exist_ok=True)
         job.stepper.save(partial, rank)
         save_tensors(partial / f"rng-rank{rank}.safetensors", _rng_state())
