@@ -60,6 +60,10 @@ QUICK = [
 WARM_IMPORTS = ["runner.cli.main", "torch", "transformers.models.llama.modeling_llama", "datasets",
                 "runner.engine.job", "runner.engine.loop", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
                 "helpers", "frozen_heap"]
+# What the forkserver imports first, for the runs alone (the tests' own processes seldom need them): pipeline
+# parallelism's stages, peft for adapters, and wandb with what its init imports (its launch inputs: 1.5 s), each
+# imported by 4 to 16 runs of the suite otherwise.
+RUN_IMPORTS = ["torch.distributed.pipelining", "peft", "wandb", "wandb.sdk.launch.inputs.internal"]
 # The longest any one `run` of the tests may take before it is ended and the test fails.
 RUN_TIMEOUT_S = 600
 
@@ -314,7 +318,7 @@ def warm_processes() -> multiprocessing.context.BaseContext:
     from runner.quiet import name_deepspeed_accelerator, quiet_libraries
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(WARM_IMPORTS)
+    context.set_forkserver_preload([*RUN_IMPORTS, *WARM_IMPORTS])
     before = dict(os.environ)
     quiet_libraries()
     name_deepspeed_accelerator("cpu")
