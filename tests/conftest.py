@@ -24,9 +24,10 @@ from helpers import WARM_IMPORTS, warm_processes
 # default job at once took 8.7 s with one thread each, 11.9 s with torch's two (one alone: 8.2 s and 7.6 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The modules start in this order of their heaviest tests, then of their number of slow tests, then of their number
-# of tests, among the tests the command selected: the cluster's first (they mostly wait on SLURM, and overlap the
-# rest), the big ones before the small ones, so that the two workers end together.
+# The modules start in this order of their heaviest tests, then of their tests that keep processes computing
+# (multi-process, not waiting on a signal or a stall), then of their slow tests, then of all their tests, among the
+# tests the command selected: the cluster's first (they mostly wait on SLURM, and overlap the rest), then those
+# that fill both cores while it waits, the big ones before the small ones, so that the two workers end together.
 KINDS = ("slow", "distributed", "cluster")
 
 
@@ -37,11 +38,12 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: the order of what runs
 def pytest_collection_modifyitems(items):
-    weights: dict[str, tuple[int, int, int]] = {}
+    weights: dict[str, tuple[int, int, int, int]] = {}
     for item in items:
         kind = max((rank + 1 for rank, marker in enumerate(KINDS) if marker in item.keywords), default=0)
-        heaviest, slow, count = weights.get(item.module.__name__, (0, 0, 0))
-        weights[item.module.__name__] = (max(heaviest, kind), slow + (kind > 0), count + 1)
+        computing = "distributed" in item.keywords and "signals" not in item.keywords
+        heaviest, busy, slow, count = weights.get(item.module.__name__, (0, 0, 0, 0))
+        weights[item.module.__name__] = (max(heaviest, kind), busy + computing, slow + (kind > 0), count + 1)
     items.sort(key=lambda item: weights[item.module.__name__], reverse=True)  # stable: each module keeps its order
 
 

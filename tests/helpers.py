@@ -39,10 +39,11 @@ register(RECIPES_DIR)
 # A small slice of the default corpus keeps test runs to seconds: 20 documents, 2 held out, in steps of two rows
 # of 128 tokens (a step of four took 44 ms here, one of two 25 ms: the same code, half the arithmetic).
 SMALL_CORPUS = f"{sysconfig.get_paths()['stdlib']}/email/*.py"
-# Two of the default model's four blocks, for the tests that train it under many layouts: a strategy's work goes
-# block by block, and two blocks show it at two thirds of the time.
+# Two of the default model's four blocks: a strategy's work goes block by block, and two blocks show it in two thirds
+# of the time (a step's time is its arithmetic's here).
 TWO_BLOCKS = ["model.architecture.num_hidden_layers=2"]
-QUICK = [
+# The data and steps of a quick run, for the tests that bring their own model (model=pretrained).
+QUICK_STEPS = [
     f"data.files={SMALL_CORPUS}",
     "data.eval_fraction=0.1",
     "data.seq_len=128",
@@ -52,6 +53,7 @@ QUICK = [
     "train.eval_every=15",
     "train.eval_batches=2",
 ]
+QUICK = [*QUICK_STEPS, *TWO_BLOCKS]
 
 # What the forkserver imports once: what `python -m runner` imports before it runs, then what a run imports (a run
 # that saves its model imports DeepSpeed too, through transformers' save_pretrained, where it is installed, and each

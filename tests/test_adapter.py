@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, TWO_BLOCKS, killed_and_resumed, resolved_spec, run_cli, step_losses, train_in_workers
+from helpers import QUICK, killed_and_resumed, resolved_spec, run_cli, step_losses, train_in_workers
 from safetensors import safe_open
 
 from runner.engine.job import prepare_job
@@ -15,7 +15,7 @@ from runner.errors import SpecError
 
 STEPS = 8
 BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.micro_batch_size=2", "data.seq_len=64", *TWO_BLOCKS]
+        "train.micro_batch_size=2", "data.seq_len=64"]
 LORA = [*BASE, "adapter=lora", "adapter.rank=4", "train.save_model=false"]
 # A tiny model wide enough for every adapted weight to split into whole NF4 scale blocks on two processes.
 QLORA = [*BASE, "adapter=qlora", "adapter.rank=4", "train.save_model=false", "model.architecture.hidden_size=256",

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from helpers import (
     QUICK,
-    TWO_BLOCKS,
     hold_at_step,
     kill_at_step,
     logged,
@@ -36,7 +35,7 @@ STEPS = 12
 TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=1"]
 ONE_RANK = ["hardware.nproc_per_node=1", "train.grad_accum_steps=2"]  # the same global batch
 ARGS = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.checkpoint_every=3", *TWO_BLOCKS]
+        "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.checkpoint_every=3"]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -72,7 +71,7 @@ def test_a_killed_run_keeps_its_best_checkpoint_and_value_across_the_resume(tmp_
     """train.keep_best=eval_loss with a learning rate whose eval loss is lowest at step 2 and higher after: killed at
     step 5 and resumed, the run still names step 2 the best (a best forgotten in the resume would take step 6's
     worse loss), keeps its checkpoint beside the last one, and reports what the uninterrupted run reports."""
-    args = [*QUICK, *TWO_BLOCKS, "train.max_steps=8", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
+    args = [*QUICK, "train.max_steps=8", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
             "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.keep_best=eval_loss", "optim.lr=0.03",
             "scheduler=constant", "scheduler.warmup_steps=0", "train.save_model=false"]
     (tmp_path / "uninterrupted").mkdir()

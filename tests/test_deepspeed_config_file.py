@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, TWO_BLOCKS, composed, resolved_spec, run_cli
+from helpers import QUICK, composed, resolved_spec, run_cli
 
 from runner.config.precision import Dtype
 from runner.config.scheduler import Decay
@@ -95,7 +95,7 @@ def test_every_real_deepspeed_json_is_read_or_refused_in_one_line(name):
     assert not [path for path, value in leaves(deepspeed_config(spec)) if value == "auto"]
 
 
-SHORT = [*QUICK, *TWO_BLOCKS, "train.max_steps=4", "train.log_every=2", "train.eval_every=0", "train.eval_batches=2",
+SHORT = [*QUICK, "train.max_steps=4", "train.log_every=2", "train.eval_every=0", "train.eval_batches=2",
          "train.save_model=false"]
 
 

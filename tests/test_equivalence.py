@@ -8,7 +8,7 @@ none of them.
 
 
 import pytest
-from helpers import QUICK, TWO_BLOCKS, logged, resolved_spec, step_losses, train_in_workers
+from helpers import QUICK, logged, resolved_spec, step_losses, train_in_workers
 
 from runner.config.scheduler import lr_factor
 from runner.engine.job import prepare_job
@@ -17,7 +17,7 @@ from runner.engine.loop import train
 STEPS = 10
 # Global batch 8 = micro batch 2 x 4 accumulation steps in one process, or x 2 ranks x 2 steps.
 BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", *TWO_BLOCKS]
+        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64"]
 TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=2"]
 FSDP = ["strategy=fsdp"]
 VARIANTS = {

@@ -20,7 +20,7 @@ from runner.memory.activations import ActivationDtypes, activation_bytes, layer_
 from runner.memory.advice import cheapest_fits, check_fit, fit
 from runner.memory.facts import LayerShape, facts_of, meta_model
 from runner.memory.report import report
-from runner.memory.terms import estimate, gib
+from runner.memory.terms import FP32, estimate, gib
 
 GIB = 1024**3
 
@@ -282,14 +282,16 @@ def _held_bytes(ranks, specs):
 def _compare(cases, nproc, measured_by_rank):
     for name, overrides in cases.items():
         spec = resolved_spec([*TINY, *overrides, f"hardware.nproc_per_node={nproc}"])
-        result = estimate(spec, facts_of(spec.model))
+        facts = facts_of(spec.model)
+        result = estimate(spec, facts)
         estimated = {"weights": result.weights.bytes, "gradients": result.gradients.bytes,
                      "optimizer states": result.optimizer_states.bytes}
         for part, value in estimated.items():
             measured = max(rank[name][part] for rank in measured_by_rank)  # rank 0 holds the largest shards
-            # Exact for the torch strategies; DeepSpeed's ZeRO-1/2 keep whole gradients at partition edges,
-            # which the estimate bounds by the largest parameter.
-            assert measured <= value <= measured * 1.03 + 1, (name, part, value, measured)
+            # Within padding for the torch strategies; DeepSpeed's ZeRO-1/2 keep whole gradients at partition
+            # edges, which the estimate bounds by the largest parameter.
+            edges = facts.largest_parameter * FP32 if part == "gradients" and "ZeRO-" in name else 0
+            assert measured <= value <= measured * 1.03 + edges + 1, (name, part, value, measured)
 
 
 @pytest.fixture(scope="module")

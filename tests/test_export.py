@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, TWO_BLOCKS, resolved_spec, run_in_workers
+from helpers import QUICK, resolved_spec, run_in_workers
 from transformers import AutoModelForCausalLM
 
 from runner.engine.job import prepare_job
@@ -41,7 +41,7 @@ def _train_and_probe(ranks, specs, run_dirs):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    specs = [resolved_spec([*QUICK, *TWO_BLOCKS, *overrides, "hardware.nproc_per_node=2", "train.max_steps=3",
+    specs = [resolved_spec([*QUICK, *overrides, "hardware.nproc_per_node=2", "train.max_steps=3",
                             "train.eval_every=0", "train.micro_batch_size=2"]) for overrides in STRATEGIES.values()]
     run_dirs = [str(tmp_path_factory.mktemp(name.split()[0])) for name in STRATEGIES]
     return dict(zip(STRATEGIES, run_in_workers(_train_and_probe, specs, run_dirs, nproc=2)[0]))

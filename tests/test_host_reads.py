@@ -18,14 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, TWO_BLOCKS, resolved_spec, run_in_workers
+from helpers import QUICK, resolved_spec, run_in_workers
 from host_reads import counting_host_reads
 
 DATA = Path(__file__).parent / "data"
 ALPACA = DATA / "llama_factory" / "alpaca_en_demo.json"  # tests/data/llama_factory/SOURCE.md
 DPO_DEMO = DATA / "llama_factory" / "dpo_en_demo.json"
 STEPS, LOG_EVERY = 6, 3
-BASE = [*QUICK, *TWO_BLOCKS, f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0",
+BASE = [*QUICK, f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0",
         "train.checkpoint_every=0", "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64",
         "train.grad_accum_steps=2", "train.eval_batches=1"]
 INSTRUCTION = ["data=instruction_files", f"data.files={ALPACA}", "data.prompt_field=instruction",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, logged, resolved_spec, run_cli, step_losses, train_in_workers
+from helpers import QUICK, QUICK_STEPS, logged, resolved_spec, run_cli, step_losses, train_in_workers
 
 from runner.compat import pipeline_passes_integer_tensors
 from runner.engine.job import prepare_job
@@ -22,8 +22,9 @@ trains_a_pipeline = pytest.mark.skipif(not pipeline_passes_integer_tensors(),
 
 STEPS = 10
 # Global batch 8: micro batch 2 x 4 accumulation steps in one process and under pp 2 alone (one data-parallel rank:
-# the schedule's 4 microbatches), x 2 data-parallel ranks x 2 steps on four processes.
-BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=5", "train.eval_batches=3",
+# the schedule's 4 microbatches), x 2 data-parallel ranks x 2 steps on four processes. The default model's four
+# blocks: Interleaved1F1B cuts four stages.
+BASE = [*QUICK_STEPS, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=5", "train.eval_batches=3",
         "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64"]
 PP = ["strategy=fsdp", "strategy.pp_size=2"]
 LAYOUTS = {

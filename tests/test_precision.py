@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, TWO_BLOCKS, composed, resolved_spec, run_in_workers
+from helpers import QUICK, composed, resolved_spec, run_in_workers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -29,7 +29,7 @@ STEPS = 6
 OVERFLOW_STEP = 3
 BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
         "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", "scheduler=constant",
-        "scheduler.warmup_steps=0", *TWO_BLOCKS]
+        "scheduler.warmup_steps=0"]
 TWO_RANKS = ["hardware.nproc_per_node=2"]
 # A small initial loss scale, so that the only overflow is the one the test injects.
 FP16 = ["precision=fp16", "precision.initial_loss_scale=1024"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, TWO_BLOCKS, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
+from helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
 
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
@@ -22,8 +22,7 @@ STEPS = 6
 # SGD without clipping: each update is proportional to the gradient, so that a gradient off by the group's size
 # shows in the losses (Adam's and clipping's scale invariance would hide it).
 BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", "optim=sgd", "train.max_grad_norm=0",
-        *TWO_BLOCKS]
+        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", "optim=sgd", "train.max_grad_norm=0"]
 SP = ["strategy=deepspeed", "strategy.sp_size=2"]
 LAYOUTS = {
     "sp 2, ZeRO-2": (2, [*SP, "train.grad_accum_steps=4"]),

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, TWO_BLOCKS, composed, logged, run_cli, run_dirs
+from helpers import QUICK, composed, logged, run_cli, run_dirs
 
 from runner.cli.app import validated
 from runner.cli.compose import compose_config
@@ -111,7 +111,7 @@ def test_a_forked_cuda_worker_is_refused_before_anything_starts(monkeypatch):
 
 
 # Three steps: the first step's loss (the initial weights, the first batch) and two updates.
-RUN = [*QUICK, *TWO_BLOCKS, "hardware.nproc_per_node=2", "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
+RUN = [*QUICK, "hardware.nproc_per_node=2", "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
        "train.save_model=false"]
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, resolved_spec, run_in_workers
+from helpers import QUICK, QUICK_STEPS, TWO_BLOCKS, resolved_spec, run_in_workers
 
 from runner.components.modeling import build_model, build_tokenizer
 from runner.engine.job import prepare_job
@@ -12,7 +12,8 @@ from runner.strategies.protocol import unwrapped
 
 pytestmark = pytest.mark.distributed
 
-BASE = [*QUICK, "hardware.nproc_per_node=2", "strategy=fsdp", "train.micro_batch_size=2", "train.save_model=false"]
+BASE = [*QUICK_STEPS, "hardware.nproc_per_node=2", "strategy=fsdp", "train.micro_batch_size=2",
+        "train.save_model=false"]
 
 
 def _inspect(ranks, cases, run_dir):
@@ -69,15 +70,18 @@ def pretrained(tmp_path_factory):
 @pytest.fixture(scope="module")
 def facts(pretrained, tmp_path_factory):
     from_pretrained = ["model=pretrained", f"model.pretrained={pretrained}"]
-    cases = {
+    random_init = {
         "FULL_SHARD": [],
         "SHARD_GRAD_OP": ["strategy.sharding_strategy=SHARD_GRAD_OP"],
         "NO_SHARD": ["strategy.sharding_strategy=NO_SHARD"],
         "NO_WRAP": ["strategy.auto_wrap_policy=NO_WRAP"],
         "SIZE_BASED_WRAP": ["strategy.auto_wrap_policy=SIZE_BASED_WRAP", "strategy.min_num_params=40000"],
         "activation_checkpointing": ["strategy.activation_checkpointing=true"],
-        "forward_prefetch": ["strategy.forward_prefetch=2"],
+        # three blocks: the first has two to prefetch
+        "forward_prefetch": ["strategy.forward_prefetch=2", "model.architecture.num_hidden_layers=3"],
         "offload_params": ["strategy.offload_params=true"],
+    }
+    cases = {name: [*TWO_BLOCKS, *overrides] for name, overrides in random_init.items()} | {
         "loading everywhere": from_pretrained,
         "cpu_ram_efficient_loading": [*from_pretrained, "strategy.cpu_ram_efficient_loading=true"],
     }
@@ -101,7 +105,7 @@ def test_full_shard_reshards_after_forward_and_shard_grad_op_does_not(facts):
 
 
 def test_wrap_policies_choose_the_units(facts):
-    layers = 4
+    layers = 2
     assert facts[0]["FULL_SHARD"]["units"] == layers + 1  # each decoder layer, and the root
     assert facts[0]["NO_WRAP"]["units"] == 1
     assert layers + 1 < facts[0]["SIZE_BASED_WRAP"]["units"]  # each large linear layer becomes a unit

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUICK, TWO_BLOCKS, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
+from helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
 
 from runner.compat import dtensor_flattens_a_sharded_sequence
 from runner.engine.job import prepare_job
@@ -20,7 +20,7 @@ STEPS = 10
 # Global batch 8: micro batch 2 x 4 accumulation steps in one process and under tp 2 alone (one data-parallel rank),
 # x 2 data-parallel ranks x 2 steps on four processes.
 BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", *TWO_BLOCKS]
+        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64"]
 TP = ["strategy=fsdp", "strategy.tp_size=2"]
 LAYOUTS = {
     "tp 2": (2, [*TP, "train.grad_accum_steps=4"]),

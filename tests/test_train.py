@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import QUICK, resolved_spec, run_cli, run_dirs
+from helpers import QUICK, QUICK_STEPS, resolved_spec, run_cli, run_dirs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runner.components.modeling import build_tokenizer
@@ -91,7 +91,7 @@ def test_spec_file_is_resolved_and_recomposes_into_the_same_job(cli_run):
     original = run_cli(*QUICK, "--cfg", "job", cwd=workdir)
     assert yaml.safe_load(again.stdout) == yaml.safe_load(original.stdout)
     # A group's section holds what differs from its option: the file composes with another option of the group.
-    assert "task" not in written and "model" not in written
+    assert "task" not in written and written["model"] == {"architecture": {"num_hidden_layers": 2}}
     for other in (["task=estimate"], ["strategy=ddp", "hardware.nproc_per_node=2", "task=estimate"]):
         estimate = run_cli("--config-dir", str(run_dir), "--config-name", "spec", *other, cwd=workdir)
         assert estimate.returncode == 0, estimate.stderr
@@ -103,7 +103,7 @@ def test_saved_model_continues_as_a_pretrained_model(cli_run):
     """from_pretrained of the saved model, on the same eval split, starts at the loss the first run ended on."""
     workdir, run_dir, _ = cli_run
     first = json.loads((run_dir / "summary.json").read_text())
-    result = run_cli(*QUICK, "model=pretrained", f"model.pretrained={run_dir / 'model'}", "train.max_steps=2",
+    result = run_cli(*QUICK_STEPS, "model=pretrained", f"model.pretrained={run_dir / 'model'}", "train.max_steps=2",
                      "train.log_every=1", "train.eval_every=0", cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     second_dir = [d for d in run_dirs(workdir) if d != run_dir][0]
@@ -179,7 +179,7 @@ def test_the_start_shows_what_the_run_is_at_a_glance(cli_run):
     assert [line.split()[:2] for line in tree[1:]] == [
         ["├─", "model"], ["├─", "data"], ["├─", "optimizer"], ["├─", "batch"], ["├─", "loss"], ["├─", "strategy"],
         ["├─", "precision"], ["└─", "trackers"]]
-    assert "LlamaForCausalLM, 0.77M parameters, random init (model.architecture: llama); tokenizer bytes" in tree[1]
+    assert "LlamaForCausalLM, 0.40M parameters, random init (model.architecture: llama); tokenizer bytes" in tree[1]
     assert "email/*.py (20 files): " in tree[2] and "train sequences of 128 tokens" in tree[2]
     assert "AdamW lr 0.003, weight decay 0.1; 3 warmup steps, then cosine decay to 0.1 x lr" in tree[3]
     assert "global batch 2 = micro batch 2 x 1 data-parallel ranks x 1 accumulation steps; 30 steps of 256 " \
