@@ -103,6 +103,22 @@ def test_an_estimate_sweep_over_glob_estimates_every_option_and_trains_nothing(w
     assert not (workdir / "outputs").exists()
 
 
+def test_a_sweep_set_by_hydra_mode_in_a_recipe_or_on_the_command_line_sweeps_without_m(workdir):
+    """`hydra.mode: MULTIRUN` with the sweeper's params, as Hydra lets a config declare its sweep: `run` reads the
+    mode Hydra composes where a recipe or the command line may set it (and decides it from `-m` alone elsewhere)."""
+    (workdir / "recipes").mkdir()
+    (workdir / "recipes" / "two_strategies.yaml").write_text(
+        "# @package _global_\n# a sweep declared in a recipe\ndefaults:\n  - override /task: estimate\n"
+        "hardware: {nproc_per_node: 2}\nhydra: {mode: MULTIRUN, sweeper: {params: {strategy: 'ddp,fsdp'}}}\n")
+    for args in (["recipe=two_strategies"],
+                 ["hydra.mode=MULTIRUN", "task=estimate", "hardware.nproc_per_node=2", "strategy=ddp,fsdp"]):
+        result = run_cli(*args, cwd=workdir)
+        assert result.returncode == 0, result.stderr[-2000:]
+        jobs = [re.search(r"strategy=\w+", line).group() for line in result.stdout.splitlines()
+                if line.startswith("== ")]
+        assert jobs == ["strategy=ddp", "strategy=fsdp"], (args, result.stdout[-2000:])
+
+
 def test_an_estimate_sweep_prints_each_jobs_plan_and_their_total(workdir):
     """Three jobs' plans, each after its estimate, then the sweep's: their wall times, GPU-hours and cost summed."""
     from runner.config.spec import validate

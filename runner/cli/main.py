@@ -15,7 +15,14 @@ from typing import Callable
 
 from runner.cli import recipes
 from runner.cli.app import hydra_main
-from runner.cli.compose import RECIPES_DIR, checked_recipe, choosable_recipes, compose_config, register
+from runner.cli.compose import (
+    RECIPES_DIR,
+    checked_recipe,
+    choosable_recipes,
+    compose_config,
+    mode_from_the_command_line,
+    register,
+)
 from runner.cli.help import help_text
 from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
@@ -57,6 +64,7 @@ def main() -> None:
             return
         sys.argv[1:] = trained_arguments(resume_arguments(sys.argv[1:]))
         register(*choosable_recipes(recipe_dirs, sys.argv[1:]))
+        mode_from_the_command_line(sys.argv[1:])
         hydra_main()
     except USER_ERRORS as error:
         refuse(one_line(error))
