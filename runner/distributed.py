@@ -70,6 +70,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def close_process_group() -> None:
+    """Destroys the process group once the garbage of the rank's work is collected. A DDP model sits in a reference
+    cycle after its run, and its reducer holds the group: left to a later collection (at the interpreter's exit,
+    seen in a submitit task), gloo's destructor joins its threads holding the GIL while one of them waits for the
+    GIL to free a finished collective's tensors, and the process never exits."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))

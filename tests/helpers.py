@@ -463,7 +463,7 @@ def _in_process_group(fn, args):
     import torch
     import torch.distributed as dist
 
-    from runner.distributed import Ranks
+    from runner.distributed import Ranks, close_process_group
 
     ranks = Ranks(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     # The cores shared among the group, as `run` shares them among its workers.
@@ -472,7 +472,8 @@ def _in_process_group(fn, args):
     try:
         return fn(ranks, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have closed it
+            close_process_group()
 
 
 def run_in_workers(fn, *args, nproc: int) -> list:

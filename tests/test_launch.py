@@ -10,9 +10,10 @@ import time
 import psutil
 import pytest
 import torch
-from helpers import QUICK, Started, run_cli, run_dirs, start_cli, step_losses, wait_until
+from helpers import QUICK, Started, resolved_spec, run_cli, run_dirs, run_in_workers, start_cli, step_losses, wait_until
 from transformers import AutoModelForCausalLM
 
+from runner.distributed import close_process_group
 from runner.processes.launch import LOST_PEER
 
 pytestmark = pytest.mark.distributed
@@ -33,6 +34,22 @@ def test_ddp_job_writes_one_run_directory_with_a_log_per_rank(workdir):
     assert summary["eval_loss"] < summary["first_eval_loss"]
     model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     assert model(torch.tensor([[5, 6, 7]])).logits.shape[-1] == model.config.vocab_size
+
+def _models_left_after_closing(ranks, spec, run_dir):
+    import gc
+
+    spec.task.run(spec, run_dir, ranks, None)  # its DDP model, whose reducer holds the group, left in a cycle
+    close_process_group()
+    return [type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.parallel.DistributedDataParallel)]
+
+
+def test_a_ranks_models_are_gone_before_its_process_group_is_destroyed(tmp_path):
+    """Left to a later collection, a DDP model's reducer would destroy the group at the interpreter's exit, where
+    gloo's destructor can deadlock with its own threads (runner/distributed.py, close_process_group)."""
+    spec = resolved_spec([*SHORT, "strategy=ddp", "hardware.nproc_per_node=2", "train.max_steps=2",
+                          "train.save_model=false"])
+    assert run_in_workers(_models_left_after_closing, spec, tmp_path, nproc=2) == [[], []]
+
 
 def test_hybrid_shard_on_four_processes_trains_on_a_2x2_mesh(workdir):
     result = run_cli("strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=2",

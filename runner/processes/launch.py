@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.compat import shutdown_timeout
-from runner.distributed import Ranks, free_port
+from runner.distributed import Ranks, close_process_group, free_port
 from runner.errors import ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files import complete_checkpoints
 from runner.frameworks import import_frameworks
@@ -281,7 +281,7 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
         ErrorHandler().record_exception(error)
         raise
     finally:
-        dist.destroy_process_group()
+        close_process_group()
 
 
 def configure_worker_logging(run_dir: Path, rank: int, log_format: dict[str, str]) -> None:
