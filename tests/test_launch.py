@@ -35,6 +35,7 @@ def test_ddp_job_writes_one_run_directory_with_a_log_per_rank(workdir):
     model = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     assert model(torch.tensor([[5, 6, 7]])).logits.shape[-1] == model.config.vocab_size
 
+
 def _models_left_after_closing(ranks, spec, run_dir):
     import gc
 

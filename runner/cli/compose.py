@@ -8,6 +8,7 @@ import os
 import sysconfig
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, Callable
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -95,11 +96,19 @@ def mode_from_the_command_line(args: list[str]) -> None:
     as `-m` says when nothing sets it. Nothing in conf/ sets it: unless an argument names it, or may choose a
     recipe or another primary config (which could), the answer is known without that composition, a third of the
     start of a short run."""
-    if any("hydra.mode" in arg for arg in args) or may_choose_a_recipe(args):
-        return
     from hydra._internal.hydra import Hydra
 
-    Hydra.get_mode = lambda hydra, config_name, overrides: None
+    hydras = _hydras_get_mode()
+    may_set_it = any("hydra.mode" in arg for arg in args) or may_choose_a_recipe(args)
+    Hydra.get_mode = hydras if may_set_it else lambda hydra, config_name, overrides: None
+
+
+@functools.cache
+def _hydras_get_mode() -> Callable[..., Any]:
+    """Hydra's own, kept for the commands that need it after one that did not, in the same process."""
+    from hydra._internal.hydra import Hydra
+
+    return Hydra.get_mode
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
