@@ -103,7 +103,7 @@ def trained_recipe(recipe: str, workdir: Path) -> Path:
         assert evaluations[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4)  # log 2: the policy is its reference
         assert evaluations[-1]["eval_rewards/accuracies"] > 0.5 and evaluations[-1]["eval_rewards/margins"] > 0
     else:  # adapters on a frozen random-init base learn less in a few steps than a full fine-tune
-        progress = 0.75 if planned.adapter.active else 1.0
+        progress = 0.5 if planned.adapter.active else 1.0
         assert summary["eval_loss"] < summary["first_eval_loss"] - progress
     return summary_file.parent
 

@@ -172,12 +172,12 @@ def time_limited_job(request, tmp_path_factory):
 
 
 def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, time_limited_job, tmp_path):
-    """A 2-point sweep of 2-task jobs, a job that fails, and a job over SLURM's two nodes, side by side."""
+    """A 2-point sweep of 2-task jobs, a one-task job that fails, and a job over SLURM's two nodes, side by side."""
     if time_limited_job is not None:  # its ranks start alone, to be held while it is young (TimeLimitedJob)
         time_limited_job.held.wait(timeout=900)
     sweep = start(*ON_SLURM, "hardware.nproc_per_node=2", "strategy=ddp,fsdp", *SHORT, cwd=tmp_path / "sweep")
     # 4 query heads cannot share 3 key-value heads: the spec is valid, the first forward fails.
-    failing = start(*ON_SLURM, "hardware.nproc_per_node=2", "strategy=ddp", *SHORT,
+    failing = start(*ON_SLURM, "hardware.nproc_per_node=1", *SHORT,
                     "model.architecture.num_key_value_heads=3", cwd=tmp_path / "failing")
     two_nodes = start(*ON_SLURM, "hardware.nnodes=2", "hardware.nproc_per_node=1", "strategy=fsdp", *SHORT,
                       cwd=tmp_path / "two_nodes")
