@@ -30,7 +30,8 @@ rows (bench/compare_loops.py's plan). The sections, in the order they run (the b
                  ZeRO-3 on one GPU, and single fp32
     gpu          the runner against the hand loop on the 1B model, both compiled in bf16: the GPU's cost
     multi        two GPUs or more: NCCL equivalence of ddp, fsdp and ZeRO-2/3 on 2 processes, tensor and context
-                 parallelism (bench/context_parallel.py's layouts) and async TP; each skipped in one line on one GPU
+                 parallelism (bench/context_parallel.py's layouts) and async TP, and a collective that a stopped rank
+                 never joins (NCCL's watchdog, then the job's one line); each skipped in one line on one GPU
 
 The runs whose figures are not timings (the default job, strategies, losses, memory) run side by side, up to
 --jobs at a time (the memory runs as many at once as their estimates say the GPU holds); the timed ones alone.
@@ -44,8 +45,11 @@ import argparse
 import datetime
 import json
 import math
+import os
 import platform
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -101,6 +105,8 @@ MEMORY_MARGIN = 1.25  # x the estimate, + 2 GiB each, that side-by-side memory r
 EQUIVALENCE_STEPS = 30
 # Two GPUs: async TP at a sequence short enough for the budget.
 ASYNC_TP_SEQ_LEN, ASYNC_TP_STEPS = 8192, 10
+# Two GPUs: rank 1 stopped (SIGSTOP) once it has logged this step; rank 0's collective then waits this long.
+STOPPED_AT_STEP, COLLECTIVE_TIMEOUT_S = 5, 30
 
 # A stand-in for the GPU when --dry-run composes on a machine without one: an H100, as a user's GPU machine.
 STAND_IN_GPU = {"device_name": "NVIDIA H100 80GB HBM3", "device_memory_gib": 79.2, "host_memory_gib": 128.0,
@@ -128,6 +134,7 @@ class Run:
     hand: bool = False
     plan_extra: dict = field(default_factory=dict)  # the hand loop's plan beyond the runner's settings
     group: str | None = None  # adjacent runs of a group run side by side; None: alone (a timed run)
+    stop_rank_1_at: int | None = None  # rank 1 stopped (SIGSTOP) once its log shows this step
 
     @property
     def slug(self) -> str:
@@ -219,6 +226,12 @@ def multi_gpu_runs() -> list[Run]:
                         merged(context_parallel.MODEL, context_parallel.COST, ["hardware=auto"], layouts[name],
                                [f"data.seq_len={ASYNC_TP_SEQ_LEN}", f"train.max_steps={ASYNC_TP_STEPS}"]),
                         needs_s=80, timeout_s=300, gpus=2))
+    timeout = COLLECTIVE_TIMEOUT_S
+    stopped = ["hardware.nproc_per_node=2", "train.max_steps=1000", f"train.collective_timeout_s={timeout}",
+               f"train.stall_report_s={timeout // 3}"]
+    runs.append(Run("2 GPUs: ddp, rank 1 stopped", "multi", merged(STRATEGIES["ddp"], equivalence, stopped),
+                    needs_s=timeout + 60, timeout_s=timeout + 120, gpus=2,
+                    stop_rank_1_at=STOPPED_AT_STEP))
     return runs
 
 
@@ -231,7 +244,12 @@ MULTI_ITEMS = {
     "context parallelism (fsdp x cp 2, bench/context_parallel.py's) against one GPU": [
         "2 GPUs: one GPU, fsdp (tp and cp's reference)", "2 GPUs: fsdp x cp 2"],
     "async TP (strategy.async_tp) against compiled tp": ["2 GPUs: fsdp x tp 2, compiled", "2 GPUs: fsdp x tp 2, async"],
+    "a collective that a stopped rank never joins ends the job in one line": ["2 GPUs: ddp, rank 1 stopped"],
 }
+# The line that job should end with: the rank that waited (its process ended by NCCL's watchdog, or its error
+# raised), the step, and NCCL's collective.
+COLLECTIVE_TIMED_OUT = (rf"run: error: rank (\d+ failed: .*, after it|\d+) waited {COLLECTIVE_TIMEOUT_S} s in a "
+                        r"collective that another rank did not join, in step \d+: nccl:\w+ #\d+ .*")
 
 
 def needed(runs: list[Run], sections: list[str]) -> list[Run]:
@@ -398,6 +416,9 @@ class Proof:
         out.mkdir(parents=True, exist_ok=True)
         timeout = max(1.0, min(run.timeout_s, self.budget.left() - RESERVE_S))
         began = time.monotonic()
+        if run.stop_rank_1_at is not None:
+            error = with_rank_1_stopped(argv, child_env(self.args.threads), out, run.stop_rank_1_at, timeout)
+            return Outcome(error=error, wall_s=time.monotonic() - began, run_dir=out)
         _, error = run_contender(argv, child_env(self.args.threads), out / "output.txt", timeout)
         outcome = Outcome(error=error, wall_s=time.monotonic() - began, run_dir=out)
         if error is None:
@@ -717,6 +738,9 @@ class Report:
                 lines.append(verdict(False, f"{item}: {'; '.join(broken)}"))
                 continue
             reference, *others = keys
+            if item.startswith("a collective"):
+                lines.append(collective_timeout_verdict(item, outcomes[reference]))
+                continue
             if item.startswith("async"):
                 compiled, async_tp = (precision_throughput.steady_state(outcomes[k].run_dir) for k in keys)
                 lines.append(verdict(True, f"{item}: trains; {async_tp['tokens_per_s']:,.0f} against "
@@ -730,6 +754,42 @@ class Report:
                                  f"{reference.removeprefix('2 GPUs: ')}'s: largest {worst[0]:.1e} ({worst[2]}, step "
                                  f"{worst[1]})"))
         self.table("Two GPUs or more", lines)
+
+
+def with_rank_1_stopped(argv: list[str], env: dict[str, str], out: Path, step: int, timeout: float) -> str | None:
+    """Runs a job of two processes and stops its rank 1 (SIGSTOP) once rank 1 has logged `step`: the job should
+    then end on its collective timeout. What went wrong before that, or None."""
+    deadline = time.monotonic() + timeout
+    with (out / "output.txt").open("w") as output:
+        process = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
+                                   start_new_session=True)
+        try:
+            rank1 = None
+            while rank1 is None and process.poll() is None and time.monotonic() < deadline:
+                log = out / "rank1.log"
+                found = re.search(rf"rank 1 of \d+, process (\d+)(?=[\s\S]*step {step}/)",
+                                  log.read_text() if log.exists() else "")
+                rank1 = int(found.group(1)) if found else None
+                time.sleep(0.2)
+            if rank1 is None:
+                return f"rank 1 did not reach step {step} (exit {process.poll()})"
+            os.kill(rank1, signal.SIGSTOP)
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            return None
+        except subprocess.TimeoutExpired:
+            return f"still running {timeout:.0f} s after it started, rank 1 stopped: the timeout did not end it"
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)  # the launcher and its workers, the stopped one too
+                process.wait()
+
+
+def collective_timeout_verdict(item: str, outcome: Outcome) -> str:
+    output = (outcome.run_dir / "output.txt").read_text() if outcome.run_dir else ""
+    told = [line for line in output.splitlines() if line.startswith("run: error: ")]
+    line = told[0] if told else "no error line"
+    return verdict(bool(told) and re.fullmatch(COLLECTIVE_TIMED_OUT, line) is not None,
+                   f"{item} ({outcome.wall_s:.0f} s in all, {COLLECTIVE_TIMEOUT_S} s of timeout): {line}")
 
 
 # ---------------------------------------------------------------------------------------------------- main

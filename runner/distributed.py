@@ -70,6 +70,22 @@ def barrier() -> None:
         dist.barrier()
 
 
+def groups_wait_as_long_as_the_world(device_type: str) -> None:
+    """torch gives a process group made after the world's (a device mesh's dimension, DeepSpeed's data-parallel
+    group) its backend's default timeout, 30 minutes under gloo and 10 under NCCL, rather than the world's
+    (train.collective_timeout_s): every group of this process gets the world's."""
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    if not process_group_up():
+        return
+    world = c10d._get_default_group()
+    timeout = world._get_backend(torch.device(device_type)).options._timeout
+    for group in list(c10d._world.pg_map):
+        if group is not world and not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
+
+
 def close_process_group() -> None:
     """Destroys the process group once the garbage of the rank's work is collected. A DDP model sits in a reference
     cycle after its run, and its reducer holds the group: left to a later collection (at the interpreter's exit,

@@ -42,6 +42,11 @@ class DeviceOutOfMemory(Exception):
     """A rank ran out of memory; the message says where, with the device's figures and the estimate's."""
 
 
+class CollectiveTimedOut(RuntimeError):
+    """A rank waited in a collective past the process group's timeout; the message names the rank, what it was doing
+    and the collective."""
+
+
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite; the run stops rather than train on garbage."""
 

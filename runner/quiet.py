@@ -61,3 +61,31 @@ def deepspeed_setup() -> Iterator[None]:
         logging.disable(before)
     with contextlib.redirect_stdout(io.StringIO()):
         yield
+
+
+def quiet_launcher() -> None:
+    """The elastic launcher's own loggers would print each failure's traceback ahead of the runner's report; what it
+    says of the ranks it ends once one has failed is said in the runner's words."""
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    ending = logging.getLogger("torch.multiprocessing.spawn")
+    ending.setLevel(logging.WARNING)
+    ending.addFilter(_ranks_ended)
+
+
+# torch's words (torch.multiprocessing.spawn) for the ranks still running once one has failed, and the runner's.
+ENDING_RANKS = {
+    "Terminating process %s via signal SIGTERM": "a rank failed; process %s, another rank of this node, is still "
+                                                 "running: ending it (SIGTERM, then SIGKILL after 30 s)",
+    "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL": "process %s did not end on "
+                                                                                  "SIGTERM: killed (SIGKILL)",
+}
+
+
+def _ranks_ended(record: logging.LogRecord) -> bool:
+    """The launcher's warnings as it ends the ranks still running after one failed, said by the runner instead (a
+    rank that hangs keeps the job for 30 s more); its other records dropped."""
+    words = ENDING_RANKS.get(record.msg)
+    if words is not None:
+        logging.getLogger("runner").warning(words, *record.args)
+    return False

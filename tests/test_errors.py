@@ -116,6 +116,9 @@ BAD_INPUTS = {
     "a negative seed": (["seed=-5"], "seed=-5 must be >= 0"),
     "no checkpoint kept": (["train.keep_checkpoints=-1"], "train.keep_checkpoints=-1 must be >= 1"),
     "a fraction of a checkpoint": (["train.keep_checkpoints=1.5"], "train.keep_checkpoints: Value '1.5' of type"),
+    "no time for a collective": (["train.collective_timeout_s=0"],
+                                 "train.collective_timeout_s=0.0 must be > 0 seconds, or null: three stall reports "
+                                 "(train.stall_report_s), and at least 600"),
     "a negative epsilon": (["optim.eps=-1e-8"], "optim.eps=-1e-08 must be >= 0"),
     "a negative device memory": (["task=estimate", "hardware.device_memory_gib=-5"],
                                  "hardware.device_memory_gib=-5.0 must be > 0"),

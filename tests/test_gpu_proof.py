@@ -63,6 +63,11 @@ def test_the_report_reads_the_runs(tmp_path):
     proof.outcomes["hand tiny"].records = [{**r, "time": 1000.0 + r["step"] * 0.11}  # the runner 1.1x the hand loop
                                            for r in proof.outcomes["hand tiny"].records]
     proof.outcomes["strategy fsdp"] = gpu_proof.Outcome(error="exit 1: RuntimeError: NCCL")
+    # The line the runner's report makes of a rank that NCCL's watchdog ended (tests/test_launch.py makes it).
+    (proof.outcomes["2 GPUs: ddp, rank 1 stopped"].run_dir / "output.txt").write_text(
+        "10:00:05 step 6/1000 | loss 5.1\nrun: error: rank 0 failed: Signal 6 (SIGABRT) received by PID 4242, after "
+        "it waited 30 s in a collective that another rank did not join, in step 7: nccl:all_reduce #31 of group "
+        "default_pg, Float [402432]; the process group's timeout (train.collective_timeout_s) ended it (see r.log)\n")
     page = gpu_proof.Report(proof, list(gpu_proof.SECTIONS)).build()
 
     assert "NVIDIA H100 80GB HBM3 x 2" in page
@@ -75,6 +80,7 @@ def test_the_report_reads_the_runs(tmp_path):
     assert "| fp8 rowwise | compiled | 81,920 | 1.00x | 30.0% | 20.0 | 30 | 112 |" in page
     assert "- MET: NCCL equivalence of ddp, fsdp, ZeRO-2 and ZeRO-3 on 2 processes" in page
     assert "- MET: async TP (strategy.async_tp) against compiled tp: trains" in page
+    assert "- MET: a collective that a stopped rank never joins ends the job in one line (12 s in all" in page
     assert "- strategy fsdp: failed: exit 1: RuntimeError: NCCL" in page.split("### What did not run, or failed")[1]
 
     proof.gpus = 1

@@ -127,6 +127,74 @@ def test_a_rank_that_lost_its_peer_is_not_reported_as_the_cause(tmp_path, monkey
         f"rank 1 failed: Signal 9 (SIGKILL) received by PID 102 (see {tmp_path / 'rank1.log'})")
 
 
+@pytest.mark.signals
+@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=deepspeed", "strategy.zero_stage=2"]],
+                         ids=["ddp", "zero-2"])
+def test_a_collective_that_a_rank_never_joins_ends_the_job_in_one_line_after_the_timeout(strategy, workdir):
+    """Rank 1 stopped (SIGSTOP) mid-run: rank 0's collective waits train.collective_timeout_s (in DeepSpeed's own
+    group, too), then the job ends in one line naming the rank, its step and the collective, with where its threads
+    waited and torch's record of its collectives; the traceback goes to the rank's log. The launcher's report of a
+    rank that NCCL's watchdog ends (SIGABRT, once the rank's record is written) reads the same record and stall
+    reports."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from runner.processes.launch import failure_report
+
+    job = start_cli(*strategy, "hardware.nproc_per_node=2", *QUICK, "train.max_steps=500", "train.log_every=1",
+                    "train.eval_every=0", "train.save_model=false", "train.stall_report_s=2",
+                    "train.collective_timeout_s=6", cwd=workdir, new_session=True)
+    try:
+        rank0 = psutil.Process(rank_pid("outputs/*/*/rank0.log", workdir, 0, "step 3/500"))
+        rank1 = psutil.Process(rank_pid("outputs/*/*/rank1.log", workdir, 1, "step 3/500"))
+        rank1.suspend()
+        rank0.wait(timeout=120)
+        wait_until(lambda: re.search(rf"a rank failed; process {rank1.pid}, another rank of this node, is still "
+                                     r"running: ending it \(SIGTERM, then SIGKILL after 30 s\)", job.stdout()),
+                   "the launcher's word that it ends rank 1", job)
+        rank1.resume()  # the launcher's SIGTERM ends it now, rather than its SIGKILL in 30 s
+        job.wait(timeout=120)
+        [run_dir] = run_dirs(workdir)
+        waited = (r"rank 0 waited 6 s in a collective that another rank did not join, (in step \d+): (gloo:\w+ #\d+ "
+                  r"of group \S+, \w+ \[[\d, ]*\]); the process group's timeout \(train.collective_timeout_s\) "
+                  rf"ended it; where each thread waited: {run_dir}/stalls_rank0.txt; torch's record of the rank's "
+                  rf"collectives: {run_dir}/flight_recorder_rank0")
+        assert job.returncode == 1
+        lines = job.stderr().splitlines()
+        assert len(lines) == 1, job.stderr()
+        told = re.fullmatch(f"run: error: {waited}", lines[0])
+        assert told, lines[0]
+        assert re.search("Timed out waiting 6000ms|Application timeout", (run_dir / "rank0.log").read_text())
+
+        aborted = ProcessFailure(local_rank=0, pid=101, exitcode=-6, error_file=str(run_dir / "none.json"))
+        report = failure_report(0, aborted, run_dir / "rank0.log")
+        nccl = re.fullmatch(rf"rank 0 failed: Signal 6 \(SIGABRT\) received by PID 101, after it "
+                            rf"{waited.removeprefix('rank 0 ')} \(see {run_dir}/rank0.log\)", report)
+        assert nccl and nccl.group(2) == told.group(2), report
+        assert nccl.group(1) == told.group(1) or "no progress" not in (run_dir / "stalls_rank0.txt").read_text()
+    finally:
+        job.kill()
+
+
+def test_each_group_of_the_mesh_waits_as_long_as_the_worlds():
+    """torch gives the groups of a device mesh's dimensions its own default timeout (30 minutes under gloo); the
+    runner gives them the world's, train.collective_timeout_s."""
+    timeouts = run_in_workers(_mesh_timeouts, nproc=2)
+    assert timeouts == [[77.0] * 5] * 2, timeouts
+
+
+def _mesh_timeouts(ranks):
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from runner.parallel.dims import ParallelDims
+
+    c10d._set_pg_timeout(timedelta(seconds=77))
+    mesh = ParallelDims(dp_shard=2).mesh("cpu")
+    return [mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for name in ParallelDims.names]
+
+
 def test_sweep_runs_each_job_worker_group_in_turn(workdir):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     result = run_cli("-m", "strategy=ddp,fsdp", "hardware.nproc_per_node=2", *SHORT, cwd=workdir)

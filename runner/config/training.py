@@ -53,6 +53,9 @@ class TrainConfig:
     save_model: bool = True
     # A rank that spends this many seconds in one step, evaluation or checkpoint says where it waits (0: never).
     stall_report_s: float = 300.0
+    # How long a collective waits for every rank of its group before it ends the job (torch's process group
+    # timeout, transformers' ddp_timeout); null: three stall reports, and at least 10 minutes.
+    collective_timeout_s: Optional[float] = None
     loss: LossKind = LossKind.auto
     # Label positions per chunk of the chunked loss: its logits are the largest transient of a step.
     loss_chunk_tokens: int = 1024
@@ -78,6 +81,9 @@ def check(train: TrainConfig) -> None:
     require(train.keep_checkpoints >= 1, f"train.keep_checkpoints={train.keep_checkpoints} must be >= 1")
     require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0 (0 evaluates only at the end)")
     require(train.stall_report_s >= 0, f"train.stall_report_s={train.stall_report_s} must be >= 0 (0: no reports)")
+    require(train.collective_timeout_s is None or train.collective_timeout_s > 0,
+            f"train.collective_timeout_s={train.collective_timeout_s} must be > 0 seconds, or null: three stall "
+            "reports (train.stall_report_s), and at least 600")
     require(train.benchmark_every >= 0, f"train.benchmark_every={train.benchmark_every} must be >= 0 (0 scores the "
             "benchmarks only after the last step)")
     require(train.benchmark_limit is None or train.benchmark_limit > 0,

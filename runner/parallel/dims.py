@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
+from runner.distributed import groups_wait_as_long_as_the_world
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -74,6 +76,7 @@ class ParallelDims:
             self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
             if self.cp > 1:
                 self._mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            groups_wait_as_long_as_the_world(device_type)
         return self._mesh
 
     def sharding_mesh(self, device_type: str) -> DeviceMesh:

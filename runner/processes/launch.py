@@ -26,13 +26,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from runner.compat import shutdown_timeout
 from runner.distributed import Ranks, close_process_group, free_port
-from runner.errors import ExitStatus, Stopped, WorkerFailed, WriteFailed
+from runner.errors import CollectiveTimedOut, ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files import complete_checkpoints
 from runner.frameworks import import_frameworks
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
 from runner.processes.cluster import Task, check_reachable
-from runner.processes.stall_watch import StallWatch
-from runner.quiet import name_deepspeed_accelerator, quiet_loggers
+from runner.processes.collective_timeouts import RECORD, record_collectives, timed_out, timed_out_line, waited
+from runner.processes.stall_watch import StallWatch, watched_phase
+from runner.quiet import name_deepspeed_accelerator, quiet_launcher, quiet_loggers
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
+    from runner.config.training import TrainConfig
 
 # prctl(2)'s option for the signal a process gets when its parent ends.
 PR_SET_PDEATHSIG = 1
@@ -86,9 +88,7 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
         log.info("node %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's %d nodes at the rendezvous "
                  "%s, then starting %d worker processes on this node%s", hardware.node_rank, hardware.nnodes,
                  hardware.rdzv_timeout_s, hardware.nnodes, endpoint, hardware.nproc_per_node, spawned)
-    # The launcher's own loggers would print each failure's traceback ahead of the report below.
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    quiet_launcher()
     if hardware.node_rank:
         wait_for_node0(hardware, endpoint)
     try:
@@ -140,8 +140,8 @@ def failures_report(error: Any, hardware: HardwareConfig, run_dir: Path) -> str:
 
 
 def job_ended(error: Any, spec: RunSpec, run_dir: Path) -> Exception:
-    """What a job whose workers failed raises: a stop that every rank made, a write the filesystem refused, or the
-    first failed rank's error."""
+    """What a job whose workers failed raises: a stop that every rank made, a write the filesystem refused, a
+    collective that timed out, or the first failed rank's error."""
     if all(failure.exitcode == ExitStatus.STOPPED for failure in error.failures.values()):
         return stopped(run_dir, "a signal")
     out_of_memory = recorded(run_dir)  # whichever rank's error torch reports, a peer's lost connection say
@@ -150,8 +150,11 @@ def job_ended(error: Any, spec: RunSpec, run_dir: Path) -> Exception:
     for failure in sorted(error.failures.values(), key=lambda failure: failure.timestamp):
         message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
         kind, _, line = message.partition(": ")
-        if kind == WriteFailed.__name__:  # the rank's own line, its traceback left to its log
+        # the rank's own line, its traceback left to its log
+        if kind == WriteFailed.__name__:
             return WriteFailed(line)
+        if kind == CollectiveTimedOut.__name__:
+            return WorkerFailed(line)
     return WorkerFailed(failures_report(error, spec.hardware, run_dir))
 
 
@@ -195,12 +198,15 @@ def rendezvous_report(hardware: HardwareConfig, endpoint: str, cause: str) -> st
 
 def failure_report(rank: int, failure: Any, rank_log: Path) -> str:
     """The failed rank's error on the first line, its traceback below (or, for a rank killed by a signal, where its
-    log is)."""
+    log is, and, where its collective timed out first, which one: NCCL's watchdog ends the process after it writes
+    the rank's flight record)."""
     if isinstance(failure.message, dict):
         detail = " ".join(line.strip() for line in failure.message.get("message", "").splitlines() if line.strip())
         trace = failure.message.get("extraInfo", {}).get("py_callstack", "")
         return f"rank {rank} failed: {detail}\n\nrank {rank}'s traceback:\n{trace}".rstrip()
     cause = failure.message or f"exit code {failure.exitcode}"
+    if (rank_log.parent / f"{RECORD}{rank}").exists():
+        cause += f", after it {waited(rank, rank_log.parent)}"
     return f"rank {rank} failed: {cause} (see {rank_log})"
 
 
@@ -260,10 +266,11 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores, as torchrun does, instead of oversubscribing them
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
         backend, device = "gloo", None
+    record_collectives(run_dir, ranks.rank)
     joining = StallWatch(ranks.rank, spec.train.stall_report_s, run_dir / f"stalls_rank{ranks.rank}.txt")
     joining.entering("joining the process group")
     try:
-        timeout = collective_timeout(spec.train.stall_report_s)
+        timeout = collective_timeout(spec.train)
         if task is None:  # the elastic launcher's agent holds the rendezvous
             dist.init_process_group(backend, device_id=device, timeout=timeout)
         else:
@@ -278,6 +285,11 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
         # error file is written (the peer's lost connection would then be all the job could say).
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+        if timed_out(error):  # its one line for the report; the traceback, of no use to the user, to its log
+            logging.getLogger("runner.rank").error("rank %d: a collective timed out", ranks.rank, exc_info=error)
+            line = CollectiveTimedOut(timed_out_line(ranks.rank, run_dir, watched_phase()))
+            ErrorHandler().record_exception(line)
+            raise line from None
         ErrorHandler().record_exception(error)
         raise
     finally:
@@ -332,13 +344,15 @@ def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str
     return rank_main(spec, run_dir, log_format, identity, task)
 
 
-def collective_timeout(stall_report_s: float) -> Optional[timedelta]:
+def collective_timeout(train: TrainConfig) -> Optional[timedelta]:
     """How long a collective may wait for a rank before the process group ends it with an error (NCCL's watchdog,
-    gloo's own wait): three stall reports (train.stall_report_s), and at least 10 minutes, torch's NCCL default,
-    which a large model's checkpoint can take; torch's own without stall reports."""
+    gloo's own wait): train.collective_timeout_s, else three stall reports (train.stall_report_s), and at least 10
+    minutes, torch's NCCL default, which a large model's checkpoint can take; torch's own without stall reports."""
     from datetime import timedelta
 
-    return timedelta(seconds=max(600.0, 3 * stall_report_s)) if stall_report_s > 0 else None
+    if train.collective_timeout_s is not None:
+        return timedelta(seconds=train.collective_timeout_s)
+    return timedelta(seconds=max(600.0, 3 * train.stall_report_s)) if train.stall_report_s > 0 else None
 
 
 def join_task_group(task: Task, backend: str, device: Any, timeout_s: int,

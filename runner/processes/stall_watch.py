@@ -60,6 +60,11 @@ class StallWatch:
 _PROCESS_WATCH: Optional[StallWatch] = None
 
 
+def watched_phase() -> Optional[str]:
+    """What this process's watch of a training job last saw it doing ("in step 12"); None without one."""
+    return _PROCESS_WATCH.doing if _PROCESS_WATCH is not None else None
+
+
 def process_watch(rank: int, after_s: float, stack_file: Path) -> StallWatch:
     """This process's watch of a training job, from its preparation (its data, the model's placement, whose
     collectives wait on every rank) to its end: the one already watching, else a new one."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
+from runner.distributed import groups_wait_as_long_as_the_world
 from runner.quiet import deepspeed_setup
 from runner.strategies.deepspeed_json import deepspeed_config
 from runner.strategies.protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
@@ -41,6 +42,7 @@ def initialized(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], sp
     with deepspeed_setup():
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec),
                                                mpu=deepspeed_groups() if sp_size > 1 else None)
+    groups_wait_as_long_as_the_world(spec.hardware.accelerator.value)
     return engine
 
 
