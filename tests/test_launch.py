@@ -14,6 +14,7 @@ from helpers import QUICK, Started, resolved_spec, run_cli, run_dirs, run_in_wor
 from transformers import AutoModelForCausalLM
 
 from runner.distributed import close_process_group
+from runner.parallel.dims import ParallelDims
 from runner.processes.launch import LOST_PEER
 
 pytestmark = pytest.mark.distributed
@@ -128,19 +129,17 @@ def test_a_rank_that_lost_its_peer_is_not_reported_as_the_cause(tmp_path, monkey
 
 
 @pytest.mark.signals
-@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=deepspeed", "strategy.zero_stage=2"]],
-                         ids=["ddp", "zero-2"])
-def test_a_collective_that_a_rank_never_joins_ends_the_job_in_one_line_after_the_timeout(strategy, workdir):
-    """Rank 1 stopped (SIGSTOP) mid-run: rank 0's collective waits train.collective_timeout_s (in DeepSpeed's own
-    group, too), then the job ends in one line naming the rank, its step and the collective, with where its threads
-    waited and torch's record of its collectives; the traceback goes to the rank's log. The launcher's report of a
-    rank that NCCL's watchdog ends (SIGABRT, once the rank's record is written) reads the same record and stall
-    reports."""
+def test_a_collective_that_a_rank_never_joins_ends_the_job_in_one_line_after_the_timeout(workdir):
+    """Rank 1 stopped (SIGSTOP) mid-run: rank 0 waits in a collective and, after train.stall_report_s, says so with
+    its stack; after train.collective_timeout_s the job ends in one line naming the rank, its step and the
+    collective, with where its threads waited and torch's record of its collectives; the traceback goes to the
+    rank's log. The launcher's report of a rank that NCCL's watchdog ends (SIGABRT, once the rank's record is
+    written) reads the same record and stall reports."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from runner.processes.launch import failure_report
 
-    job = start_cli(*strategy, "hardware.nproc_per_node=2", *QUICK, "train.max_steps=500", "train.log_every=1",
+    job = start_cli("strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=500", "train.log_every=1",
                     "train.eval_every=0", "train.save_model=false", "train.stall_report_s=2",
                     "train.collective_timeout_s=6", cwd=workdir, new_session=True)
     try:
@@ -155,7 +154,7 @@ def test_a_collective_that_a_rank_never_joins_ends_the_job_in_one_line_after_the
         job.wait(timeout=120)
         [run_dir] = run_dirs(workdir)
         waited = (r"rank 0 waited 6 s in a collective that another rank did not join, (in step \d+): (gloo:\w+ #\d+ "
-                  r"of group \S+, \w+ \[[\d, ]*\]); the process group's timeout \(train.collective_timeout_s\) "
+                  r"of group default_pg, \w+ \[[\d, ]*\]); the process group's timeout \(train.collective_timeout_s\) "
                   rf"ended it; where each thread waited: {run_dir}/stalls_rank0.txt; torch's record of the rank's "
                   rf"collectives: {run_dir}/flight_recorder_rank0")
         assert job.returncode == 1
@@ -164,6 +163,10 @@ def test_a_collective_that_a_rank_never_joins_ends_the_job_in_one_line_after_the
         told = re.fullmatch(f"run: error: {waited}", lines[0])
         assert told, lines[0]
         assert re.search("Timed out waiting 6000ms|Application timeout", (run_dir / "rank0.log").read_text())
+        stall = rf"rank 0: no progress for \d+ s, in step \d+; where each thread waits: {run_dir}/stalls_rank0.txt"
+        assert re.search(stall, job.stdout())
+        stacks = (run_dir / "stalls_rank0.txt").read_text()
+        assert "== rank 0, in step" in stacks and "(most recent call first)" in stacks and "loop.py" in stacks
 
         aborted = ProcessFailure(local_rank=0, pid=101, exitcode=-6, error_file=str(run_dir / "none.json"))
         report = failure_report(0, aborted, run_dir / "rank0.log")
@@ -175,24 +178,29 @@ def test_a_collective_that_a_rank_never_joins_ends_the_job_in_one_line_after_the
         job.kill()
 
 
-def test_each_group_of_the_mesh_waits_as_long_as_the_worlds():
-    """torch gives the groups of a device mesh's dimensions its own default timeout (30 minutes under gloo); the
-    runner gives them the world's, train.collective_timeout_s."""
-    timeouts = run_in_workers(_mesh_timeouts, nproc=2)
-    assert timeouts == [[77.0] * 5] * 2, timeouts
+def test_every_group_waits_as_long_as_the_worlds():
+    """torch gives the groups made after the world's (a device mesh's dimensions, DeepSpeed's ZeRO group) its own
+    default timeout, 30 minutes under gloo; the runner gives them the world's, train.collective_timeout_s."""
+    spec = resolved_spec(["strategy=deepspeed", "strategy.zero_stage=2", "hardware.nproc_per_node=2"])
+    for with_the_mesh, with_deepspeed, timeouts in run_in_workers(_group_timeouts, spec, nproc=2):
+        assert with_deepspeed > with_the_mesh > 1 and timeouts == {77.0}, (with_the_mesh, with_deepspeed, timeouts)
 
 
-def _mesh_timeouts(ranks):
+def _group_timeouts(ranks, spec):
     from datetime import timedelta
 
     from torch.distributed import distributed_c10d as c10d
 
-    from runner.parallel.dims import ParallelDims
+    from runner.strategies.deepspeed_engine import initialized
 
     c10d._set_pg_timeout(timedelta(seconds=77))
-    mesh = ParallelDims(dp_shard=2).mesh("cpu")
-    return [mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-            for name in ParallelDims.names]
+    ParallelDims(dp_shard=2).mesh("cpu")
+    with_the_mesh = len(c10d._world.pg_map)
+    model = torch.nn.Linear(8, 8)
+    initialized(model, torch.optim.AdamW(model.parameters()), spec, sp_size=1)
+    groups = list(c10d._world.pg_map)
+    return with_the_mesh, len(groups), {group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                                        for group in groups}
 
 
 def test_sweep_runs_each_job_worker_group_in_turn(workdir):
@@ -347,29 +355,5 @@ def test_a_rank_stuck_before_the_first_step_says_where_it_waits(workdir):
         stdout, stderr = job.communicate(timeout=120)
         assert job.returncode == 0, stderr[-3000:]
         assert "(most recent call first)" in stalls.read_text()
-    finally:
-        job.kill()
-
-
-@pytest.mark.signals
-def test_a_rank_that_waits_on_a_stopped_rank_says_where_it_waits(workdir):
-    """Rank 1 stopped (SIGSTOP) mid-run: rank 0 waits in a collective and, after train.stall_report_s, says so with
-    its stack; once rank 1 goes on, the job ends as usual."""
-    job = start_cli("strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=30", "train.log_every=1",
-                    "train.eval_every=0", "train.save_model=false", "train.stall_report_s=2", cwd=workdir,
-                    new_session=True)
-    try:
-        rank1 = rank_pid("outputs/*/*/rank1.log", workdir, 1, "step 3/30")
-        os.kill(rank1, signal.SIGSTOP)
-        [run_dir] = run_dirs(workdir)
-        stalls = run_dir / "stalls_rank0.txt"
-        reported = r"rank 0: no progress for \d+ s, in step \d+; where each thread waits: .*stalls_rank0.txt"
-        wait_until(lambda: stalls.exists() and re.search(reported, job.stdout()), "rank 0's report of the stall", job)
-        os.kill(rank1, signal.SIGCONT)
-        stdout, stderr = job.communicate(timeout=120)
-        assert job.returncode == 0, stderr[-3000:]
-        assert re.search(reported, stdout)
-        stacks = stalls.read_text()
-        assert "== rank 0, in step" in stacks and "(most recent call first)" in stacks and "loop.py" in stacks
     finally:
         job.kill()
