@@ -34,7 +34,7 @@ from runner.memory.disk import disk_need
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
 from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_flops
 from runner.processes.signals import GracefulStop, StopVote
-from runner.processes.stall_watch import StallWatch, process_watch
+from runner.processes.stall_watch import StallWatch, process_watch, stalls_file
 from runner.strategies.protocol import unwrapped
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class Progress:
 def train(job: PreparedJob) -> dict[str, Any]:
     stop = GracefulStop()
     rank = job.ranks.rank
-    watch = process_watch(rank, job.spec.train.stall_report_s, job.run_dir / f"stalls_rank{rank}.txt")
+    watch = process_watch(rank, job.spec.train.stall_report_s, stalls_file(job.run_dir, rank))
     batches = job.train_batches(job.start_step, job.stream_position)  # built ahead on a thread, from the first step
     try:
         return _train(job, batches, stop, watch)

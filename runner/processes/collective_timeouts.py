@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from runner.processes.stall_watch import last_reported_phase, stalls_file
+
 # The collectives each rank remembers, oldest dropped first.
 RECORDED_COLLECTIVES = 2000
 RECORD = "flight_recorder_rank"  # torch appends the rank
@@ -22,8 +24,6 @@ RECORD = "flight_recorder_rank"  # torch appends the rank
 # closure); NCCL's, where its errors reach Python.
 TIMED_OUT = (r"Timed out waiting \d+ms for \w+ operation to complete|Application timeout caused pair closure"
              r"|Watchdog caught collective operation timeout")
-# The stall watch's heading for each report (runner/processes/stall_watch.py).
-STALL_HEADING = r"^== rank \d+, (.*): no progress for \d+ s$"
 
 
 def record_collectives(run_dir: Path, rank: int) -> None:
@@ -55,11 +55,9 @@ def timed_out_line(rank: int, run_dir: Path, phase: Optional[str]) -> str:
 def waited(rank: int, run_dir: Path, phase: Optional[str] = None) -> str:
     """What a rank that waited past the timeout was doing (`phase`, else its last stall report's) and the last
     collective it started, with where the record and the threads' stacks are."""
-    path, stalls = run_dir / f"{RECORD}{rank}", run_dir / f"stalls_rank{rank}.txt"
+    path, stalls = run_dir / f"{RECORD}{rank}", stalls_file(run_dir, rank)
     entry = last_collective(path)
-    if phase is None and stalls.exists():
-        headings = re.findall(STALL_HEADING, stalls.read_text(), re.MULTILINE)
-        phase = headings[-1] if headings else None
+    phase = phase or last_reported_phase(stalls)
     seconds = f" {entry['timeout_ms'] / 1000:.0f} s" if entry else ""
     told = (f"waited{seconds} in a collective that another rank did not join{f', {phase}' if phase else ''}: "
             f"{described(entry)}; the process group's timeout (train.collective_timeout_s) ended it")

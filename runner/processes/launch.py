@@ -32,7 +32,7 @@ from runner.frameworks import import_frameworks
 from runner.memory.out_of_memory_report import out_of_memory_line, recorded
 from runner.processes.cluster import Task, check_reachable
 from runner.processes.collective_timeouts import RECORD, record_collectives, timed_out, timed_out_line, waited
-from runner.processes.stall_watch import StallWatch, watched_phase
+from runner.processes.stall_watch import StallWatch, stalls_file, watched_phase
 from runner.quiet import name_deepspeed_accelerator, quiet_launcher, quiet_loggers
 
 if TYPE_CHECKING:
@@ -267,7 +267,7 @@ def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["LOCAL_WORLD_SIZE"])))
         backend, device = "gloo", None
     record_collectives(run_dir, ranks.rank)
-    joining = StallWatch(ranks.rank, spec.train.stall_report_s, run_dir / f"stalls_rank{ranks.rank}.txt")
+    joining = StallWatch(ranks.rank, spec.train.stall_report_s, stalls_file(run_dir, ranks.rank))
     joining.entering("joining the process group")
     try:
         timeout = collective_timeout(spec.train)

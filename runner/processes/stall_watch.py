@@ -5,12 +5,29 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 log = logging.getLogger("runner")
+# Each report's heading in the stack file, above the threads' stacks, and its phase read back.
+HEADING = "== rank {rank}, {phase}: no progress for {waited:.0f} s"
+HEADING_PHASE = r"^== rank \d+, (.*): no progress for \d+ s$"
+
+
+def stalls_file(run_dir: Path, rank: int) -> Path:
+    """Where a rank's stall reports go."""
+    return run_dir / f"stalls_rank{rank}.txt"
+
+
+def last_reported_phase(stack_file: Path) -> Optional[str]:
+    """What the rank was doing at its last stall report ("in step 12"); None without one."""
+    if not stack_file.exists():
+        return None
+    phases = re.findall(HEADING_PHASE, stack_file.read_text(), re.MULTILINE)
+    return phases[-1] if phases else None
 
 
 class StallWatch:
@@ -50,7 +67,7 @@ class StallWatch:
                 continue
             reports += 1
             with self.stack_file.open("a") as out:
-                out.write(f"\n== rank {self.rank}, {phase}: no progress for {waited:.0f} s\n")
+                out.write(f"\n{HEADING.format(rank=self.rank, phase=phase, waited=waited)}\n")
                 out.flush()
                 faulthandler.dump_traceback(out, all_threads=True)
             log.warning("rank %d: no progress for %.0f s, %s; where each thread waits: %s", self.rank, waited, phase,

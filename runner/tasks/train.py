@@ -70,11 +70,11 @@ def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdenti
     next-token loss otherwise), trained; its summary, whose eval loss a sweeper minimises."""
     from runner.engine.job import prepare_job
     from runner.engine.loop import train
-    from runner.processes.stall_watch import process_watch
+    from runner.processes.stall_watch import process_watch, stalls_file
 
     # A rank stuck before the first step (a collective of the model's placement that another rank never joins) says
     # where, as the loop's steps do.
-    watch = process_watch(ranks.rank, spec.train.stall_report_s, run_dir / f"stalls_rank{ranks.rank}.txt")
+    watch = process_watch(ranks.rank, spec.train.stall_report_s, stalls_file(run_dir, ranks.rank))
     watch.entering("preparing the job: its data, the model's placement")
     try:
         job = prepare_job(spec, run_dir, ranks, identity, inputs)
