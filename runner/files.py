@@ -71,11 +71,33 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 def read_tensors(path: Path, wanted: Optional[set[str]] = None,
                  name_of: Callable[[str], str] = lambda key: key) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file, or those whose key's `name_of` is in `wanted`, read alone from the file."""
-    from safetensors import safe_open
+    """The tensors of a safetensors file, or those whose key's `name_of` is in `wanted`, read alone from the file,
+    each straight into memory of the process's own: safetensors' readers give views of the file's memory mapping,
+    and a tensor the run keeps (an optimizer's state) would keep a rotated-out checkpoint's space on disk taken. Each
+    tensor's bytes are in memory once, never also in a mapping or in a buffer they are copied from."""
+    import torch
 
-    with safe_open(path, "pt") as tensors:
-        return {key: tensors.get_tensor(key) for key in tensors.keys() if wanted is None or name_of(key) in wanted}
+    tensors = {}
+    with open(path, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")  # the format: its size, its JSON header, the data
+        header = json.loads(file.read(header_size))
+        header.pop("__metadata__", None)
+        for key, entry in header.items():
+            if wanted is not None and name_of(key) not in wanted:
+                continue
+            begin, end = entry["data_offsets"]
+            data = torch.empty(end - begin, dtype=torch.uint8)
+            file.seek(8 + header_size + begin)
+            if file.readinto(data.numpy()) != end - begin:
+                raise OSError(f"{path} ends before the data of its tensor {key}")
+            tensors[key] = data.view(getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]])).reshape(entry["shape"])
+    return tensors
+
+
+# The safetensors format's dtype names, as torch names them.
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
+                      "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
 def write_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:

@@ -147,15 +147,39 @@ def hold_at_step(job: Started, cwd: Path, timeout: float = 300) -> tuple[Path, i
 
 def group_stopped(group: int) -> bool:
     """Whether every live process of a process group is stopped (state T in /proc/<pid>/stat)."""
-    states = []
+    states = [state for _, state in _group_processes(group)]
+    return bool(states) and all(state in "Tt" for state in states)
+
+
+def deleted_files_mapped(group: int, under: Path) -> dict[int, list[str]]:
+    """The files under `under`, deleted since, that each live process of a process group still maps (a tensor that
+    is a view of a removed checkpoint's file keeps its space taken), from /proc/<pid>/maps; only the processes that
+    map one."""
+    prefix = f"{under.resolve()}/"
+    mapped = {}
+    for process, _ in _group_processes(group):
+        try:
+            lines = (process / "maps").read_text().splitlines()
+        except OSError:  # a process that ended meanwhile
+            continue
+        paths = sorted({line.split(None, 5)[5] for line in lines
+                        if line.endswith(" (deleted)") and f" {prefix}" in line})
+        if paths:
+            mapped[int(process.name)] = paths
+    return mapped
+
+
+def _group_processes(group: int) -> list[tuple[Path, str]]:
+    """The live processes of a process group: each one's /proc/<pid> and its state (in /proc/<pid>/stat)."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):  # a process that ended meanwhile
             continue
         if int(fields[2]) == group and fields[0] != "Z":
-            states.append(fields[0])
-    return bool(states) and all(state in "Tt" for state in states)
+            found.append((stat.parent, fields[0]))
+    return found
 
 
 def _stop_after_logging(step: int) -> None:

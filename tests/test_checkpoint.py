@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import (
     QUICK,
+    deleted_files_mapped,
     hold_at_step,
     kill_at_step,
     logged,
@@ -102,6 +103,29 @@ def test_a_half_written_newest_checkpoint_is_skipped(uninterrupted, tmp_path):
     assert losses(run_dir) == uninterrupted
 
 
+def test_tensors_read_from_a_checkpoint_are_the_process_s_own_memory(tmp_path):
+    """read_tensors gives what safetensors wrote, in each dtype and shape, and no view of the file: once the file is
+    deleted, the process maps nothing of it (its space is freed), and the tensors still hold their values."""
+    import torch
+    from safetensors.torch import save_file
+
+    from runner.files import read_tensors
+
+    path = tmp_path / "optimizer.safetensors"
+    written = {"state/w/exp_avg": torch.randn(3, 5), "state/w/step": torch.tensor(7.0),
+               "state/b/exp_avg": torch.randn(4).bfloat16(), "rng": torch.get_rng_state(),
+               "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 4)}
+    save_file(written, path)
+    read = read_tensors(path)
+    of_w = read_tensors(path, {"w"}, lambda key: key.split("/")[1] if "/" in key else key)
+    path.unlink()
+    assert str(path) not in Path("/proc/self/maps").read_text()
+    assert {key: (t.dtype, t.shape) for key, t in read.items()} == {key: (t.dtype, t.shape)
+                                                                 for key, t in written.items()}
+    assert all(torch.equal(read[key], written[key]) for key in written)
+    assert sorted(of_w) == ["state/w/exp_avg", "state/w/step"]
+
+
 def test_resume_that_names_nothing_resumable_is_one_line(tmp_path):
     result = run_cli("resume=auto", cwd=tmp_path)
     assert result.returncode == 2
@@ -158,11 +182,20 @@ def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, f
     (["strategy=deepspeed", "strategy.zero_stage=3", "strategy.offload_optimizer=cpu"], TWO_RANKS, 1e-5),
 ], ids=["ddp", "fsdp sharded", "fsdp full, resumed on one process", "deepspeed zero-2", "deepspeed zero-3 offload"])
 def test_multi_process_kill_and_resume(strategy, resume_on, tolerance, uninterrupted, uninterrupted_ddp, tmp_path):
-    """Exactly the losses of the same strategy uninterrupted (ddp), or within 1e-5 of one process (sharded)."""
+    """Exactly the losses of the same strategy uninterrupted (ddp), or within 1e-5 of one process (sharded). Once the
+    checkpoint it resumed from is rotated out, no process of the resumed run maps a deleted file of the run: what it
+    read from the checkpoint is its own memory, and the file's space is freed."""
     reference = uninterrupted_ddp if tolerance == 0 else uninterrupted
-    run_dir = kill_at_step([*ARGS, *TWO_RANKS, *strategy], tmp_path, 7)
-    result = run_cli("resume=auto", *resume_on, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-2000:]
+    run_dir = kill_at_step([*ARGS, *TWO_RANKS, *strategy], tmp_path, 4)
+    job = start_cli("resume=auto", *resume_on, cwd=tmp_path, stop_at_step=10)
+    try:
+        hold_at_step(job, tmp_path)  # step 9's checkpoint written, step 3's (resumed from) rotated out
+        assert not (run_dir / "checkpoints" / "step_00000003").exists()
+        assert deleted_files_mapped(job.pid, run_dir) == {}
+        job.resume()
+        assert job.wait(timeout=300) == 0, job.stderr()[-2000:]
+    finally:
+        job.kill()
     resumed = losses(run_dir)
     assert sorted(resumed) == sorted(reference)
     for step, loss in reference.items():

@@ -11,7 +11,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, composed, hold_at_step, run_cli, run_dirs, start_cli, step_losses
+from helpers import (
+    QUICK,
+    composed,
+    deleted_files_mapped,
+    hold_at_step,
+    run_cli,
+    run_dirs,
+    start_cli,
+    step_losses,
+)
 
 from runner.errors import WriteFailed
 from runner.files import refused_write, write_failed_line, written_whole
@@ -58,17 +67,20 @@ def test_a_run_whose_checkpoints_cannot_fit_is_refused_before_launch_with_the_fi
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_disk_that_fills_at_a_checkpoint_ends_the_run_in_one_line_and_resumes_exactly(strategy, tmp_path):
-    overrides = [*RUN, *STRATEGIES[strategy]]
+    """The resumed run writes two checkpoints in the room the run's own estimate gives it: once the checkpoint it
+    resumed from is rotated out, none of its processes maps a deleted file of the run (which would keep that file's
+    space taken, and the next checkpoint would find no room)."""
+    overrides = [*RUN, *STRATEGIES[strategy], "train.checkpoint_every=2"]
     uninterrupted = run_cli(*overrides, cwd=tmp_path / "uninterrupted")
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
     [expected] = run_dirs(tmp_path / "uninterrupted")
     checkpoint = sum(path.stat().st_size for path in (expected / "checkpoints").rglob("*") if path.is_file())
     # Room for the two checkpoints the run holds at once, as the check before launch counts them, and its logs.
-    room = 2 * max(checkpoint, disk_need(composed(overrides)).checkpoint) + 4 * MIB
+    room = 2 * max(checkpoint, disk_need(composed(overrides)).checkpoint) + MIB
     with small_filesystem(tmp_path / "small", room) as small:
-        job = start_cli(*overrides, cwd=small / "work", stop_at_step=4)
+        job = start_cli(*overrides, cwd=small / "work", stop_at_step=3)
         try:
-            run_dir, _ = hold_at_step(job, small / "work")  # its step 3 checkpoint written
+            run_dir, _ = hold_at_step(job, small / "work")  # its step 2 checkpoint written
             ballast = small / "ballast"
             ballast.write_bytes(b"\0" * (os.statvfs(small).f_bavail * os.statvfs(small).f_frsize - checkpoint // 2))
             job.resume()
@@ -76,15 +88,21 @@ def test_a_disk_that_fills_at_a_checkpoint_ends_the_run_in_one_line_and_resumes_
         finally:
             job.kill()
         [line] = [line for line in job.stderr().splitlines() if line.strip() and not line.startswith("W1")]
-        assert line.startswith("run: error: writing the checkpoint of step 6 failed: No space left on device"), line
-        assert f"the last complete checkpoint, {run_dir / 'checkpoints' / 'step_00000003'}, is intact" in line
+        assert line.startswith("run: error: writing the checkpoint of step 4 failed: No space left on device"), line
+        assert f"the last complete checkpoint, {run_dir / 'checkpoints' / 'step_00000002'}, is intact" in line
         assert f"continue with: run resume={run_dir}" in line and " MiB are free on " in line
-        assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step_00000003"]
+        assert [path.name for path in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
         assert "Traceback" not in job.stderr() and "Error executing job" not in job.stderr()
 
         ballast.unlink()
-        resumed = run_cli(f"resume={run_dir}", cwd=small / "work")
-        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        resumed = start_cli(f"resume={run_dir}", cwd=small / "work", stop_at_step=5)
+        try:
+            hold_at_step(resumed, small / "work")  # step 4's checkpoint written, step 2's rotated out
+            assert deleted_files_mapped(resumed.pid, run_dir) == {}
+            resumed.resume()
+            assert resumed.wait(timeout=300) == 0, resumed.stderr()[-2000:]
+        finally:
+            resumed.kill()
         assert step_losses(run_dir) == step_losses(expected)
 
 

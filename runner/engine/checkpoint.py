@@ -36,6 +36,7 @@ from runner.files import (
     checkpoints_dir,
     complete_checkpoints,
     move_into_place,
+    read_tensors,
     save_tensors,
     write_json,
     write_json_atomically,
@@ -134,14 +135,12 @@ def best_checkpoint(run_dir: Path) -> Optional[Path]:
 
 def load(job: Checkpointed, path: Path) -> dict[str, Any]:
     """Restores model, optimizer, scheduler and RNG states from a checkpoint; returns its meta data."""
-    from safetensors.torch import load_file
-
     meta = json.loads((path / "meta.json").read_text())
     job.stepper.load(path, job.ranks.rank, CheckpointLayout(meta["layout"]))
     job.scheduler.load_state_dict(meta["scheduler"])
     rng = path / f"rng-rank{job.ranks.rank}.safetensors"
     if rng.exists():
-        _set_rng_state(load_file(rng))
+        _set_rng_state(read_tensors(rng))
     return meta
 
 
@@ -152,12 +151,10 @@ def stream_position(path: Path, rank: int) -> Optional[dict[str, int]]:
 
 def rows_trained_again(path: Path, rank: int) -> Optional[GlobalBatch]:
     """The rows the step after the checkpoint trains again (task=grpo's num_iterations), where it kept them."""
-    from safetensors.torch import load_file
-
     counts = path / f"rows-rank{rank}.json"
     if not counts.exists():
         return None
-    return batch_from_tensors(load_file(path / f"rows-rank{rank}.safetensors"), json.loads(counts.read_text()))
+    return batch_from_tensors(read_tensors(path / f"rows-rank{rank}.safetensors"), json.loads(counts.read_text()))
 
 
 def check_resumable(spec: RunSpec) -> None:
