@@ -14,17 +14,25 @@ Other rows of a causal model's training and evaluation: its own kernel (sdpa, fl
 mask built. Rows are padded on the right, and causal attention lets no real token see the padding, whose targets
 are IGNORE: the mask would change no loss. Building it makes the host wait for the device at every forward
 (transformers checks on the host whether a mask or the positions hold padding or packed examples).
+
+Decoding on the trained model (GRPO's rollout, generated benchmark answers) takes left-padded prompts, whose
+padding a real token would see: it runs under `own_attention`, the model's own kernel with its mask, and the swapped
+one comes back after it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from weakref import WeakKeyDictionary
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 NAME = "runner_packed_examples"
+# Each model's own kernel, from before the runner swapped it.
+OWN_KERNELS: WeakKeyDictionary = WeakKeyDictionary()
 
 
 def attend_within_examples(model: nn.Module) -> None:
@@ -57,8 +65,24 @@ def attend_with(model: nn.Module, name: str, attention: Callable) -> None:
     from their positions, split sequences are causal over the whole row."""
     from transformers import AttentionInterface
 
+    OWN_KERNELS.setdefault(model, model.config._attn_implementation)
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
+
+
+@contextmanager
+def own_attention(model: nn.Module) -> Iterator[None]:
+    """The model's own kernel, which masks what the attention mask masks, for the block; the runner's after it. A
+    model whose kernel the runner never swapped keeps it."""
+    swapped, own = model.config._attn_implementation, OWN_KERNELS.get(model)
+    if own is None or own == swapped:
+        yield
+        return
+    model.set_attn_implementation(own)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(swapped)
 
 
 def per_example_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

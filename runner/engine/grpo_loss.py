@@ -138,8 +138,9 @@ class Sampler(Protocol):
 @dataclass
 class GroupPolicyLoss:
     """task=grpo's Objective. Its micro batches are the rows its rollout made: each a prompt and one completion,
-    with the row values `advantages`, the rollout's metrics, and where they are needed the sampling policy's and
-    the reference's log-probs of every position (`old_logps`, `ref_logps`)."""
+    with the row values `advantages`, the rollout's metrics, the log-probs the sampler drew each completion token
+    with (`sample_logps`), and where they are needed the sampling policy's and the reference's log-probs of every
+    position (`old_logps`, `ref_logps`)."""
 
     settings: PolicyLoss
     rollout: Optional[Sampler] = None
@@ -167,6 +168,9 @@ class GroupPolicyLoss:
                                                            values["advantages"], mask)
         rows, tokens = job.global_batch_size, batch.label_tokens
         metrics = {name: value.sum() / tokens for name, value in token_metrics.items()}
+        if "sample_logps" in values:  # the sampler's log-probs against the trained policy's at sampling (TRL's name)
+            difference = (values.get("old_logps", logps.detach()) - values["sample_logps"]).abs() * mask
+            metrics["sampling/sampling_logp_difference/mean"] = difference.sum() / tokens
         for name, value in values.items():  # the rollout's metrics of each row: their means over the global batch
             if value.dim() == 1 and name != "advantages":
                 metrics[name] = value.sum() / rows

@@ -128,7 +128,7 @@ class PlacedModelLM(TemplateLM):
                 return any(stop in self.tokenizer.decode(tokens) for stop in stops[row])
 
             new_tokens = sample(self.model, contexts, [None] * len(contexts), decoding, self._device, self.autocast,
-                                stopped)
+                                stopped).tokens
             for row_stops, tokens in zip(stops, new_tokens):
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 for stop in row_stops:

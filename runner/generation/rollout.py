@@ -22,6 +22,7 @@ from runner.components.rewards import Reward, rewards_of
 from runner.data.batches import GlobalBatch, collate
 from runner.data.rows import columns, row_inputs
 from runner.distributed import all_ranks_maxima, all_ranks_sums, process_group_up
+from runner.engine.attention import own_attention
 from runner.engine.grpo_loss import group_advantages, token_logps
 from runner.errors import RewardFailed
 from runner.generation.decoding import Decoding, completion, next_tokens, prompt_batches
@@ -58,10 +59,13 @@ class Rollout:
         seeds = [completion_seed(job.spec.seed, step, drawn.first * self.generations + i) for i in range(len(prompts))]
         job.model.eval()  # no dropout in the policy that samples
         size = self.sampling_batch or len(prompts)
-        new_tokens = [tokens for start in range(0, len(prompts), size)
-                      for tokens in sample(unwrapped(job.model), [prompt.ids for prompt in prompts[start:start + size]],
-                                           seeds[start:start + size], decoding, job.device, job.autocast)]
+        batches = [sample(unwrapped(job.model), [prompt.ids for prompt in prompts[start:start + size]],
+                          seeds[start:start + size], decoding, job.device, job.autocast)
+                   for start in range(0, len(prompts), size)]
         job.model.train()
+        new_tokens = [tokens for sampled in batches for tokens in sampled.tokens]
+        sampled_logps = [sampled.logps[row, :len(tokens)] for sampled in batches
+                         for row, tokens in enumerate(sampled.tokens)]
         scores, texts = score(self.rewards, prompts, new_tokens, job.tokenizer, decoding.eos_token_id)
         combined = combined_rewards(scores, [weight for _, _, weight in self.rewards])
         batch_std = None
@@ -89,12 +93,13 @@ class Rollout:
         }
         if job.ranks.rank == 0 and step % job.spec.train.log_every == 0:
             self.keep_sample(job, step, prompts, texts, combined)
-        return self.rows(job, prompts, new_tokens, values)
+        return self.rows(job, prompts, new_tokens, sampled_logps, values)
 
     def rows(self, job: PreparedJob, prompts: list[Prompt], new_tokens: list[list[int]],
-             values: dict[str, torch.Tensor]) -> GlobalBatch:
-        """This rank's rows in micro batches of train.micro_batch_size, with their values (and the reference's
-        log-probs of them, beta > 0); the counts are this rank's, which the step sums over the ranks."""
+             sampled_logps: list[torch.Tensor], values: dict[str, torch.Tensor]) -> GlobalBatch:
+        """This rank's rows in micro batches of train.micro_batch_size, with their values, the log-probs their
+        tokens were sampled with (`sample_logps`, at the positions that predict them; on the device) and the
+        reference's (beta > 0); the counts are this rank's, which the step sums over the ranks."""
         import numpy as np
         import torch
 
@@ -105,6 +110,9 @@ class Rollout:
         for start in range(0, len(rows), size):
             micro_batch = collate(columns(rows[start:start + size]), job.tokenizer.pad_token_id)
             micro_batch.row_values = {name: value[start:start + size] for name, value in values.items()}
+            micro_batch.row_values["sample_logps"] = at_predicting_positions(
+                sampled_logps[start:start + size], [len(prompt.ids) for prompt in prompts[start:start + size]],
+                micro_batch.labels.shape, job.device)
             with torch.no_grad(), job.autocast():
                 if self.reference is not None:
                     micro_batch.row_values["ref_logps"] = self.reference(job, micro_batch.to(job.device)).cpu()
@@ -131,7 +139,7 @@ class Rollout:
             greedy = Decoding(self.decoding.max_new_tokens, eos_token_id=drawn.stop_token,
                               pad_token_id=self.decoding.pad_token_id)
             new_tokens = sample(unwrapped(job.model), [prompt.ids for prompt in drawn.prompts],
-                                [None] * len(drawn.prompts), greedy, job.device, job.autocast)
+                                [None] * len(drawn.prompts), greedy, job.device, job.autocast).tokens
             scores, _ = score(self.rewards, drawn.prompts, new_tokens, job.tokenizer, greedy.eos_token_id)
             combined = combined_rewards(scores, [weight for _, _, weight in self.rewards]).nan_to_num(0.0)
             sums = [total + value for total, value in zip(sums, [combined.sum().item(),
@@ -144,6 +152,18 @@ class Rollout:
                 **{f"eval_rewards/{name}/mean": total / count for (name, _, _), total in zip(self.rewards, totals[1:])}}
 
 
+def at_predicting_positions(completion_values: list[torch.Tensor], prompt_lengths: list[int], shape: torch.Size,
+                            device: torch.device) -> torch.Tensor:
+    """Each completion token's value laid at the position of its row that predicts it (the prompt's last token for
+    the first), 0 elsewhere: a row's tokens' log-probs as the loss's forward lays them."""
+    import torch
+
+    laid = torch.zeros(shape, device=device)
+    for row, (values, length) in enumerate(zip(completion_values, prompt_lengths)):
+        laid[row, length - 1:length - 1 + len(values)] = values
+    return laid
+
+
 def completion_seed(seed: int, step: int, index: int) -> int:
     """The seed of the step's `index`-th completion."""
     import numpy as np
@@ -151,14 +171,23 @@ def completion_seed(seed: int, step: int, index: int) -> int:
     return int(np.random.SeedSequence([seed, step, index]).generate_state(1)[0])
 
 
+@dataclass
+class Sampled:
+    tokens: list[list[int]]  # each prompt's new tokens
+    # The log-probability of each new token under the distribution it was drawn from (the logits over
+    # decoding.temperature) [prompts, steps], on the device; a row's entries past its last token are meaningless.
+    logps: torch.Tensor
+
+
 def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]], decoding: Decoding,
            device: torch.device, autocast: Callable[[], ContextManager],
-           stopped: Optional[Callable[[int, list[int]], bool]] = None) -> list[list[int]]:
+           stopped: Optional[Callable[[int, list[int]], bool]] = None) -> Sampled:
     """Each prompt's new tokens, up to and including the stop token (decoding.eos_token_id) or the token after
-    which `stopped(row, its new tokens)` says the row has ended, at most decoding.max_new_tokens: one forward per
-    token over the left-padded prompts and a KV cache, each row drawing from its own generator (seed None: the
-    argmax). Under several processes every rank runs forwards until every rank's rows have ended: sharded weights
-    are gathered in each forward, by every rank."""
+    which `stopped(row, its new tokens)` says the row has ended, at most decoding.max_new_tokens, and their
+    log-probs: one forward per token over the left-padded prompts and a KV cache, each row drawing from its own
+    generator (seed None: the argmax). The padding is masked: the model's own attention kernel runs, whatever the
+    runner gave it for training. Under several processes every rank runs forwards until every rank's rows have
+    ended: sharded weights are gathered in each forward, by every rank."""
     import torch
     import torch.distributed as dist
     from transformers import DynamicCache
@@ -171,13 +200,14 @@ def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]
     new_tokens: list[list[int]] = [[] for _ in prompts]
     ended = [False] * len(prompts)
     cache = {cache_keyword(type(model)): DynamicCache(config=model.config)}
-    inputs, synced = ids, process_group_up()
-    with torch.no_grad(), autocast():
+    inputs, synced, logps = ids, process_group_up(), []
+    with torch.no_grad(), autocast(), own_attention(model):
         for _ in range(decoding.max_new_tokens):
             logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
                            **cache).logits[:, -1].float()
-            chosen = torch.stack([_drawn(logits[i], decoding, generator) for i, generator in enumerate(generators)])
-            chosen = [decoding.pad_token_id if done else token for done, token in zip(ended, chosen.tolist())]
+            drawn = torch.stack([_drawn(logits[i], decoding, generator) for i, generator in enumerate(generators)])
+            logps.append(torch.log_softmax(logits / decoding.temperature, -1).gather(1, drawn[:, None]).squeeze(1))
+            chosen = [decoding.pad_token_id if done else token for done, token in zip(ended, drawn.tolist())]
             for i, token in enumerate(chosen):
                 if not ended[i]:
                     new_tokens[i].append(token)
@@ -190,7 +220,7 @@ def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]
             inputs = torch.tensor(chosen, device=device).unsqueeze(1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-    return new_tokens
+    return Sampled(new_tokens, torch.stack(logps, 1))
 
 
 def _drawn(logits: torch.Tensor, decoding: Decoding, generator: Optional[torch.Generator]) -> torch.Tensor:
