@@ -15,9 +15,9 @@ from helpers import TWO_BLOCKS, resolved_spec, run_in_workers
 PROMPTS = ["x", "import sys, os", "class Parser:  def __init__(self, text, *, strict=True):",
            "    return self._scanner.match(string, idx)"]
 NEW_TOKENS = 8
-GRPO = ["recipe=cpu_grpo", "task.num_generations=4", "task.max_completion_length=8", "train.micro_batch_size=8",
-        "train.max_steps=1", "train.eval_every=0", "train.eval_batches=1", "train.save_model=false",
-        "+model.architecture.initializer_range=0.2", *TWO_BLOCKS]
+GRPO = ["recipe=cpu_grpo", "task.num_generations=4", "task.max_completion_length=8", "task.temperature=0.8",
+        "train.micro_batch_size=8", "train.max_steps=1", "train.eval_every=0", "train.eval_batches=1",
+        "train.save_model=false", "+model.architecture.initializer_range=0.2", *TWO_BLOCKS]
 LORA = ["adapter=lora", "adapter.rank=4"]
 SINGLE = {"single": [], "lora": LORA, "qlora": ["adapter=qlora", "adapter.rank=4"]}
 TWO_PROCESSES = {"ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"],
@@ -61,7 +61,7 @@ def decoded(ranks, specs, run_dirs) -> list[dict]:
                 for micro_batch in rows.micro_batches:
                     micro_batch = micro_batch.to(job.device)
                     mask = completion_mask(micro_batch)
-                    logps = token_logps(job.model, micro_batch)
+                    logps = token_logps(job.model, micro_batch, spec.task.temperature)
                     differences.append(((logps - micro_batch.row_values["sample_logps"]).abs() * mask).max().item())
             result |= {"prompt_lengths": sorted({len(prompt.ids) for prompt in drawn.prompts}),
                        "logp_difference": max(differences)}

@@ -123,13 +123,13 @@ def runner_grpo(policy, settings: dict, old, ref, loss_kind: str) -> dict:
     micro_batch.row_values = {"advantages": advantages, "old_logps": at_positions(old), "ref_logps": at_positions(ref)}
     objective = GroupPolicyLoss(PolicyLoss(settings.get("loss_type", "dapo"), settings.get(
         "importance_sampling_level", "token"), settings.get("epsilon", 0.2), settings.get("epsilon_high") or 0.2,
-        settings.get("beta", 0.0), MAX_COMPLETION))
+        settings.get("beta", 0.0), MAX_COMPLETION, settings.get("temperature", 1.0)))
     job = SimpleNamespace(model=policy, global_batch_size=len(COMPLETIONS), dp_size=1)
     batch = SimpleNamespace(label_tokens=sum(len(c) for c in COMPLETIONS), micro_batches=[micro_batch])
     loss, _ = objective.loss(job, micro_batch, batch, lambda value: value)
     loss.backward()
     with torch.no_grad():
-        logps = token_logps(policy, micro_batch)
+        logps = token_logps(policy, micro_batch, settings.get("temperature", 1.0))
     completion_logps = torch.zeros(len(COMPLETIONS), MAX_COMPLETION)
     for i, completion in enumerate(COMPLETIONS):
         start = len(PROMPTS[i // generations]) - 1
@@ -144,6 +144,7 @@ CASES = {
     "dr_grpo, unscaled": {"loss_type": "dr_grpo", "scale_rewards": "none"},
     "grpo, sequence-level (GSPO), KL": {"loss_type": "grpo", "importance_sampling_level": "sequence", "beta": 0.04},
     "dapo, batch-scaled, KL": {"loss_type": "dapo", "scale_rewards": "batch", "beta": 0.1},
+    "dapo, KL, temperature 0.7": {"loss_type": "dapo", "beta": 0.04, "temperature": 0.7},
 }
 
 

@@ -5,7 +5,7 @@ GRPOTrainer logs.
 With r the rewards of a prompt's G completions, the advantage of each is (r - mean(r)) / (std(r) + 1e-4), its
 std that of its group (task.scale_rewards=group), of the whole global batch (batch), or none (then r - mean(r)).
 With w a completion token's log-ratio (policy - the policy that sampled it; task.importance_sampling_level=sequence:
-its completion's mean), A its advantage and eps, eps_high the clip range (the formulas of TRL 1.16's GRPOTrainer):
+its completion's mean; every log-prob of the logits over task.temperature, as TRL's), A its advantage and eps, eps_high the clip range (the formulas of TRL 1.16's GRPOTrainer):
 
     token loss   -min(exp(w) A, clip(exp(w), 1 - eps, 1 + eps_high) A) + beta exp(w) (exp(q) - q - 1)
 
@@ -74,6 +74,7 @@ class PolicyLoss:
     epsilon_high: float = 0.2
     beta: float = 0.0
     max_completion_length: int = 256
+    temperature: float = 1.0  # the sampling temperature, which the log-probs' logits are divided by
 
     def token_losses(self, logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
                      advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -113,9 +114,10 @@ class PolicyLoss:
         return token_losses.sum() / tokens
 
 
-def token_logps(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
-    """Each position's log-probability of its target [rows, positions] (0 where it has none)."""
-    return -model(**micro_batch.inputs, **loss_arguments(micro_batch), per_token=True)
+def token_logps(model: nn.Module, micro_batch: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Each position's log-probability of its target [rows, positions] (0 where it has none), under the logits over
+    `temperature` (the sampling temperature: TRL's GRPOTrainer's log-probs)."""
+    return -model(**micro_batch.inputs, **loss_arguments(micro_batch), per_token=True, temperature=temperature)
 
 
 def completion_mask(micro_batch: MicroBatch) -> torch.Tensor:
@@ -163,7 +165,7 @@ class GroupPolicyLoss:
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = micro_batch.row_values
         mask = completion_mask(micro_batch)
-        logps = token_logps(job.model, micro_batch)
+        logps = token_logps(job.model, micro_batch, self.settings.temperature)
         losses, token_metrics = self.settings.token_losses(logps, values.get("old_logps"), values.get("ref_logps"),
                                                            values["advantages"], mask)
         rows, tokens = job.global_batch_size, batch.label_tokens

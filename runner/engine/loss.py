@@ -30,21 +30,23 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
     """Sets the model's forward to return the summed loss when it is given `loss_labels` (each row's, with
     `per_row`: minus the row's summed log-probability of its labels, as preference losses take it; each position's,
     with `per_token`: minus the log-probability of its target, 0 where it has none, as policy-gradient losses take
-    it), and to be its own forward otherwise; the kind in effect."""
+    it, of the logits over `temperature`, the distribution a sampler drew from), and to be its own forward
+    otherwise; the kind in effect."""
     kind = loss_kind_in_effect(requested, model.config.model_type, model.config.vocab_size)
     own_forward = model.forward
 
     def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, per_token: bool = False,
-                labels_shifted: bool = False, label_count: int | None = None, **kwargs):
+                labels_shifted: bool = False, label_count: int | None = None, temperature: float = 1.0, **kwargs):
         if loss_labels is None:
             return own_forward(*args, **kwargs)
         each = "token" if per_token else "row" if per_row else None
         if kind is LossKind.full:
             logits = own_forward(*args, use_cache=False, **kwargs).logits
-            return summed_cross_entropy(logits, loss_labels, each, labels_shifted)
+            return summed_cross_entropy(logits if temperature == 1.0 else logits / temperature, loss_labels, each,
+                                        labels_shifted)
         hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
         return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, each,
-                                            labels_shifted, label_count)
+                                            labels_shifted, label_count, temperature)
 
     model.forward = forward
     return kind
@@ -84,11 +86,12 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, each: str |
 
 def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
                                  chunk_tokens: int, each: str | None = None, labels_shifted: bool = False,
-                                 label_count: int | None = None) -> torch.Tensor:
+                                 label_count: int | None = None, temperature: float = 1.0) -> torch.Tensor:
     """The same sum from the last hidden states: the head runs chunk by chunk on the `label_count` positions that
     predict a label (where the count is not given, on every position, the others' targets IGNORE); under autograd
     each chunk keeps only its input, and backward recomputes its logits one chunk at a time. The count comes from
-    the host: selecting by a mask of the targets would make the host wait for the device to learn its size."""
+    the host: selecting by a mask of the targets would make the host wait for the device to learn its size. The
+    logits are divided by `temperature`."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -105,17 +108,20 @@ def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: 
     for hidden_chunk, target_chunk, slot_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens),
                                                      slots.split(chunk_tokens)):
         if torch.is_grad_enabled():
-            losses = checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, bool(each), use_reentrant=False)
+            losses = checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, bool(each), temperature,
+                                use_reentrant=False)
         else:
-            losses = _chunk_loss(head, hidden_chunk, target_chunk, bool(each))
+            losses = _chunk_loss(head, hidden_chunk, target_chunk, bool(each), temperature)
         total = total.index_add(0, slot_chunk, losses) if each else total + losses
     return total.view(labels.shape) if each == "token" else total
 
 
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool) -> torch.Tensor:
+def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool,
+                temperature: float = 1.0) -> torch.Tensor:
     import torch.nn.functional as F
 
-    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE,
+    logits = head(hidden).float()
+    return F.cross_entropy(logits if temperature == 1.0 else logits / temperature, targets, ignore_index=IGNORE,
                            reduction="none" if per_token else "sum")
 
 

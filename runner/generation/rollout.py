@@ -117,7 +117,8 @@ class Rollout:
                 if self.reference is not None:
                     micro_batch.row_values["ref_logps"] = self.reference(job, micro_batch.to(job.device)).cpu()
                 if self.keep_old_logps:
-                    micro_batch.row_values["old_logps"] = token_logps(job.model, micro_batch.to(job.device)).cpu()
+                    micro_batch.row_values["old_logps"] = token_logps(job.model, micro_batch.to(job.device),
+                                                                      self.decoding.temperature).cpu()
             micro_batches.append(micro_batch)
         return GlobalBatch(micro_batches, tokens=sum(row["tokens"] for row in rows),
                            label_tokens=sum(row["label_tokens"] for row in rows), rank_counts=True)

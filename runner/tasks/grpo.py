@@ -193,11 +193,11 @@ class GrpoTask(PostTrainingTaskConfig):
 
         settings = PolicyLoss(self.loss.value, self.importance_sampling_level.value, self.epsilon,
                               self.epsilon if self.epsilon_high is None else self.epsilon_high, self.beta,
-                              self.max_completion_length)
+                              self.max_completion_length, self.temperature)
         decoding = Decoding(self.max_completion_length, do_sample=True, temperature=self.temperature,
                             top_p=self.top_p, pad_token_id=job.tokenizer.pad_token_id)
         rewards = [(reward_name(reward), load_reward(reward), reward.weight) for reward in self.rewards]
-        reference = reference_logps(job) if self.beta else None
+        reference = reference_logps(job, self.temperature) if self.beta else None
         rollout = Rollout(self.num_generations, decoding, self.sampling_batch_size, self.scale_rewards.value, rewards,
                           reference, keep_old_logps=self.num_iterations > 1)
         return GroupPolicyLoss(settings, rollout, self.num_iterations)
@@ -221,9 +221,9 @@ def fields_read(reward: RewardSpec) -> list[str]:
             and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
 
 
-def reference_logps(job: PreparedJob):
-    """The reference's log-probs of a micro batch's positions: the policy with its adapters off, else a frozen copy
-    of the initial model placed as the strategy places an inference model."""
+def reference_logps(job: PreparedJob, temperature: float):
+    """The reference's log-probs of a micro batch's positions, of its logits over `temperature`: the policy with its
+    adapters off, else a frozen copy of the initial model placed as the strategy places an inference model."""
     from runner.components.lora import adapters_off
     from runner.engine.grpo_loss import token_logps
     from runner.engine.placement import placed_model
@@ -232,9 +232,9 @@ def reference_logps(job: PreparedJob):
     if job.spec.adapter.active:
         def with_adapters_off(job: PreparedJob, micro_batch) -> Any:
             with adapters_off(unwrapped(job.model)):
-                return token_logps(job.model, micro_batch)
+                return token_logps(job.model, micro_batch, temperature)
         return with_adapters_off
     model = placed_model(job.spec, job.ranks, job.device, job.tokenizer, training=False, frozen=True).model
     model.eval()
-    return lambda job, micro_batch: token_logps(model, micro_batch)
+    return lambda job, micro_batch: token_logps(model, micro_batch, temperature)
 
