@@ -123,7 +123,8 @@ def main() -> None:
     parser.add_argument("--contenders", default=None,
                         help="a subset of the workloads' contenders (default: all of them)")
     parser.add_argument("--compile", action="store_true",
-                        help="instruction workload: also runner-packed-compile (torch.compile: 30-60 s per run on a CPU)")
+                        help="instruction workload: also runner-packed-compile "
+                             "(torch.compile: 30-60 s per run on a CPU)")
     parser.add_argument("--startup-repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per process (OMP_NUM_THREADS); on a shared machine more threads than "
@@ -248,7 +249,8 @@ def prepare_configs(workload: Workload, args: argparse.Namespace, workdir: Path)
         rows = workdir / f"rows_{workload.name}_{global_batch}.pt"
         if not rows.exists():
             if workload.name == "text":
-                torch.save(runner_rows(spec.data.files, spec.data.seq_len, spec.seed, global_batch, args.steps)[0], rows)
+                torch.save(runner_rows(spec.data.files, spec.data.seq_len, spec.seed, global_batch, args.steps)[0],
+                           rows)
             else:
                 torch.save(instruction_rows(spec.data.files, spec.data.seq_len, spec.seed, global_batch, args.steps),
                            rows)
@@ -349,7 +351,8 @@ def throughput_table(configs: list[Config], contenders: list[str], results: dict
             base = medians.get("hand")
             ratio = f"{medians[contender] / base:.3f}x" if base else "-"
             runs = ", ".join(f"{o.tokens_per_s:.0f}" for o in done) + (f" ({len(errors)} failed)" if errors else "")
-            lines.append(f"| {config.name} | {contender} | {medians[contender]:.0f} | {ratio} | {losses:.4f} | {runs} |")
+            lines.append(f"| {config.name} | {contender} | {medians[contender]:.0f} | {ratio} | {losses:.4f} "
+                         f"| {runs} |")
         verdicts += config_verdicts(config.name, medians)
     return "\n".join([*lines, "", *verdicts])
 
@@ -392,7 +395,8 @@ def instruction_table(workload: Workload, configs: list[Config], results: dict) 
         "runs; peak memory: the first process's peak resident memory on the CPU (peak allocated on a GPU), median "
         "of the runs.",
         "",
-        "| config | contender | real tokens/s | vs hand-written (padded) | peak memory GiB | final loss | runs (real tokens/s) |",
+        "| config | contender | real tokens/s | vs hand-written (padded) | peak memory GiB | final loss "
+        "| runs (real tokens/s) |",
         "|---|---|---|---|---|---|---|",
     ]
     verdicts = []

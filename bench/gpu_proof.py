@@ -605,12 +605,14 @@ class Report:
 
         def largest(a: list[float], b: list[float]) -> str:
             difference, step = max((abs(x - y), i) for i, (x, y) in enumerate(zip(a, b), start=1))
-            return f"{difference:.2e} (step {step}); at step 1 {abs(a[0] - b[0]):.2e}, at step 60 {abs(a[-1] - b[-1]):.2e}"
+            return (f"{difference:.2e} (step {step}); at step 1 {abs(a[0] - b[0]):.2e}, "
+                    f"at step 60 {abs(a[-1] - b[-1]):.2e}")
 
         if runner and hand:
             notes.append(f"- runner against hand loop, largest |difference|: {largest(runner, hand)}")
         if hand and hand2:
-            notes.append(f"- hand loop against itself (run-to-run spread), largest |difference|: {largest(hand, hand2)}")
+            notes.append(f"- hand loop against itself (run-to-run spread), largest |difference|: "
+                         f"{largest(hand, hand2)}")
         if runner and full:
             notes.append(f"- runner, train.loss=full against the chunked loss, largest |difference|: "
                          f"{largest(runner, full)}")
@@ -648,7 +650,8 @@ class Report:
         rows = ["| model | runner tokens/s | hand loop tokens/s | runner / hand |", "|---|---|---|---|"]
         for section, runner_key, hand_key, warmup, model in (
                 ("host", "runner tiny", "hand tiny", HOST_WARMUP,
-                 f"tiny default model, fp32, {HOST_STEPS} steps (windows of {HOST_LOG_EVERY} after step {HOST_WARMUP})"),
+                 f"tiny default model, fp32, {HOST_STEPS} steps "
+                 f"(windows of {HOST_LOG_EVERY} after step {HOST_WARMUP})"),
                 ("gpu", "1B bf16 compiled", "hand 1B bf16 compiled", ONE_B_WARMUP,
                  f"Llama-3.2-1B's shapes, bf16, blocks compiled, 4 x 2048 tokens a step, {ONE_B_STEPS} steps "
                  f"(windows of {ONE_B_LOG_EVERY} after step {ONE_B_WARMUP})")):
@@ -693,9 +696,10 @@ class Report:
                          if name in figures}
         notes = []
         if "fp8 tensorwise compiled" in figures and "bf16 compiled" in figures:
-            notes.append(f"- fp8 tensorwise against bf16, both compiled: "
-                         f"{figures['fp8 tensorwise compiled']['tokens_per_s'] / figures['bf16 compiled']['tokens_per_s']:.2f}x"
-                         " (the issue's H200: 1.06x)")
+            notes.append(
+                f"- fp8 tensorwise against bf16, both compiled: "
+                f"{figures['fp8 tensorwise compiled']['tokens_per_s'] / figures['bf16 compiled']['tokens_per_s']:.2f}x"
+                " (the issue's H200: 1.06x)")
         self.table(f"Llama-3.2-1B's shapes: precision and compile (one GPU, 4 x 2048 tokens a step, {ONE_B_STEPS} "
                    "steps; MFU against the GPU's dense bf16 peak)", [*rows, *([""] + notes if notes else [])])
 

@@ -50,7 +50,8 @@ def stdlib_pairs() -> list[tuple[str, str]]:
     pairs = []
     for file in sorted(root.rglob("*.py")):
         relative = file.relative_to(root)
-        if SKIPPED_PARTS & set(relative.parts[:-1]) or not all(part.isidentifier() for part in relative.with_suffix("").parts):
+        if (SKIPPED_PARTS & set(relative.parts[:-1])
+                or not all(part.isidentifier() for part in relative.with_suffix("").parts)):
             continue
         module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
         try:

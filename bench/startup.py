@@ -116,5 +116,6 @@ def imports_torch(arguments: list[str], env: dict[str, str]) -> bool:
     """Whether `run <arguments>` imports torch, from Python's own import log."""
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "runner", *arguments], env=env,
                             capture_output=True, text=True, cwd=ROOT)
-    modules = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    modules = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+               if line.startswith("import time:")]
     return "torch" in modules

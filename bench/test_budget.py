@@ -10,7 +10,8 @@ The default job is `run` with no arguments (the `run` beside --python), in a tem
 is the one its done line ends with (runner/engine/loop.py: from its first step to its saved model, without the
 start-up and the first evaluation), read unrounded from the summary.json of the run directory the output names.
 The two tiers run in the repository as CI runs them, `python -m pytest` (pyproject.toml's addopts), each timed
-wall-clock; their last line and exit status are shown. Exit status 1 when a limit is missed or a run failed.
+wall-clock; their last line and exit status are shown. Exit status 1 when a limit is missed or a run failed. Each
+measurement is appended, one JSON line, to bench/results/test_budget.jsonl, the record of every one so far.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "test_budget.jsonl"
 SUITE_LIMIT = 20
 FAST_LIMIT = 4
 # "... | peak memory 0.52 GiB | 28 s" or "... | 28 s (torch.compile: 9 s of it)", after the log's time stamp.
@@ -67,7 +69,8 @@ def default_job(python: Path) -> float:
     return seconds
 
 
-def tier(python: Path, name: str, selection: list[str], job_s: float, limit: int) -> bool:
+def tier(python: Path, name: str, selection: list[str], job_s: float, limit: int) -> dict:
+    """The tier's seconds, its ratio to the default job, whether it met its limit, and its last line."""
     command = [str(python), "-m", "pytest", *selection]
     print(f"running the {name} ...", flush=True)
     began = time.perf_counter()
@@ -79,7 +82,15 @@ def tier(python: Path, name: str, selection: list[str], job_s: float, limit: int
     print(f"{name} ({shlex.join(['python', '-m', 'pytest', *selection])}): {seconds:.0f} s, {ratio:.1f} times the "
           f"default job, limit {limit}: {'met' if ratio <= limit else 'missed'}"
           f"{'' if done.returncode == 0 else f' (but exit status {done.returncode})'} | {last}", flush=True)
-    return met
+    return {"s": round(seconds, 1), "ratio": round(ratio, 1), "limit": limit, "met": met, "result": last}
+
+
+def record(measurement: dict) -> None:
+    """Appends the measurement to the results file."""
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS, "a") as file:
+        file.write(json.dumps(measurement) + "\n")
+    print(f"recorded in {RESULTS.relative_to(ROOT)}", flush=True)
 
 
 def main() -> None:
@@ -95,14 +106,18 @@ def main() -> None:
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True,
                                    text=True).stdout.strip() or "(not importable)"
-    print(f"test budget, {datetime.datetime.now():%Y-%m-%d %H:%M}, commit {commit}{' (dirty)' if dirty else ''}, "
+    when = datetime.datetime.now()
+    print(f"test budget, {when:%Y-%m-%d %H:%M}, commit {commit}{' (dirty)' if dirty else ''}, "
           f"{os.cpu_count()} CPUs, torch {torch_version}, {python}", flush=True)
 
     job_s = default_job(python)
-    met = tier(python, "fast tier", ["-m", "not slow"], job_s, FAST_LIMIT)
+    measurement = {"date": f"{when:%Y-%m-%d %H:%M}", "commit": commit, "dirty": bool(dirty), "cpus": os.cpu_count(),
+                   "torch": torch_version, "how": "bench/test_budget.py", "default_job_s": round(job_s, 1),
+                   "fast": tier(python, "fast tier", ["-m", "not slow"], job_s, FAST_LIMIT)}
     if not args.fast_only:
-        met = tier(python, "full suite", [], job_s, SUITE_LIMIT) and met
-    sys.exit(0 if met else 1)
+        measurement["suite"] = tier(python, "full suite", [], job_s, SUITE_LIMIT)
+    record(measurement)
+    sys.exit(0 if all(measurement[name]["met"] for name in ("fast", "suite") if name in measurement) else 1)
 
 
 if __name__ == "__main__":

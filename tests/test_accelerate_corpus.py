@@ -120,7 +120,8 @@ def test_accelerates_fp8_templates_set_transformer_engines_delayed_scaling():
         assert settings.items() >= {
             "precision.fp8.backend": "transformer_engine", "precision.fp8.format": "e4m3",
             "precision.fp8.amax_history_len": 1024, "precision.fp8.margin": 0}.items()
-        assert any(line.startswith("mixed_precision: fp8 -> precision=fp8 (Transformer Engine float8") for line in lines)
+        assert any(line.startswith("mixed_precision: fp8 -> precision=fp8 (Transformer Engine float8")
+                   for line in lines)
     # accelerate's AO backend reads none of Transformer Engine's keys.
     settings, lines = convert(yaml.safe_load("distributed_type: NO\nmixed_precision: fp8\nfp8_config:\n"
                                              "  backend: AO\n  fp8_format: E4M3\n"))

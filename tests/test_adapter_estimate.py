@@ -228,7 +228,8 @@ def test_qlora_under_fsdp_shards_the_nf4_base(checkpoints):
     assert whole / 2 <= halves < whole / 2 + 1  # every Llama-3-8B weight splits evenly in two
     adapters = 4 * sharded_elements(list(parameters_of(sharded, facts).trained_shapes), 2)
     assert estimated(sharded).weights.bytes == halves + adapters + facts.buffer_bytes
-    assert estimated(replicated).weights.bytes == estimated(single).weights.bytes == whole + 4 * T_8B + facts.buffer_bytes
+    assert (estimated(replicated).weights.bytes == estimated(single).weights.bytes
+            == whole + 4 * T_8B + facts.buffer_bytes)
     # A unit's all-gather carries NF4 too: a qlora block gathers about a third of a lora block's bytes.
     lora = recipe("llama3_8b_lora_1x4090", checkpoints, "train.micro_batch_size=1", "hardware=2xrtx4090",
                   "strategy=fsdp")

@@ -25,8 +25,9 @@ CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 TINY = ModelConfig(tokenizer="bytes", architecture={
     **yaml.safe_load((CONF / "tiny_llama.yaml").read_text())["architecture"], "initializer_range": 0.2})
 # Half the decoder layers and the final norm on disk, the rest in RAM; lm_head stays with the embeddings it is tied to.
-HALF_ON_DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-                "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "disk", "lm_head": "cpu"}
+HALF_ON_DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                "model.layers.1": "cpu", "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "disk",
+                "lm_head": "cpu"}
 PROMPTS = ["Hello, world", "def add(a, b):", "The"]
 SEED = 3
 

@@ -95,11 +95,13 @@ def test_a_models_own_template_trains_what_its_training_variant_does(name):
     training_name = {"llama3_2": "llama3"}.get(name, name)
     training = trl_training_template(training_name)
     tokenizer = chat_tokenizer(plain, training)
-    plain_renderer, training_renderer = (ChatRenderer(tokenizer, template, "assistant") for template in (plain, training))
+    plain_renderer, training_renderer = (ChatRenderer(tokenizer, template, "assistant")
+                                         for template in (plain, training))
     conversation_ = Conversation(SYSTEM_AND_TURNS)
     if name == "llama3_2":  # its own header (knowledge cutoff, today's date) renders other text than Llama 3's
         ids, mask = plain_renderer(conversation_, "test", "it")
-        assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Seven.<|eot_id|>Two, the only even prime.<|eot_id|>"
+        assert (tokenizer.decode([t for t, m in zip(ids, mask) if m])
+                == "Seven.<|eot_id|>Two, the only even prime.<|eot_id|>")
         return
     assert plain_renderer(conversation_, "test", "it") == training_renderer(conversation_, "test", "it")
 
@@ -300,7 +302,8 @@ REAL_CHATS = {  # name: (file, template), each a public dataset in tests/data wi
 def chat_tokenizer_dir(tmp_path_factory) -> Path:
     """The byte tokenizer with the special tokens of Llama 3's and Qwen2.5's templates, saved as a model's is."""
     folder = tmp_path_factory.mktemp("chat_tokenizer")
-    chat_tokenizer(*((TEMPLATES / f"{name}.jinja").read_text() for name in ("llama3", "qwen2_5"))).save_pretrained(folder)
+    chat_tokenizer(*((TEMPLATES / f"{name}.jinja").read_text()
+                     for name in ("llama3", "qwen2_5"))).save_pretrained(folder)
     return folder
 
 

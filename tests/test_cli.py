@@ -47,7 +47,8 @@ def test_cfg_job_refuses_what_the_run_would_refuse(workdir):
 
 
 def test_help_does_not_import_torch(workdir):
-    probe = 'import sys; sys.argv = ["run", "--help"]; from runner.cli.main import main; main(); print("torch" in sys.modules)'
+    probe = ('import sys; sys.argv = ["run", "--help"]; from runner.cli.main import main; main(); '
+             'print("torch" in sys.modules)')
     result = subprocess.run([sys.executable, "-c", probe], cwd=workdir, capture_output=True, text=True)
     assert result.stdout.strip().endswith("False")
 
@@ -129,7 +130,8 @@ def test_installed_package_carries_conf_and_recipes(tmp_path):
     assert install.returncode == 0, install.stderr[-2000:]
     for source, shipped in (("conf", "conf"), ("recipes", "recipes")):
         expected = {p.relative_to(repo / source) for p in (repo / source).rglob("*.yaml")}
-        assert {p.relative_to(target / "runner" / shipped) for p in (target / "runner" / shipped).rglob("*.yaml")} == expected
+        assert {p.relative_to(target / "runner" / shipped)
+                for p in (target / "runner" / shipped).rglob("*.yaml")} == expected
     assert (target / "runner" / "planning" / "measured_mfu.yaml").exists()  # the plan's table of GPU figures
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

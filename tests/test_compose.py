@@ -28,8 +28,10 @@ REQUIRED = {
     ("data", "text_files"): lambda tmp: [f"data.files={Path(__file__)}"],
     ("data", "instruction_files"): lambda tmp: [f"data.files={Path(__file__)}"],
     ("data", "chat_files"): lambda tmp: [f"data.files={Path(__file__)}"],
-    ("data", "preference_files"): lambda tmp: [f"data.files={Path(__file__).parent / 'data' / 'trl' / 'preference_standard.jsonl'}"],
-    ("data", "prompt_files"): lambda tmp: [f"data.files={Path(__file__).parent / 'data' / 'gsm8k' / 'test_head.jsonl'}"],
+    ("data", "preference_files"): lambda tmp: [
+        f"data.files={Path(__file__).parent / 'data' / 'trl' / 'preference_standard.jsonl'}"],
+    ("data", "prompt_files"): lambda tmp: [
+        f"data.files={Path(__file__).parent / 'data' / 'gsm8k' / 'test_head.jsonl'}"],
     ("data", "hub"): lambda tmp: ["data.hub_dataset=stanfordnlp/imdb"],
     # This machine has no fp8: the emulation is what runs here, on the default tiny model's small layers.
     ("precision", "fp8"): lambda tmp: ["precision.fp8.emulate=true", "precision.fp8.min_features=16"],

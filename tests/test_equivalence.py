@@ -1,7 +1,8 @@
 """The product's contract: swapping the strategy does not change the math.
 
 With the same seed, data order and global batch, in fp32, the per-step losses of one process with gradient
-accumulation, of DDP, of FSDP under each sharding strategy and wrap policy, and of DeepSpeed ZeRO 0-3 agree within 1e-4 relative over
+accumulation, of DDP, of FSDP under each sharding strategy and wrap policy, and of DeepSpeed ZeRO 0-3 agree within
+1e-4 relative over
 10 optimizer steps, and so do the gradient norms they log. Activation checkpointing, under any strategy, changes
 none of them.
 """

@@ -12,7 +12,8 @@ BAD_INPUTS = {
     "unknown key added with +": (["+optim.foo=1"], "unknown key optim.foo"),
     "unknown top-level key": (["+foo=1"], "unknown key foo"),
     "unknown option": (["strategy=zero9"], "strategy=zero9 is not an option"),
-    "unknown precision": (["precision=fp9"], "precision=fp9 is not an option; choose one of: bf16, fp16, fp32, fp8, pure_bf16"),
+    "unknown precision": (["precision=fp9"], "precision=fp9 is not an option; choose one of: bf16, fp16, fp32, fp8, "
+                                             "pure_bf16"),
     "wrong type": (["optim.lr=abc"], "optim.lr: Value 'abc'"),
     "out of range": (["train.max_steps=-3"], "train.max_steps=-3 must be a positive integer"),
     "more processes than the strategy runs": (["hardware.nproc_per_node=2"], "strategy=single runs one process"),
@@ -108,8 +109,8 @@ BAD_INPUTS = {
     "lightning-hydra-template's experiment": (["experiment=llama"], "unknown key experiment: experiments are "
                                                                     "recipes here: recipe=<name>"),
     "lightning-hydra-template's logger": (["logger=wandb"], "loggers are trackers here: tracker=wandb"),
-    "lightning-hydra-template's trainer": (["+trainer.max_epochs=1"], "unknown key trainer: the Trainer's settings "
-                                                                      "are the hardware, strategy and precision groups"),
+    "lightning-hydra-template's trainer": (["+trainer.max_epochs=1"], "unknown key trainer: the Trainer's settings are "
+                                                                      "the hardware, strategy and precision groups"),
     "lightning-hydra-template's debug": (["debug=default"], "for a short debugging run: recipe=cpu_quick"),
     "a negative bucket size": (["strategy=ddp", "hardware.nproc_per_node=2", "strategy.bucket_cap_mb=-5"],
                                "strategy.bucket_cap_mb=-5 must be > 0"),

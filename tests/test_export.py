@@ -20,7 +20,8 @@ STRATEGIES = {
     "fsdp sharded, offloaded": ["strategy=fsdp", "strategy.state_dict_type=SHARDED", "strategy.offload_params=true"],
     # ZeRO-3 keeps parameters under 100k elements whole, which would be all of this small model's.
     "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3",
-                         f"strategy.config_file={Path(__file__).parent / 'data' / 'zero3_partition_every_parameter.json'}"],
+                         "strategy.config_file="
+                         f"{Path(__file__).parent / 'data' / 'zero3_partition_every_parameter.json'}"],
 }
 
 

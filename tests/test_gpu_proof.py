@@ -76,7 +76,8 @@ def test_the_report_reads_the_runs(tmp_path):
     assert "| fsdp | failed: exit 1: RuntimeError: NCCL |" in page
     assert "- MISSED: their per-step losses agree" in page  # fsdp has no losses to agree
     assert "- MET: runner at least 0.98x the hand-written loop on the tiny model (the host's cost): 1.100x" in page
-    assert "- MET: the memory estimate within ±10% of the measured peak for every single-GPU config: largest +5.0%" in page
+    assert ("- MET: the memory estimate within ±10% of the measured peak for every single-GPU config: largest +5.0%"
+            in page)
     assert "| fp8 rowwise | compiled | 81,920 | 1.00x | 30.0% | 20.0 | 30 | 112 |" in page
     assert "- MET: NCCL equivalence of ddp, fsdp, ZeRO-2 and ZeRO-3 on 2 processes" in page
     assert "- MET: async TP (strategy.async_tp) against compiled tp: trains" in page

@@ -369,7 +369,8 @@ def test_the_held_out_greedy_reward_rises_with_32_token_completions_of_prompts_o
     the held-out greedy reward rises in 10 steps, as TRL's GRPOTrainer's does on the same work (bench/grpo_vs_trl.py,
     docs/grpo.md)."""
     (workdir / "share.py").write_text("def lowercase(completions, **_):\n"
-                                      "    return [sum(c.islower() for c in t) / max(1, len(t)) for t in completions]\n")
+                                      "    return [sum(c.islower() for c in t) / max(1, len(t)) "
+                                      "for t in completions]\n")
     result = run_cli("recipe=cpu_grpo", "task.max_completion_length=32", "train.micro_batch_size=16",
                      "train.max_steps=10", "train.eval_every=10", "train.eval_batches=1", "train.save_model=false",
                      "train.checkpoint_every=0", "task.rewards=[{function: 'share.py:lowercase'}]", cwd=workdir)

@@ -77,7 +77,8 @@ def test_the_70b_recipe_splits_its_blocks_because_fsdp_alone_would_not_fit(tmp_p
 def test_recipes_set_what_their_names_say():
     two_cards = composed(["recipe=llama3_8b_full_2x4090"])
     assert (two_cards.strategy.sharding_strategy.value, two_cards.strategy.offload_params,
-            two_cards.strategy.cpu_ram_efficient_loading, two_cards.hardware.nproc_per_node) == ("FULL_SHARD", True, True, 2)
+            two_cards.strategy.cpu_ram_efficient_loading,
+            two_cards.hardware.nproc_per_node) == ("FULL_SHARD", True, True, 2)
     one_h100 = composed(["recipe=llama3_8b_full_1xh100"])
     assert (one_h100.hardware.nproc_per_node, one_h100.strategy.offload_optimizer.value) == (1, "cpu")
     assert composed(["recipe=llama3_8b_fsdp_8xh100"]).hardware.nproc_per_node == 8
@@ -191,7 +192,8 @@ def test_a_command_writes_recipes_only_under_plain_names_in_recipes(command, nam
 
 
 @pytest.mark.parametrize("args,message", [
-    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_dpo, cpu_fsdp, cpu_grpo, cpu_lora, cpu_qlora, cpu_quick"),
+    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_dpo, cpu_fsdp, cpu_grpo, "
+                         "cpu_lora, cpu_qlora, cpu_quick"),
     (["--copy-recipe", "no_such"], "no recipe named no_such"),
     (["--copy-recipe"], "usage: run --copy-recipe <name> [<new name>]"),
 ])
@@ -221,5 +223,5 @@ def test_tab_completion_offers_the_recipes(flag, workdir):
     typed = {"COMP_LINE": "run recipe=cpu_", "COMP_POINT": "15"}
     result = run_cli(flag, "query=bash", cwd=workdir, env=typed)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_dpo", "recipe=cpu_fsdp", "recipe=cpu_grpo", "recipe=cpu_lora", "recipe=cpu_mine",
-                                     "recipe=cpu_qlora", "recipe=cpu_quick"]
+    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_dpo", "recipe=cpu_fsdp", "recipe=cpu_grpo",
+                                     "recipe=cpu_lora", "recipe=cpu_mine", "recipe=cpu_qlora", "recipe=cpu_quick"]

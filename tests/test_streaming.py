@@ -101,7 +101,8 @@ def test_the_held_out_documents_never_train(lines_corpus):
     assert len(stream.eval_rows(10)) == 10
 
 
-STREAMED = [*(arg for arg in QUICK if not arg.startswith("data.files=")), "data.streaming=true", "data.seq_len=32", "data.eval_fraction=0.25", "train.max_steps=12",
+STREAMED = [*(arg for arg in QUICK if not arg.startswith("data.files=")), "data.streaming=true", "data.seq_len=32",
+            "data.eval_fraction=0.25", "train.max_steps=12",
             "train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "train.micro_batch_size=2",
             "train.checkpoint_every=3", "train.keep_checkpoints=4", "hardware.nproc_per_node=2", "strategy=ddp"]
 

@@ -5,7 +5,8 @@ says so, the forward runs under bf16 autocast ("autocast": "bf16") and each tran
 ("compile": true), as the runner's precision=bf16 and train.compile=true do.
 
     python bench/peers/hand_loop.py --plan plan.json --records steps.jsonl
-    torchrun --standalone --nproc_per_node 2 bench/peers/hand_loop.py --plan plan.json --records steps.jsonl --strategy fsdp
+    torchrun --standalone --nproc_per_node 2 bench/peers/hand_loop.py --plan plan.json --records steps.jsonl \
+        --strategy fsdp
 """
 
 import contextlib

@@ -153,7 +153,8 @@ def evaluate_first(model, rows, micro_batch_size: int, device, log: "StepLog") -
         return
     model.eval()
     with torch.no_grad():
-        losses = [model(input_ids=batch.to(device), labels=batch.to(device)).loss for batch in rows.split(micro_batch_size)]
+        losses = [model(input_ids=batch.to(device), labels=batch.to(device)).loss
+                  for batch in rows.split(micro_batch_size)]
     log.record(0, eval_loss=torch.stack(losses).mean().item())  # every row is a whole block: the batches weigh the same
     model.train()
 

@@ -67,7 +67,8 @@ def store_schemas() -> None:
             store.store(group=f"schema/{group}", name=name, node=node)
     OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
     # conf/hydra/launcher/: a SLURM job's GPUs, none for CPUs
-    OmegaConf.register_new_resolver("gpus_per_node", lambda accelerator, nproc: nproc if accelerator == "cuda" else None)
+    OmegaConf.register_new_resolver("gpus_per_node",
+                                    lambda accelerator, nproc: nproc if accelerator == "cuda" else None)
 
 
 def share_the_store() -> None:

@@ -46,7 +46,8 @@ def one_line(error: BaseException) -> str:
     """The message a user needs, on one line, without Hydra's and OmegaConf's report layout."""
     if isinstance(error, MissingConfigException) and error.missing_cfg_file in HYDRA_PLUGINS:
         package = HYDRA_PLUGINS[error.missing_cfg_file]
-        return f"{error.missing_cfg_file} comes with Hydra's {package} plugin, which is not installed: pip install {package}"
+        return (f"{error.missing_cfg_file} comes with Hydra's {package} plugin, which is not installed: "
+                f"pip install {package}")
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
         group, _, option = error.missing_cfg_file.rpartition("/")
         return (f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"

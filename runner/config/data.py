@@ -115,8 +115,8 @@ def check(data: DataConfig) -> None:
 
 
 def with_absolute_paths(data: DataConfig, base: Path) -> DataConfig:
-    """`data.files`, `data.cache_dir` and `data.chat_template` as absolute paths from `base`: the spec then means the same from any
-    directory."""
+    """`data.files`, `data.cache_dir` and `data.chat_template` as absolute paths from `base`: the spec then means the
+    same from any directory."""
     return replace(data, files=absolute_path(data.files, base), cache_dir=absolute_path(data.cache_dir, base),
                    chat_template=absolute_path(data.chat_template, base))
 

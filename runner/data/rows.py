@@ -43,7 +43,8 @@ class RowWriter:
         if not (self.path / "trained.bin").stat().st_size:  # text: every token trains
             (self.path / "trained.bin").unlink()
         for name, parts in self.parts.items():
-            np.save(self.path / f"{name}.npy", np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
+            np.save(self.path / f"{name}.npy",
+                    np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
 
 
 class RowStore:

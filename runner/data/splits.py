@@ -104,7 +104,8 @@ def check_something_trains(data: DataConfig, indices: Any, masks: list[Any]) -> 
     data.seq_len, which would train nothing, naming its file and line."""
     for index, mask in zip(indices, masks):
         if not mask[1:data.seq_len].any():
-            raise SpecError(f"{error_source(data)}: {record_where(data, int(index))}: its last assistant turn starts past "
+            raise SpecError(f"{error_source(data)}: {record_where(data, int(index))}: "
+                            "its last assistant turn starts past "
                             f"data.seq_len={data.seq_len}, so under data.train_on=last_assistant it trains nothing; "
                             "raise data.seq_len, shorten the conversation or train on every assistant turn")
 

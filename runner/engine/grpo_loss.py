@@ -5,7 +5,8 @@ GRPOTrainer logs.
 With r the rewards of a prompt's G completions, the advantage of each is (r - mean(r)) / (std(r) + 1e-4), its
 std that of its group (task.scale_rewards=group), of the whole global batch (batch), or none (then r - mean(r)).
 With w a completion token's log-ratio (policy - the policy that sampled it; task.importance_sampling_level=sequence:
-its completion's mean; every log-prob of the logits over task.temperature, as TRL's), A its advantage and eps, eps_high the clip range (the formulas of TRL 1.16's GRPOTrainer):
+its completion's mean; every log-prob of the logits over task.temperature, as TRL's), A its advantage and eps, eps_high
+the clip range (the formulas of TRL 1.16's GRPOTrainer):
 
     token loss   -min(exp(w) A, clip(exp(w), 1 - eps, 1 + eps_high) A) + beta exp(w) (exp(q) - q - 1)
 

@@ -16,7 +16,8 @@ bytes of a saved matmul input (c; 1 for fp8 linears), q = heads x head_dim and k
 With c = r = l = 2, LayerNorm, a 4h GELU MLP and eager attention with dropout this is the paper's 34 h + 5 a s.
 The whole model: t x (L x layer + final norm + (c + 4) V for the logits and their fp32 log-softmax). The chunked
 loss (train.loss, runner/engine/loss.py) keeps no logits: its head's input, r h per token, and in backward one
-chunk's recomputed logits and their gradients at a time. With activation checkpointing (strategy.activation_checkpointing=true, under every strategy) each layer keeps only its
+chunk's recomputed logits and their gradients at a time. With activation checkpointing
+(strategy.activation_checkpointing=true, under every strategy) each layer keeps only its
 input, t x L x r x h, and one layer at a time is recomputed (the paper's "full recomputation", 2sbhL).
 
 With LoRA adapters (runner/memory/parameters.py) each adapted linear adds, per token, lora_B's input (rank x c) and,

@@ -73,7 +73,8 @@ def _peak_formula(result: Estimate) -> str:
         (" + reference model" if result.reference.bytes else "")
     return {
         Phase.LOADING: "the whole module on the device",
-        Phase.BACKWARD_START: kept + " + activations + its transients" + (" + gradients" if result.accumulating else ""),
+        Phase.BACKWARD_START: (kept + " + activations + its transients"
+                               + (" + gradients" if result.accumulating else "")),
         Phase.BACKWARD_END: kept + " + gradients + its transients",
         Phase.OPTIMIZER_STEP: kept + " + gradients + the step's temporaries",
         Phase.SAMPLING: kept + " + the KV cache and logits of sampling",

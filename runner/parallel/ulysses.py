@@ -77,7 +77,8 @@ class UlyssesSplit:
             batch = query.shape[0]
             if batch not in by_batch_size:
                 by_batch_size[batch] = UlyssesSPAttentionHF(
-                    attn=within_examples or causal_unmasked_attention, batch_size=batch, attn_head_count=config.num_attention_heads,
+                    attn=within_examples or causal_unmasked_attention, batch_size=batch,
+                    attn_head_count=config.num_attention_heads,
                     attn_head_size=head_size,
                     kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
                     process_group=self.group, seq_length_is_variable=True)

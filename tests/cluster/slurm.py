@@ -142,7 +142,8 @@ def wait_for(what: str, ready, timeout: float, log: Path | None = None) -> None:
             return
         time.sleep(0.5)
     tail = log.read_text().strip().splitlines()[-3:] if log and log.exists() else []
-    raise Unavailable(f"{what} not ready after {timeout:.0f} s" + (f"; its log ends: {' | '.join(tail)}" if tail else ""))
+    raise Unavailable(f"{what} not ready after {timeout:.0f} s"
+                      + (f"; its log ends: {' | '.join(tail)}" if tail else ""))
 
 
 def start_munged() -> None:
