@@ -100,11 +100,10 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         _advance_schedule(job, result.outcome, step, progress)
         tally.add(step, result.loss, result.metrics, result.outcome.grad_norm, result.tokens)
         stopping = vote.after_step()
-        logging_step = step % cfg.log_every == 0 or step == cfg.max_steps
-        evaluating = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps
-        checkpointing = (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps
-        benchmarking = job.benchmarks is not None and (
-            (cfg.benchmark_every and step % cfg.benchmark_every == 0) or step == cfg.max_steps)
+        logging_step = due(step, cfg.log_every, cfg.max_steps)
+        evaluating = due(step, cfg.eval_every, cfg.max_steps)
+        checkpointing = due(step, cfg.checkpoint_every, cfg.max_steps)
+        benchmarking = job.benchmarks is not None and due(step, cfg.benchmark_every, cfg.max_steps)
         if not (logging_step or evaluating or benchmarking or checkpointing or stopping):
             bar.advance(**shown)  # what the last reading showed
             continue
@@ -202,6 +201,11 @@ def _stop_if_non_finite(job: PreparedJob, reading: Reading) -> None:
                             f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
 
 
+def due(step: int, every: int, last: int) -> bool:
+    """Whether `step` is one of every `every` steps (0: none of them) or the `last` one."""
+    return (every > 0 and step % every == 0) or step == last
+
+
 def _step_batch(job: PreparedJob, drawn: GlobalBatch, step: int, progress: Progress) -> GlobalBatch:
     """The global batch the step trains on (runner/engine/step.py's Objective.step_batch). A reward that fails in
     it ends the run in one line that names it, after the checkpoint of the step before (where none was written)."""
@@ -211,7 +215,7 @@ def _step_batch(job: PreparedJob, drawn: GlobalBatch, step: int, progress: Progr
         last_step = step - 1
         cfg = job.spec.train
         saved = checkpoints_dir(job.run_dir) / f"step_{last_step:08d}"
-        if last_step and not (cfg.checkpoint_every and last_step % cfg.checkpoint_every == 0):
+        if last_step and not due(last_step, cfg.checkpoint_every, cfg.max_steps):
             saved = checkpoint.save(job, last_step, asdict(progress), None)
         kept = (f"the checkpoint of step {last_step}, {saved}, holds the run so far; fix the reward, then continue "
                 f"with: run resume={job.run_dir}") if last_step else "no step had been trained"
