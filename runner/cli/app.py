@@ -69,12 +69,12 @@ def run_job(config: DictConfig) -> float:
     sweeping = hydra_config.mode == RunMode.MULTIRUN and task is None
     if sweeping:
         stop_if_asked(hydra_config, "started")  # by a signal between the jobs
-    spec, identity, inputs = prepared_job(config, hydra_config, first=task is None or task.rank == 0)
+    spec, identity, inputs = start_job(config, hydra_config, first=task is None or task.rank == 0)
     if sweeping:
         stop_if_asked(hydra_config, "trained")  # by a signal while the job read its data
     log_format = OmegaConf.to_container(hydra_config.job_logging.formatters.simple)
     try:
-        return job_objective(spec, run_dir, identity, inputs, task, log_format)
+        return run_job_here_or_on_workers(spec, run_dir, identity, inputs, task, log_format)
     except Stopped as stop:
         if task is not None:
             end_if_requeued(task, stop)
@@ -106,9 +106,10 @@ def start_cluster_task(config: DictConfig, task: Task, run_dir: Path) -> None:
     resume_requeued(config, task, run_dir)
 
 
-def prepared_job(config: DictConfig, hydra_config: DictConfig, first: bool) -> tuple[RunSpec, RunIdentity, Any]:
-    """The job's checked spec (its task's pre-launch step run), its identity and what it reads. The first of its
-    processes (`first`) writes the run directory's spec.yaml; input that cannot be read refuses the launch."""
+def start_job(config: DictConfig, hydra_config: DictConfig, first: bool) -> tuple[RunSpec, RunIdentity, Any]:
+    """Starts the job: checks its spec (its task's pre-launch step run), writes the run directory's spec.yaml
+    (the first of its processes, `first`) and reads its input, whose failure refuses the launch and removes a new
+    run's directory; the spec, the job's identity and its input."""
     spec = validated(config, Path(hydra_config.runtime.cwd))
     name_deepspeed_accelerator(spec.hardware.accelerator.value)
     task_checked(spec)  # on a cluster's node, the first time on this machine
@@ -129,9 +130,9 @@ def prepared_job(config: DictConfig, hydra_config: DictConfig, first: bool) -> t
     return spec, identity, inputs
 
 
-def job_objective(spec: RunSpec, run_dir: Path, identity: RunIdentity, inputs: Any, task: Optional[Task],
+def run_job_here_or_on_workers(spec: RunSpec, run_dir: Path, identity: RunIdentity, inputs: Any, task: Optional[Task],
                   log_format: Any) -> float:
-    """The job run in this process (one process), as this task of a cluster job, or through the elastic launcher
+    """Runs the job in this process (one process), as this task of a cluster job, or through the elastic launcher
     (several processes); its objective."""
     # The engine (and torch with it) is imported once a job runs: `run --help`, `run --cfg job` and the tasks that
     # launch nothing answer without it.

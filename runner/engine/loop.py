@@ -31,7 +31,7 @@ from runner.files import (
     written_whole,
 )
 from runner.memory.disk import disk_need
-from runner.memory.out_of_memory_report import out_of_memory_line, recorded
+from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_memory_record
 from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_flops
 from runner.processes.signals import GracefulStop, StopVote
 from runner.processes.stall_watch import StallWatch, process_watch, stalls_file
@@ -70,8 +70,8 @@ def train(job: PreparedJob) -> dict[str, Any]:
         if not out_of_memory(error):
             raise
         record = record_out_of_memory(error, job, watch.doing)
-        if job.ranks.world_size == 1:  # else the launcher reads the first rank's record
-            recorded(job.run_dir)
+        if job.ranks.world_size == 1:  # else the launcher takes the first rank's record
+            take_out_of_memory_record(job.run_dir)
         raise DeviceOutOfMemory(out_of_memory_line(record, job.spec)) from None
     finally:
         batches.close()  # ends that thread

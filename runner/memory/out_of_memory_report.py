@@ -25,8 +25,8 @@ def write_record(run_dir: Path, record: dict[str, Any]) -> None:
     (run_dir / RECORD.format(rank=record["rank"])).write_text(json.dumps(record))
 
 
-def recorded(run_dir: Path) -> Optional[dict[str, Any]]:
-    """The first rank's record of an out-of-memory error in this run directory, the records removed; or None."""
+def take_out_of_memory_record(run_dir: Path) -> Optional[dict[str, Any]]:
+    """Removes the ranks' records of an out-of-memory error from the run directory; the first rank's, or None."""
     records = [json.loads(path.read_text()) for path in run_dir.glob(RECORD.format(rank="*"))]
     for path in run_dir.glob(RECORD.format(rank="*")):
         path.unlink()

@@ -29,7 +29,7 @@ from runner.distributed import Ranks, close_process_group, free_port
 from runner.errors import CollectiveTimedOut, ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files import complete_checkpoints
 from runner.frameworks import import_frameworks
-from runner.memory.out_of_memory_report import out_of_memory_line, recorded
+from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_memory_record
 from runner.processes.cluster import Task, check_reachable
 from runner.processes.collective_timeouts import RECORD, record_collectives, timed_out, timed_out_line, waited
 from runner.processes.stall_watch import StallWatch, stalls_file, watched_phase
@@ -144,7 +144,8 @@ def job_ended(error: Any, spec: RunSpec, run_dir: Path) -> Exception:
     collective that timed out, or the first failed rank's error."""
     if all(failure.exitcode == ExitStatus.STOPPED for failure in error.failures.values()):
         return stopped(run_dir, "a signal")
-    out_of_memory = recorded(run_dir)  # whichever rank's error torch reports, a peer's lost connection say
+    # whichever rank's error torch reports, a peer's lost connection say
+    out_of_memory = take_out_of_memory_record(run_dir)
     if out_of_memory is not None:
         return WorkerFailed(out_of_memory_line(out_of_memory, spec))
     for failure in sorted(error.failures.values(), key=lambda failure: failure.timestamp):
