@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Protocol
 
 from runner.components.lr_schedule import build_scheduler
 from runner.components.modeling import build_tokenizer
@@ -35,10 +35,36 @@ if TYPE_CHECKING:
     from runner.engine.checkpoint import KeepBest
     from runner.parallel.dims import ParallelDims
     from runner.parallel.pipeline.schedule import Pipeline
-    from runner.parallel.sequence import SequenceSplit
+    from runner.parallel.sequence import SequenceSplit, WholeLoss
     from runner.strategies.protocol import Stepper
 
 log = logging.getLogger("runner")
+
+
+class Objective(Protocol):
+    """What a training step minimises and an evaluation reports: the next-token loss (runner/engine/step.py's
+    NextTokenLoss), a preference loss (task=dpo: runner/engine/dpo_loss.py), or a policy loss over sampled
+    completions (task=grpo: runner/engine/grpo_loss.py)."""
+
+    def step_batch(self, job: PreparedJob, drawn: batches.GlobalBatch, step: int) -> batches.GlobalBatch:
+        """The global batch `step` trains on, from the one drawn from the data: the same rows, or (task=grpo) the
+        completions the policy samples for the drawn prompts, scored."""
+        ...
+
+    def loss(self, job: PreparedJob, micro_batch: batches.MicroBatch, batch: batches.GlobalBatch,
+             whole: WholeLoss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro batch's share of the global batch's loss, to differentiate, and its shares of the global
+        batch's metrics (means over the global batch, once every rank's shares are summed). Under a sequence
+        split, `micro_batch` is this rank's slices of the rows, and `whole` makes a sum over them the rows' own."""
+        ...
+
+    def evaluate(self, job: PreparedJob) -> dict[str, float]:
+        """`eval_loss` (and the objective's own metrics) over the eval rows of every rank."""
+        ...
+
+    def line(self, job: PreparedJob) -> str:
+        """What it is, for the run's overview."""
+        ...
 
 
 @dataclass
@@ -73,11 +99,10 @@ class PreparedJob:
     stream_position: Optional[dict[str, int]] = None
     # Rows the checkpoint kept because the step after it trains them again (task=grpo's num_iterations).
     rows_trained_again: Optional[batches.GlobalBatch] = None
-    # What the steps minimise and the evaluations report (runner/engine/step.py's Objective, which imports this
-    # module): None, the next-token loss, unless the task sets its own.
-    objective: Any = None
-    # The benchmarks' scores of the model as placed now, the same on every rank (train.benchmarks: the task sets it
-    # from runner/generation/benchmarks.py); scored every train.benchmark_every steps and after the last.
+    # What the steps minimise and the evaluations report: the task's own, or None, the next-token loss.
+    objective: Optional[Objective] = None
+    # The benchmarks' scores of the model as placed now, the same on every rank (train.benchmarks, from
+    # runner/generation/benchmarks.py); scored every train.benchmark_every steps and after the last.
     benchmarks: Optional[Callable[[PreparedJob], dict[str, float]]] = None
     benchmark_tokens: int = 0  # what one scoring passes forward, for the time plan (rank 0's)
     keep_best: Optional[KeepBest] = None  # train.keep_best's metric and its direction
@@ -152,9 +177,14 @@ def load_data(spec: RunSpec) -> LoadedData:
 
 def prepare_job(
     spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks(), identity: Optional[RunIdentity] = None,
-    loaded: Optional[LoadedData] = None,
+    loaded: Optional[LoadedData] = None, objective: Optional[Callable[[PreparedJob], Objective]] = None,
+    benchmarks: Optional[Callable[[PreparedJob], dict[str, float]]] = None,
+    benchmark_tokens: Optional[Callable[[PreTrainedTokenizerBase], int]] = None, keep_best: Optional[KeepBest] = None,
 ) -> PreparedJob:
-    """`loaded`: what load_data returned for this spec in this process, when it has been called already."""
+    """The job whole, ready for its first step. `loaded`: what load_data returned for this spec in this process,
+    when it has been called already; `objective`: the task's own, built from the job (None: the next-token loss);
+    `benchmarks`: train.benchmarks' scores, and `benchmark_tokens` what one scoring passes forward (counted on rank
+    0, for the time plan); `keep_best`: train.keep_best's metric and its direction."""
 
     device = device_of(spec, ranks)
     tokenizer, train_set, eval_set = loaded or load_data(spec)
@@ -183,6 +213,9 @@ def prepare_job(
         eval_sequences=eval_sequences,
         pipeline=placed.pipeline,
         sequence_split=placed.sequence_split,
+        benchmarks=benchmarks,
+        benchmark_tokens=benchmark_tokens(tokenizer) if benchmark_tokens and ranks.rank == 0 else 0,
+        keep_best=keep_best,
     )
     if spec.resume:
         progress = checkpoint.load(job, Path(spec.resume))
@@ -193,6 +226,8 @@ def prepare_job(
         identity = identity or RunIdentity(name=run_dir.name)
         config = {**to_plain(spec), "precision_in_effect": job.precision_in_effect().as_dict()}
         job.trackers = build_trackers(spec.tracker, run_dir, config, identity, job.start_step)
+    if objective is not None:
+        job.objective = objective(job)
     return job
 
 

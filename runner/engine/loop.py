@@ -207,7 +207,7 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 def _step_batch(job: PreparedJob, drawn: GlobalBatch, step: int, progress: Progress) -> GlobalBatch:
-    """The global batch the step trains on (runner/engine/step.py's Objective.step_batch). A reward that fails in
+    """The global batch the step trains on (runner/engine/job.py's Objective.step_batch). A reward that fails in
     it ends the run in one line that names it, after the checkpoint of the step before (where none was written)."""
     try:
         return objective_of(job).step_batch(job, drawn, step)

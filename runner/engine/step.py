@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional
 
 from runner.data.batches import MeanLoss
 from runner.distributed import all_ranks_sums, summed_on_device
@@ -19,39 +19,13 @@ if TYPE_CHECKING:
     from torch import nn
 
     from runner.data.batches import GlobalBatch, MicroBatch
-    from runner.engine.job import PreparedJob
+    from runner.engine.job import Objective, PreparedJob
     from runner.parallel.sequence import SequenceSplit, WholeLoss
     from runner.strategies.protocol import StepOutcome
 
 log = logging.getLogger("runner")
 # The objective's metrics that the log lines show (metrics.jsonl and the trackers have them all).
 SHOWN_METRICS = ("rewards/accuracies", "rewards/margins", "reward", "reward_std")
-
-
-class Objective(Protocol):
-    """What a training step minimises and an evaluation reports: the next-token loss (NextTokenLoss), a
-    preference loss (task=dpo: runner/engine/dpo_loss.py), or a policy loss over sampled completions (task=grpo:
-    runner/engine/grpo_loss.py)."""
-
-    def step_batch(self, job: PreparedJob, drawn: GlobalBatch, step: int) -> GlobalBatch:
-        """The global batch `step` trains on, from the one drawn from the data: the same rows, or (task=grpo) the
-        completions the policy samples for the drawn prompts, scored."""
-        ...
-
-    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """This micro batch's share of the global batch's loss, to differentiate, and its shares of the global
-        batch's metrics (means over the global batch, once every rank's shares are summed). Under a sequence
-        split, `micro_batch` is this rank's slices of the rows, and `whole` makes a sum over them the rows' own."""
-        ...
-
-    def evaluate(self, job: PreparedJob) -> dict[str, float]:
-        """`eval_loss` (and the objective's own metrics) over the eval rows of every rank."""
-        ...
-
-    def line(self, job: PreparedJob) -> str:
-        """What it is, for the run's overview."""
-        ...
 
 
 class NextTokenLoss:
@@ -76,7 +50,7 @@ class NextTokenLoss:
 
 
 def objective_of(job: PreparedJob) -> Objective:
-    """The job's objective: its task's own, else the next-token loss."""
+    """The job's objective: its task's own, else (None) the next-token loss."""
     return job.objective or NextTokenLoss()
 
 

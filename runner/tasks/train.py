@@ -4,6 +4,7 @@ model's layers, the fit in the hardware's memory, the trackers' services), then 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
@@ -21,12 +22,13 @@ from runner.parallel.tensor import block_plan
 from runner.planning.time_plan import plan
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from runner.config.spec import RunSpec
     from runner.config.tracker import RunIdentity
     from runner.distributed import Ranks
     from runner.engine.checkpoint import KeepBest
-    from runner.engine.job import LoadedData, PreparedJob
-    from runner.engine.step import Objective
+    from runner.engine.job import LoadedData, Objective, PreparedJob
     from runner.generation.benchmarks import Benchmarks
 
 
@@ -77,17 +79,10 @@ def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdenti
     watch = process_watch(ranks.rank, spec.train.stall_report_s, stalls_file(run_dir, ranks.rank))
     watch.entering("preparing the job: its data, the model's placement")
     try:
-        job = prepare_job(spec, run_dir, ranks, identity, inputs)
-        if objective is not None:
-            job.objective = objective(job)
         benchmarks = training_benchmarks(spec)
-        if benchmarks is not None:
-            job.benchmarks = scored_during_training(benchmarks)
-            if ranks.rank == 0:
-                from runner.generation.benchmarks import forward_tokens
-
-                job.benchmark_tokens = forward_tokens(benchmarks, job.tokenizer)
-        job.keep_best = kept_best(spec, benchmarks)
+        scores, tokens = (None, None) if benchmarks is None else scoring(benchmarks)
+        job = prepare_job(spec, run_dir, ranks, identity, inputs, objective, scores, tokens,
+                          kept_best(spec, benchmarks))
         summary = train(job)
     finally:
         watch.close()
@@ -148,17 +143,19 @@ def check_benchmarks(spec: RunSpec, benchmarks: Benchmarks) -> None:
     check_lengths(benchmarks, build_tokenizer(spec.model), spec.data.seq_len, "train.benchmarks")
 
 
-def scored_during_training(benchmarks: Benchmarks) -> Callable[[PreparedJob], dict[str, float]]:
+def scoring(benchmarks: Benchmarks) -> tuple[Callable[[PreparedJob], dict[str, float]],
+                                             Callable[[PreTrainedTokenizerBase], int]]:
     """The benchmarks' scores of a job's model as the strategy placed it, each data-parallel rank answering its
-    share of the requests."""
+    share of the requests; and what one scoring passes forward, counted with the job's tokenizer."""
     from runner.generation.benchmark_model import Shard
+    from runner.generation.benchmarks import forward_tokens
 
     def scores(job: PreparedJob) -> dict[str, float]:
         shard = Shard(job.dims.dp_rank(job.ranks.rank), job.dims.dp_size, job.counted)
         return benchmarks.scores(job.model, job.tokenizer, job.device, job.autocast, job.spec.data.seq_len,
                                  job.spec.train.micro_batch_size, shard)
 
-    return scores
+    return scores, partial(forward_tokens, benchmarks)
 
 
 def kept_best(spec: RunSpec, benchmarks: Optional[Benchmarks]) -> Optional[KeepBest]:
