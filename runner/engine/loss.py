@@ -42,8 +42,7 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
         each = "token" if per_token else "row" if per_row else None
         if kind is LossKind.full:
             logits = own_forward(*args, use_cache=False, **kwargs).logits
-            return summed_cross_entropy(logits if temperature == 1.0 else logits / temperature, loss_labels, each,
-                                        labels_shifted)
+            return summed_cross_entropy(tempered(logits, temperature), loss_labels, each, labels_shifted)
         hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
         return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, each,
                                             labels_shifted, label_count, temperature)
@@ -120,9 +119,13 @@ def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, pe
                 temperature: float = 1.0) -> torch.Tensor:
     import torch.nn.functional as F
 
-    logits = head(hidden).float()
-    return F.cross_entropy(logits if temperature == 1.0 else logits / temperature, targets, ignore_index=IGNORE,
+    return F.cross_entropy(tempered(head(hidden).float(), temperature), targets, ignore_index=IGNORE,
                            reduction="none" if per_token else "sum")
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits over the sampling temperature (the same tensor at 1)."""
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def loss_line(train: TrainConfig, model_config: PretrainedConfig) -> str:
