@@ -23,7 +23,7 @@ from runner.cli.compose import (
     mode_from_the_command_line,
     register,
 )
-from runner.cli.help import help_text
+from runner.cli.help import help_text, key_help
 from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import load_spec
@@ -49,7 +49,11 @@ def main() -> None:
     args = sys.argv[1:]
     recipe_dirs = recipes.search_path(RECIPES_DIR)
     if "--help" in args or "-h" in args:
-        print(help_text(recipe_dirs))
+        asked = args[args.index("--help" if "--help" in args else "-h") + 1:][:1]
+        try:
+            print(key_help(asked[0]) if asked else help_text(recipe_dirs))
+        except SpecError as error:
+            refuse(str(error))
         return
     shown = shown_config(args)
     if shown == "job":  # the runner's own: the checked spec, as the run would see it (Hydra's is unchecked)

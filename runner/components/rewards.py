@@ -12,24 +12,28 @@ import importlib
 import importlib.util
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from runner.errors import RewardFailed, SpecError, require
+from runner.config.fields import setting
 
 Reward = Callable[..., list[Optional[float]]]
 
 @dataclass
 class RewardSpec:
-    # `module:function` (importable) or `path/to/file.py:function`.
-    function: str = "runner.components.rewards:answer_matches"
-    weight: float = 1.0
-    # Keyword arguments bound to the function (the built-in regex_matches' `pattern`).
-    args: dict[str, Any] = field(default_factory=dict)
-    # What the metrics call it (rewards/<name>/mean); unset: the function's name.
-    name: Optional[str] = None
+    function: str = setting(
+        "runner.components.rewards:answer_matches",
+        "`module:function` (importable) or `path/to/file.py:function`.",
+    )
+    weight: float = setting(1.0, "This reward's weight in the completion's reward.")
+    args: dict[str, Any] = setting(
+        {},
+        "Keyword arguments bound to the function (the built-in regex_matches' `pattern`).",
+    )
+    name: Optional[str] = setting(None, "What the metrics call it (rewards/<name>/mean); unset: the function's name.")
 
 
 def load_reward(spec: RewardSpec) -> Reward:

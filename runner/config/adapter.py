@@ -16,11 +16,12 @@ The schema and its checks; runner/components/lora.py builds what it names.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, List
 
 from runner.errors import require
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     pass
@@ -40,15 +41,21 @@ class AdapterKind(str, Enum):
 
 @dataclass
 class AdapterConfig:
-    kind: AdapterKind = AdapterKind.none
-    rank: int = 16
-    # The adapter's update is scaled by alpha / rank.
-    alpha: float = 32.0
-    dropout: float = 0.0
-    # Names of the transformer blocks' linear layers to adapt (q_proj, v_proj, ...); empty: every one of them.
-    target_modules: List[str] = field(default_factory=list)
-    # Also export the merged model (model/merged), loadable without peft, in the base model's dtype.
-    merge: bool = False
+    kind: AdapterKind = setting(
+        AdapterKind.none,
+        "none (every parameter trains), lora (peft's LoRA adapters) or qlora (LoRA on a 4-bit NF4 base).",
+    )
+    rank: int = setting(16, "The rank of each adapter's two matrices.")
+    alpha: float = setting(32.0, "The adapter's update is scaled by alpha / rank.")
+    dropout: float = setting(0.0, "Dropout on the adapters' input.")
+    target_modules: List[str] = setting(
+        [],
+        "Names of the transformer blocks' linear layers to adapt (q_proj, v_proj, ...); empty: every one of them.",
+    )
+    merge: bool = setting(
+        False,
+        "Also export the merged model (model/merged), loadable without peft, in the base model's dtype.",
+    )
 
     @property
     def active(self) -> bool:

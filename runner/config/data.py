@@ -12,6 +12,7 @@ from typing import Optional
 
 from runner.errors import require
 from runner.files import absolute_path
+from runner.config.fields import setting
 
 
 class DataFormat(str, Enum):
@@ -40,44 +41,85 @@ class TrainOn(str, Enum):
 
 @dataclass
 class DataConfig:
-    # A local file, directory or glob (plain text, .json/.jsonl or .parquet) ...
-    files: Optional[str] = None
-    # ... or a dataset name on the hub, read with datasets.load_dataset.
-    hub_dataset: Optional[str] = None
-    hub_split: str = "train"
-    format: DataFormat = DataFormat.text
-    text_field: str = "text"
-    prompt_field: str = "prompt"
-    response_field: str = "response"
-    # Preference pairs: the responses' fields (torchtune's stack_exchange_paired: response_j and response_k).
-    chosen_field: str = "chosen"
-    rejected_field: str = "rejected"
-    # A pair whose prompt fills seq_len, leaving no room for a response, is refused by its file and line; true: left
-    # out, and counted (as TRL's DPOTrainer drops them).
-    drop_long_prompts: bool = False
-    # Chat (runner/data/chat.py): how records hold their conversations, the Jinja chat template (unset: the
-    # tokenizer's own), and the turns that train: every assistant turn (with its end-of-turn token), the last one,
-    # or every token.
-    chat_format: ChatFormat = ChatFormat.auto
-    chat_template: Optional[str] = None
-    train_on: TrainOn = TrainOn.assistant
-    # data.format=prompt: a text prompt goes through the chat template as a user's turn, ended by the generation
-    # prompt (the template's own for an instruct model; conversations always do).
-    prompt_as_chat: bool = False
-    seq_len: int = 256
-    # Share of the documents held out for evaluation.
-    eval_fraction: float = 0.05
-    # Several documents or examples per row, each attending only to itself (runner/data/pack.py); no padding to
-    # train on.
-    packing: bool = False
-    # Processes that tokenize the corpus (once: later runs read the token store); unset: this machine's cores.
-    num_proc: Optional[int] = None
-    # Read through datasets' IterableDataset and tokenized as training goes, each rank its own shard
-    # (runner/data/stream.py): for a corpus past the disk, or a hub dataset not downloaded whole.
-    streaming: bool = False
-    # Where the token store lives (shared storage serves every node); unset: $RUNNER_TOKEN_CACHE, else
-    # ~/.cache/runner/tokens.
-    cache_dir: Optional[str] = None
+    files: Optional[str] = setting(
+        None,
+        "A local file, directory or glob (plain text, .json/.jsonl or .parquet); set it or hub_dataset.",
+    )
+    hub_dataset: Optional[str] = setting(
+        None,
+        "A dataset name on the hub, read with datasets.load_dataset; set it or files.",
+    )
+    hub_split: str = setting("train", "data.hub_dataset: the split read.")
+    format: DataFormat = setting(
+        DataFormat.text,
+        "What a record holds: text (plain documents), instruction (a prompt and a response), chat (a conversation), "
+        "preference (task=dpo's pairs) or prompt (task=grpo's prompts).",
+    )
+    text_field: str = setting(
+        "text",
+        "data.format=text, .json/.jsonl/.parquet or hub records: the field holding a document.",
+    )
+    prompt_field: str = setting(
+        "prompt",
+        "data.format=instruction, preference or prompt: the field holding the prompt.",
+    )
+    response_field: str = setting(
+        "response",
+        "data.format=instruction: the field holding the response, the only tokens that train.",
+    )
+    chosen_field: str = setting(
+        "chosen",
+        "Preference pairs: the chosen response's field (torchtune's stack_exchange_paired: response_j).",
+    )
+    rejected_field: str = setting(
+        "rejected",
+        "Preference pairs: the rejected response's field (stack_exchange_paired: response_k).",
+    )
+    drop_long_prompts: bool = setting(
+        False,
+        "A pair whose prompt fills seq_len, leaving no room for a response, is refused by its file and line; true: "
+        "left out, and counted (as TRL's DPOTrainer drops them).",
+    )
+    chat_format: ChatFormat = setting(
+        ChatFormat.auto,
+        "Chat (runner/data/chat.py): how records hold their conversations: messages (role and content), sharegpt (from "
+        "and value), alpaca (instruction, input, output), or auto: from each record's keys.",
+    )
+    chat_template: Optional[str] = setting(None, "Chat: a Jinja chat template file; unset: the tokenizer's own.")
+    train_on: TrainOn = setting(
+        TrainOn.assistant,
+        "Chat: the tokens that train: every assistant turn (with its end-of-turn token), the last assistant turn, or "
+        "all of them.",
+    )
+    prompt_as_chat: bool = setting(
+        False,
+        "data.format=prompt: a text prompt goes through the chat template as a user's turn, ended by the generation "
+        "prompt (the template's own for an instruct model; conversations always do).",
+    )
+    seq_len: int = setting(
+        256,
+        "Tokens per row: documents are cut (or packed) to it, examples longer are refused or cut.",
+    )
+    eval_fraction: float = setting(0.05, "Share of the documents held out for evaluation.")
+    packing: bool = setting(
+        False,
+        "Several documents or examples per row, each attending only to itself (runner/data/pack.py); no padding to "
+        "train on.",
+    )
+    num_proc: Optional[int] = setting(
+        None,
+        "Processes that tokenize the corpus (once: later runs read the token store); unset: this machine's cores.",
+    )
+    streaming: bool = setting(
+        False,
+        "Read through datasets' IterableDataset and tokenized as training goes, each rank its own shard "
+        "(runner/data/stream.py): for a corpus past the disk, or a hub dataset not downloaded whole.",
+    )
+    cache_dir: Optional[str] = setting(
+        None,
+        "Where the token store lives (shared storage serves every node); unset: $RUNNER_TOKEN_CACHE, else "
+        "~/.cache/runner/tokens.",
+    )
 
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}

@@ -7,12 +7,13 @@ The schema and its checks; runner/components/fp8.py builds what it names.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, List
 
 from runner.config.hardware import Accelerator, HardwareConfig
 from runner.errors import require
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     pass
@@ -43,24 +44,48 @@ class AmaxAlgorithm(str, Enum):
 
 @dataclass
 class Float8Config:
-    recipe: Float8Recipe = Float8Recipe.tensorwise
-    backend: Float8Backend = Float8Backend.torchao
-    # FSDP all-gathers the weights already cast to float8 (half bf16's traffic); tensorwise recipe only.
-    all_gather: bool = False
-    # Linear layers with fewer input or output features stay in compute_dtype: fp8 gains nothing on small matmuls,
-    # and the fp8 kernels need both dimensions to be multiples of 16.
-    min_features: int = 1024
-    # Modules kept in compute_dtype whatever their size, by name or name suffix (the LM head's logits need the range).
-    skip: List[str] = field(default_factory=lambda: ["lm_head"])
-    # Run the fp8 matmuls in higher precision where the hardware has no fp8 (a CPU, a GPU below compute capability
-    # 8.9): same numerics, no speed-up; for tests.
-    emulate: bool = False
-    # Transformer Engine's delayed scaling (DelayedScaling): formats, the amax history each scale comes from, and a
-    # margin of 2^margin below the format's maximum. torchao scales from each tensor's current amax instead.
-    format: Float8Format = Float8Format.hybrid
-    amax_history_len: int = 1024
-    amax_compute_algo: AmaxAlgorithm = AmaxAlgorithm.max
-    margin: int = 0
+    recipe: Float8Recipe = setting(
+        Float8Recipe.tensorwise,
+        "torchao's scaling: tensorwise (one scale per tensor, the fastest) or rowwise (one per row, closer to bf16).",
+    )
+    backend: Float8Backend = setting(
+        Float8Backend.torchao,
+        "Whose fp8 kernels: torchao (Float8Linear, any strategy) or transformer_engine (its te.Linear and delayed "
+        "scaling).",
+    )
+    all_gather: bool = setting(
+        False,
+        "FSDP all-gathers the weights already cast to float8 (half bf16's traffic); tensorwise recipe only.",
+    )
+    min_features: int = setting(
+        1024,
+        "Linear layers with fewer input or output features stay in compute_dtype: fp8 gains nothing on small matmuls, "
+        "and the fp8 kernels need both dimensions to be multiples of 16.",
+    )
+    skip: List[str] = setting(
+        ["lm_head"],
+        "Modules kept in compute_dtype whatever their size, by name or name suffix (the LM head's logits need the "
+        "range).",
+    )
+    emulate: bool = setting(
+        False,
+        "Run the fp8 matmuls in higher precision where the hardware has no fp8 (a CPU, a GPU below compute capability "
+        "8.9): same numerics, no speed-up; for tests.",
+    )
+    format: Float8Format = setting(
+        Float8Format.hybrid,
+        "transformer_engine: hybrid (e4m3 forward, e5m2 gradients) or e4m3 for both.",
+    )
+    amax_history_len: int = setting(
+        1024,
+        "transformer_engine's delayed scaling: how many past steps' amax each scale comes from (torchao scales from "
+        "each tensor's current amax).",
+    )
+    amax_compute_algo: AmaxAlgorithm = setting(
+        AmaxAlgorithm.max,
+        "transformer_engine's delayed scaling: the scale from the history's max, or its most recent amax.",
+    )
+    margin: int = setting(0, "transformer_engine's delayed scaling: scales stay 2^margin below the format's maximum.")
 
 
 def check(fp8: Float8Config, machine: HardwareConfig, float8_all_gather: bool) -> None:

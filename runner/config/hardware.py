@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Optional
 
 from runner.errors import require
+from runner.config.fields import setting
 
 GIB = 1024**3
 
@@ -28,30 +29,59 @@ class StartMethod(str, Enum):
 
 @dataclass
 class HardwareConfig:
-    accelerator: Accelerator = Accelerator.auto
-    # Unset fields are detected on the machine the run starts on.
-    nnodes: int = 1
-    nproc_per_node: Optional[int] = None
-    # Several machines: this machine's index and the host:port of node 0, where the processes meet.
-    node_rank: int = 0
-    rdzv_endpoint: Optional[str] = None
-    # How long a node (a task, in a cluster job) waits there for the others before it gives up.
-    rdzv_timeout_s: int = 900
-    # How the workers start: forked from `run`, which has imported torch and the runner (on CPUs, a worker trains
-    # within a second), or spawned, each a new interpreter (what CUDA needs); auto: spawn on CUDA, fork elsewhere.
-    start_method: StartMethod = StartMethod.auto
-    device_name: Optional[str] = None
-    device_memory_gib: Optional[float] = None
-    host_memory_gib: Optional[float] = None
-    # Dense bf16 peak per device, for MFU; 0 where unknown.
-    peak_bf16_tflops: float = 0.0
-    # CUDA compute capability (8.0 for A100, 8.9 for RTX 4090, 9.0 for H100): what bf16 and fp8 need.
-    compute_capability: Optional[float] = None
-    # The price of a device for an hour, for the cost a run's plan shows (0: no cost shown).
-    cost_per_gpu_hour: float = 0.0
-    # Where the past runs are whose summaries tell the FLOP rate this hardware reaches (runner/planning/); unset:
-    # ./outputs.
-    measured_runs: Optional[str] = None
+    accelerator: Accelerator = setting(
+        Accelerator.auto,
+        "cpu, cuda, or auto: CUDA GPUs where there are some, else the CPU.",
+    )
+    nnodes: int = setting(1, "Machines the run spans; each starts `run` with its own node_rank.")
+    nproc_per_node: Optional[int] = setting(
+        None,
+        "Processes on each machine, one per GPU; unset: the GPUs of this machine (1 on a CPU).",
+    )
+    node_rank: int = setting(0, "This machine's index among nnodes (0: the one rdzv_endpoint names).")
+    rdzv_endpoint: Optional[str] = setting(
+        None,
+        "host:port on node 0 where the nodes' processes meet (torchrun's rendezvous); needed when nnodes > 1.",
+    )
+    rdzv_timeout_s: int = setting(
+        900,
+        "How long a node (a task, in a cluster job) waits at the rendezvous for the others before it gives up.",
+    )
+    start_method: StartMethod = setting(
+        StartMethod.auto,
+        "How the workers start: forked from `run`, which has imported torch and the runner (on CPUs, a worker trains "
+        "within a second), or spawned, each a new interpreter (what CUDA needs); auto: spawn on CUDA, fork elsewhere.",
+    )
+    device_name: Optional[str] = setting(
+        None,
+        "The device's name (NVIDIA H100 80GB HBM3, ...), which finds its peak FLOP rate; unset: detected.",
+    )
+    device_memory_gib: Optional[float] = setting(
+        None,
+        "Memory of one device, which the memory estimate checks the run against; unset: detected (on a CPU, the host's "
+        "RAM).",
+    )
+    host_memory_gib: Optional[float] = setting(
+        None,
+        "CPU RAM of one machine, which offloading and loading fill; unset: detected.",
+    )
+    peak_bf16_tflops: float = setting(
+        0.0,
+        "Dense bf16 peak per device, for MFU; 0: from device_name where it is known.",
+    )
+    compute_capability: Optional[float] = setting(
+        None,
+        "CUDA compute capability (8.0 for A100, 8.9 for RTX 4090, 9.0 for H100): what bf16 and fp8 need.",
+    )
+    cost_per_gpu_hour: float = setting(
+        0.0,
+        "The price of a device for an hour, for the cost a run's plan shows (0: no cost shown).",
+    )
+    measured_runs: Optional[str] = setting(
+        None,
+        "Where the past runs are whose summaries tell the FLOP rate this hardware reaches (runner/planning/); unset: "
+        "./outputs.",
+    )
 
     @property
     def world_size(self) -> int:

@@ -5,12 +5,13 @@ The schema and its checks; runner/components/modeling.py builds what it names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from runner.errors import require
 from runner.files import absolute_path
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     pass
@@ -20,12 +21,16 @@ BYTES = "bytes"
 
 @dataclass
 class ModelConfig:
-    # A hub name or local directory passed to from_pretrained; unset means random init from `architecture`.
-    pretrained: Optional[str] = None
-    # transformers config keys (with `model_type`) for random init.
-    architecture: Dict[str, Any] = field(default_factory=dict)
-    # `bytes` (built in, needs no download), a hub name or a local directory; unset means the pretrained model's own.
-    tokenizer: Optional[str] = None
+    pretrained: Optional[str] = setting(
+        None,
+        "A hub name or local directory passed to from_pretrained; unset means random init from `architecture`.",
+    )
+    architecture: Dict[str, Any] = setting({}, "transformers config keys (with `model_type`) for random init.")
+    tokenizer: Optional[str] = setting(
+        None,
+        "`bytes` (built in, needs no download), a hub name or a local directory; unset means the pretrained model's "
+        "own.",
+    )
 
 
 def check(model: ModelConfig) -> None:

@@ -8,10 +8,11 @@ The schema and its checks; runner/components/optimizers.py builds what it names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List
 
 from runner.errors import require
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     pass
@@ -21,14 +22,17 @@ if TYPE_CHECKING:
 class OptimConfig:
     """What every optimizer option shares; each option's schema adds its own keys."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    lr: float = setting(3e-3, "The peak learning rate, which the scheduler warms up to and decays from.")
+    weight_decay: float = setting(
+        0.1,
+        "Decoupled weight decay (AdamW's) on the weight matrices; biases and norm weights are not decayed.",
+    )
 
 
 @dataclass
 class AdamWConfig(OptimConfig):
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    betas: List[float] = setting([0.9, 0.95], "Adam's decay rates of the first and second moment estimates.")
+    eps: float = setting(1e-8, "Added to the second moment's root, for stability.")
 
     def check(self) -> None:
         _check_shared(self)
@@ -51,8 +55,8 @@ class AdamWConfig(OptimConfig):
 
 @dataclass
 class SGDConfig(OptimConfig):
-    momentum: float = 0.0
-    nesterov: bool = False
+    momentum: float = setting(0.9, "The momentum factor (0: plain SGD).")
+    nesterov: bool = setting(False, "Nesterov momentum.")
 
     def check(self) -> None:
         _check_shared(self)

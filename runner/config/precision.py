@@ -15,6 +15,7 @@ from runner.config import float8
 from runner.config.float8 import Float8Config
 from runner.config.hardware import Accelerator, HardwareConfig
 from runner.errors import require
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     import torch
@@ -40,18 +41,28 @@ class Dtype(str, Enum):
 
 @dataclass
 class PrecisionConfig:
-    # The forward and the loss run in this dtype (autocast, or FSDP's mixed-precision policy).
-    compute_dtype: Dtype = Dtype.fp32
-    # The weights the optimizer updates and its states. fp32 unless asked otherwise (precision=pure_bf16): weights
-    # cast to bf16 stay in bf16, and small updates are lost to rounding.
-    param_dtype: Dtype = Dtype.fp32
-    # The dtype gradients are reduced in across data-parallel ranks.
-    reduce_dtype: Dtype = Dtype.fp32
-    # fp16's dynamic loss scale: where it starts, and how many steps without an overflow before it doubles.
-    initial_loss_scale: float = 2.0**16
-    loss_scale_growth_interval: int = 2000
-    # Linear layers' matmuls in float8, the rest in compute_dtype (precision=fp8).
-    fp8: Optional[Float8Config] = None
+    compute_dtype: Dtype = setting(
+        Dtype.fp32,
+        "The forward and the loss run in this dtype (autocast, or FSDP's mixed-precision policy).",
+    )
+    param_dtype: Dtype = setting(
+        Dtype.fp32,
+        "The weights the optimizer updates and its states. fp32 unless asked otherwise (precision=pure_bf16): weights "
+        "cast to bf16 stay in bf16, and small updates are lost to rounding.",
+    )
+    reduce_dtype: Dtype = setting(Dtype.fp32, "The dtype gradients are reduced in across data-parallel ranks.")
+    initial_loss_scale: float = setting(
+        2.0**16,
+        "fp16's dynamic loss scale: where it starts (it halves on an overflow).",
+    )
+    loss_scale_growth_interval: int = setting(
+        2000,
+        "fp16's dynamic loss scale: the steps without an overflow after which it doubles.",
+    )
+    fp8: Optional[Float8Config] = setting(
+        None,
+        "Linear layers' matmuls in float8, the rest in compute_dtype (precision=fp8).",
+    )
 
 
 def check(precision: PrecisionConfig, machine: HardwareConfig, float8_all_gather: bool) -> None:

@@ -11,6 +11,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Optional
 
 from runner.errors import require
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     pass
@@ -24,12 +25,16 @@ class Decay(str, Enum):
 
 @dataclass
 class SchedulerConfig:
-    decay: Decay = Decay.cosine
-    # Linear warmup from 0 to optim.lr over this share of train.max_steps, or over warmup_steps when set.
-    warmup_ratio: float = 0.1
-    warmup_steps: Optional[int] = None
-    # The decay ends at optim.lr x min_lr_ratio on the last step.
-    min_lr_ratio: float = 0.1
+    decay: Decay = setting(
+        Decay.cosine,
+        "After warmup: cosine or linear decay to optim.lr x min_lr_ratio, or a constant rate.",
+    )
+    warmup_ratio: float = setting(
+        0.1,
+        "Linear warmup from 0 to optim.lr over this share of train.max_steps, or over warmup_steps when set.",
+    )
+    warmup_steps: Optional[int] = setting(None, "Warmup steps; unset: warmup_ratio of train.max_steps.")
+    min_lr_ratio: float = setting(0.1, "The decay ends at optim.lr x min_lr_ratio on the last step.")
 
 
 def check(scheduler: SchedulerConfig, total_steps: int) -> None:

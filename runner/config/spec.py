@@ -8,7 +8,7 @@ check the whole spec as it applies to it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Optional
@@ -28,26 +28,64 @@ from runner.config.task import TaskConfig
 from runner.config.tracker import TrackerConfig
 from runner.config.training import TrainConfig
 from runner.errors import SpecError, did_you_mean, require
+from runner.config.fields import setting
 
 
 @dataclass
 class RunSpec:
-    hardware: HardwareConfig = MISSING
-    # A Strategy and a Task (runner/strategies/protocol.py, runner/tasks/task_protocol.py): every option's schema
-    # is one.
-    strategy: StrategyConfig = MISSING
-    precision: PrecisionConfig = MISSING
-    tracker: TrackerConfig = MISSING
-    model: ModelConfig = MISSING
-    adapter: AdapterConfig = MISSING
-    data: DataConfig = MISSING
-    optim: OptimConfig = MISSING
-    scheduler: SchedulerConfig = MISSING
-    task: TaskConfig = MISSING
-    train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 0
-    # The checkpoint to continue from; the command line's resume=auto or resume=<run dir> is resolved to it.
-    resume: Optional[str] = None
+    hardware: HardwareConfig = setting(
+        MISSING,
+        "The machine the run is for (hardware=auto detects this one): accelerator, processes, nodes, memory.",
+    )
+    strategy: StrategyConfig = setting(
+        MISSING,
+        "How the model, its gradients and optimizer states are spread over the processes: single, ddp, fsdp, deepspeed "
+        "(runner/strategies/, each behind the Strategy protocol).",
+    )
+    precision: PrecisionConfig = setting(
+        MISSING,
+        "The dtypes of the forward, the weights and the gradients' reduction, and fp8 matmuls.",
+    )
+    tracker: TrackerConfig = setting(
+        MISSING,
+        "Where metrics go besides <run dir>/metrics.jsonl: wandb, tensorboard, mlflow (several at once: "
+        "tracker=[wandb,mlflow]).",
+    )
+    model: ModelConfig = setting(
+        MISSING,
+        "The model trained: a pretrained name or directory, or a transformers architecture initialised at random.",
+    )
+    adapter: AdapterConfig = setting(
+        MISSING,
+        "What trains: every parameter (none), or LoRA or QLoRA adapters on a frozen base.",
+    )
+    data: DataConfig = setting(
+        MISSING,
+        "The documents, how they become rows of data.seq_len tokens, and the share held out for evaluation.",
+    )
+    optim: OptimConfig = setting(MISSING, "The optimizer: adamw or sgd, with its learning rate and weight decay.")
+    scheduler: SchedulerConfig = setting(
+        MISSING,
+        "The learning rate over the steps: linear warmup, then cosine, linear or constant.",
+    )
+    task: TaskConfig = setting(
+        MISSING,
+        "What `run` does with the spec: train, dpo, grpo, evaluate, generate or estimate (runner/tasks/, each behind "
+        "the Task protocol).",
+    )
+    train: TrainConfig = setting(
+        factory=TrainConfig,
+        help="Steps, batch sizes, clipping, and how often the loop logs, evaluates, checkpoints and scores benchmarks.",
+    )
+    seed: int = setting(
+        0,
+        "Seeds the model's initialisation, the data's shuffle and split, dropout and sampling: the same seed and "
+        "global batch give the same losses under any strategy.",
+    )
+    resume: Optional[str] = setting(
+        None,
+        "The checkpoint to continue from; the command line's resume=auto or resume=<run dir> is resolved to it.",
+    )
 
     @cached_property
     def layout(self):

@@ -4,12 +4,15 @@ runner/strategies/, one file each behind the Strategy protocol (runner/strategie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from runner.config.fields import setting
 
 
 @dataclass
 class StrategyConfig:
     """What every strategy option shares; each option's schema adds its own keys."""
 
-    # Recompute each transformer block's activations in backward instead of keeping them (less memory, about a
-    # third more compute).
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = setting(
+        False,
+        "Recompute each transformer block's activations in backward instead of keeping them (less memory, about a "
+        "third more compute).",
+    )

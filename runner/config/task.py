@@ -7,7 +7,7 @@ The inference tasks (evaluate, generate) share where their model comes from (`tr
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Optional, TypeVar
@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Optional, TypeVar
 from runner.config.model import BYTES, ModelConfig
 from runner.errors import SpecError, require
 from runner.files import absolute_path
+from runner.config.fields import setting
 
 Spec = TypeVar("Spec")  # a RunSpec: runner/config/spec.py imports this module, so it cannot be imported here
 
@@ -57,10 +58,14 @@ class TaskConfig:
 class PostTrainingTaskConfig(TaskConfig):
     """What the tasks that train a policy against its initial model share (dpo, grpo)."""
 
-    # Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).
-    fit_check: bool = True
-    # Print the run's memory estimate per device (the reference model and the task's own terms counted) and stop.
-    estimate_only: bool = False
+    fit_check: bool = setting(
+        True,
+        "Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).",
+    )
+    estimate_only: bool = setting(
+        False,
+        "Print the run's memory estimate per device (the reference model and the task's own terms counted) and stop.",
+    )
 
     @property
     def trains(self) -> bool:
@@ -84,24 +89,36 @@ class MaxMemory:
     """The GiB device_map=auto may fill on each GPU and in CPU RAM (accelerate's max_memory); unset: the hardware
     group's device_memory_gib and host_memory_gib."""
 
-    gpu: Optional[float] = None
-    cpu: Optional[float] = None
+    gpu: Optional[float] = setting(None, "GiB device_map=auto may fill on each GPU; unset: hardware.device_memory_gib.")
+    cpu: Optional[float] = setting(None, "GiB device_map=auto may fill in CPU RAM; unset: hardware.host_memory_gib.")
 
 
 @dataclass
 class InferenceTaskConfig(TaskConfig):
-    # What was trained: a run directory (its model/), one of its checkpoints, or a saved model's directory.
-    # Unset: the model group's own (model=pretrained, or random init). A run directory or checkpoint also
-    # brings its run's spec (data, precision, eval rows), which the command line's overrides change.
-    trained: Optional[str] = None
-    device_map: DeviceMap = DeviceMap.none
-    max_memory: MaxMemory = field(default_factory=lambda: MaxMemory())
-    # Where device_map=auto puts the layers that fit nowhere else; unset: <run dir>/offload, removed at the end.
-    offload_dir: Optional[str] = None
-    # Before launch, refuse a job whose estimated memory per device exceeds the hardware's (false: run anyway).
-    fit_check: bool = True
-    # Print the job's memory estimate per device and stop.
-    estimate_only: bool = False
+    trained: Optional[str] = setting(
+        None,
+        "What was trained: a run directory (its model/), one of its checkpoints, or a saved model's directory. Unset: "
+        "the model group's own (model=pretrained, or random init). A run directory or checkpoint also brings its run's "
+        "spec (data, precision, eval rows), which the command line's overrides change.",
+    )
+    device_map: DeviceMap = setting(
+        DeviceMap.none,
+        "Where the model goes: none (as the strategy places it, one device per process) or auto (accelerate's "
+        "big-model placement: layers over the GPUs, then CPU RAM, then offload_dir on disk).",
+    )
+    max_memory: MaxMemory = setting(
+        MaxMemory(),
+        "The GiB device_map=auto may fill on each GPU and in CPU RAM (accelerate's max_memory).",
+    )
+    offload_dir: Optional[str] = setting(
+        None,
+        "Where device_map=auto puts the layers that fit nowhere else; unset: <run dir>/offload, removed at the end.",
+    )
+    fit_check: bool = setting(
+        True,
+        "Before launch, refuse a job whose estimated memory per device exceeds the hardware's (false: run anyway).",
+    )
+    estimate_only: bool = setting(False, "Print the job's memory estimate per device and stop.")
 
     @property
     def runs_on_this_machine(self) -> bool:

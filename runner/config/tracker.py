@@ -10,10 +10,11 @@ The schema and its checks; runner/components/trackers.py builds what it names.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, List, Optional
 
 from runner.errors import require
+from runner.config.fields import setting
 
 # Key names (or their _-separated parts) that hold secrets: api_key, hub_token, password; not tokenizer.
 SECRET_KEY = re.compile(r"(^|_)(api_?key|token|secret|password)(_|$)", re.IGNORECASE)
@@ -22,13 +23,17 @@ REDACTED = "<redacted>"
 
 @dataclass
 class WandbConfig:
-    project: str = "runner"
-    entity: Optional[str] = None
-    # offline needs no account; `wandb sync <run dir>/wandb/offline-run-*` uploads later.
-    mode: str = "offline"
-    tags: List[str] = field(default_factory=list)
-    # Used to log in, never written: prefer the WANDB_API_KEY environment variable.
-    api_key: Optional[str] = None
+    project: str = setting("runner", "The W&B project the run is logged under.")
+    entity: Optional[str] = setting(None, "The W&B team or user; unset: the account's default.")
+    mode: str = setting(
+        "offline",
+        "offline needs no account; `wandb sync <run dir>/wandb/offline-run-*` uploads later.",
+    )
+    tags: List[str] = setting([], "Tags on the W&B run.")
+    api_key: Optional[str] = setting(
+        None,
+        "Used to log in, never written: prefer the WANDB_API_KEY environment variable.",
+    )
 
     module: ClassVar[str] = "wandb"
     package: ClassVar[str] = "wandb"
@@ -39,7 +44,7 @@ class WandbConfig:
 
 @dataclass
 class TensorBoardConfig:
-    flush_secs: int = 30
+    flush_secs: int = setting(30, "How often the event files are written to disk.")
 
     module: ClassVar[str] = "tensorboard"
     package: ClassVar[str] = "tensorboard"
@@ -50,9 +55,11 @@ class TensorBoardConfig:
 
 @dataclass
 class MLflowConfig:
-    # Unset: a local file store in the run directory (in the sweep directory for a sweep).
-    tracking_uri: Optional[str] = None
-    experiment: str = "runner"
+    tracking_uri: Optional[str] = setting(
+        None,
+        "Unset: a local file store in the run directory (in the sweep directory for a sweep).",
+    )
+    experiment: str = setting("runner", "The MLflow experiment the run is logged under.")
 
     module: ClassVar[str] = "mlflow"
     package: ClassVar[str] = "mlflow-skinny"
@@ -65,9 +72,12 @@ class MLflowConfig:
 class TrackerConfig:
     """One section per tracker; an option (conf/tracker/) fills its own, so several combine."""
 
-    wandb: Optional[WandbConfig] = None
-    tensorboard: Optional[TensorBoardConfig] = None
-    mlflow: Optional[MLflowConfig] = None
+    wandb: Optional[WandbConfig] = setting(None, "Weights & Biases (tracker=wandb); unset: not used.")
+    tensorboard: Optional[TensorBoardConfig] = setting(
+        None,
+        "TensorBoard event files in <run dir>/tensorboard (tracker=tensorboard); unset: not used.",
+    )
+    mlflow: Optional[MLflowConfig] = setting(None, "MLflow (tracker=mlflow); unset: not used.")
 
     def chosen(self) -> list[tuple[str, Any]]:
         """(section name, its config) of each tracker the spec turns on."""

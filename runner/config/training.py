@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
 from runner.errors import require
+from runner.config.fields import setting
 
 
 class LossKind(str, Enum):
@@ -38,39 +39,76 @@ def loss_kind_in_effect(requested: LossKind, model_type: str, vocab_size: int) -
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100
-    micro_batch_size: int = 8
-    grad_accum_steps: int = 1
-    # Clip the global gradient norm to this; 0 turns clipping off.
-    max_grad_norm: float = 1.0
-    log_every: int = 10
-    # Evaluate every N optimizer steps, and always before the first and after the last; 0: only those two.
-    eval_every: int = 0
-    eval_batches: int = 20
-    # Write a checkpoint every N optimizer steps (and after the last); 0: only after the last.
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    save_model: bool = True
-    # A rank that spends this many seconds in one step, evaluation or checkpoint says where it waits (0: never).
-    stall_report_s: float = 300.0
-    # How long a collective waits for every rank of its group before it ends the job (torch's process group
-    # timeout, transformers' ddp_timeout); null: three stall reports, and at least 10 minutes.
-    collective_timeout_s: Optional[float] = None
-    loss: LossKind = LossKind.auto
-    # Label positions per chunk of the chunked loss: its logits are the largest transient of a step.
-    loss_chunk_tokens: int = 1024
-    # torch.compile each transformer block (torchtitan's way: compile time does not grow with depth).
-    compile: bool = False
-    # lm-evaluation-harness tasks scored on the model as it is placed for training: lm-eval task names, the runner's
-    # own (recipes/benchmarks/: local_arc_easy, ...) or task YAML files (docs/benchmark_scores.md).
-    benchmarks: list[str] = field(default_factory=list)
-    # Score them every N optimizer steps, and always after the last; 0: only after the last.
-    benchmark_every: int = 0
-    # Documents of each benchmark scored (lm-eval's `limit`); null: all of them.
-    benchmark_limit: Optional[int] = None
-    # Keep, besides the last checkpoints, the one with the best value of this metric: eval_loss (lowest), a
-    # benchmark's (bench/<task>/<metric>, as lm-eval ranks it) or the task's own eval metric.
-    keep_best: Optional[str] = None
+    max_steps: int = setting(200, "Optimizer steps the run trains for.")
+    micro_batch_size: int = setting(
+        8,
+        "Rows per process in one forward and backward; the global batch is micro_batch_size x data-parallel ranks x "
+        "grad_accum_steps.",
+    )
+    grad_accum_steps: int = setting(1, "Micro batches whose gradients add up before each optimizer step.")
+    max_grad_norm: float = setting(1.0, "Clip the global gradient norm to this; 0 turns clipping off.")
+    log_every: int = setting(
+        20,
+        "Log the loss, learning rate, throughput and memory every N optimizer steps, and after the last.",
+    )
+    eval_every: int = setting(
+        50,
+        "Evaluate every N optimizer steps, and always before the first and after the last; 0: only those two.",
+    )
+    eval_batches: int = setting(16, "Micro batches of held-out rows each evaluation computes the loss on.")
+    checkpoint_every: int = setting(
+        0,
+        "Write a checkpoint every N optimizer steps (and after the last); 0: only after the last.",
+    )
+    keep_checkpoints: int = setting(
+        2,
+        "How many of the newest checkpoints are kept; older ones are deleted once a newer one is complete.",
+    )
+    save_model: bool = setting(
+        True,
+        "Save the trained model (save_pretrained, with its tokenizer) to <run dir>/model at the end.",
+    )
+    stall_report_s: float = setting(
+        300.0,
+        "A rank that spends this many seconds in one step, evaluation or checkpoint says where it waits (0: never).",
+    )
+    collective_timeout_s: Optional[float] = setting(
+        None,
+        "How long a collective waits for every rank of its group before it ends the job (torch's process group "
+        "timeout, transformers' ddp_timeout); null: three stall reports, and at least 10 minutes.",
+    )
+    loss: LossKind = setting(
+        LossKind.auto,
+        "How the summed next-token loss is computed: chunked (the head on the label positions only, chunk by chunk: "
+        "the whole batch's fp32 logits never exist), full (the model's own logits), or auto: chunked where it is exact "
+        "(Llama, Mistral, Qwen 2 and 3) and the vocabulary large enough to matter.",
+    )
+    loss_chunk_tokens: int = setting(
+        1024,
+        "Label positions per chunk of the chunked loss: its logits are the largest transient of a step.",
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile each transformer block (torchtitan's way: compile time does not grow with depth).",
+    )
+    benchmarks: list[str] = setting(
+        [],
+        "lm-evaluation-harness tasks scored on the model as it is placed for training: lm-eval task names, the "
+        "runner's own (recipes/benchmarks/: local_arc_easy, ...) or task YAML files (docs/benchmark_scores.md).",
+    )
+    benchmark_every: int = setting(
+        0,
+        "Score train.benchmarks every N optimizer steps, and always after the last; 0: only after the last.",
+    )
+    benchmark_limit: Optional[int] = setting(
+        None,
+        "Documents of each benchmark scored (lm-eval's `limit`); null: all of them.",
+    )
+    keep_best: Optional[str] = setting(
+        None,
+        "Keep, besides the last checkpoints, the one with the best value of this metric: eval_loss (lowest), a "
+        "benchmark's (bench/<task>/<metric>, as lm-eval ranks it) or the task's own eval metric.",
+    )
 
 
 def check(train: TrainConfig) -> None:

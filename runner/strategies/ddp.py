@@ -17,6 +17,7 @@ from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     import torch
@@ -31,9 +32,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class DDPStrategy(StrategyConfig):
-    # Let DDP look for parameters that get no gradient in a step (slower; only for models that need it).
-    find_unused_parameters: bool = False
-    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = setting(
+        False,
+        "Let DDP look for parameters that get no gradient in a step (slower; only for models that need it).",
+    )
+    bucket_cap_mb: int = setting(25, "Gradients are all-reduced in buckets of this many MiB, overlapping backward.")
 
     name: ClassVar[str] = "ddp"
     distributed: ClassVar[bool] = True

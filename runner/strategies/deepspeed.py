@@ -24,6 +24,7 @@ from runner.strategies import deepspeed_engine, deepspeed_memory
 from runner.strategies.deepspeed_json import OffloadDevice, deepspeed_config, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     import torch
@@ -38,16 +39,29 @@ if TYPE_CHECKING:
 
 @dataclass
 class DeepSpeedStrategy(StrategyConfig):
-    zero_stage: int = 2
-    # Optimizer states (stages 1-3) and parameters (stage 3) can live in CPU RAM or on an NVMe drive.
-    offload_optimizer: OffloadDevice = OffloadDevice.none
-    offload_param: OffloadDevice = OffloadDevice.none
-    nvme_path: Optional[str] = None
-    # A DeepSpeed JSON whose keys are added to the generated config; one the spec also sets must agree with it.
-    config_file: Optional[str] = None
-    # Sequence-parallel ranks (Ulysses, DeepSpeed's ALST): each sequence split into this many slices, each rank
-    # attending over whole sequences for its share of the heads.
-    sp_size: int = 1
+    zero_stage: int = setting(
+        2,
+        "ZeRO stage: 0 (DDP-like), 1 (optimizer states sharded), 2 (and gradients), 3 (and parameters).",
+    )
+    offload_optimizer: OffloadDevice = setting(
+        OffloadDevice.none,
+        "Optimizer states (stages 1-3) and parameters (stage 3) can live in CPU RAM or on an NVMe drive.",
+    )
+    offload_param: OffloadDevice = setting(
+        OffloadDevice.none,
+        "Where the parameters live under zero_stage=3: none (the GPU), cpu or nvme.",
+    )
+    nvme_path: Optional[str] = setting(None, "The NVMe directory an nvme offload writes to.")
+    config_file: Optional[str] = setting(
+        None,
+        "A DeepSpeed JSON whose keys are added to the generated config; one the spec also sets must agree with it.",
+    )
+    sp_size: int = setting(
+        1,
+        "Sequence-parallel ranks (Ulysses, DeepSpeed's ALST): each sequence split into this many slices, each rank "
+        "attending over whole sequences for its share of the heads (sp_size divides the heads); ZeRO partitions over "
+        "them too.",
+    )
 
     name: ClassVar[str] = "deepspeed"
     distributed: ClassVar[bool] = True

@@ -23,7 +23,7 @@ the values of the keys in runner/strategies/fsdp_settings.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, List, Optional
 
 from runner.config.hardware import Accelerator
@@ -36,6 +36,7 @@ from runner.parallel.pipeline.layout import PipelineSchedule
 from runner.strategies import fsdp_memory, fsdp_placement
 from runner.strategies.fsdp_settings import AutoWrapPolicy, ShardingStrategy, StateDictType
 from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     import torch
@@ -51,38 +52,79 @@ if TYPE_CHECKING:
 
 @dataclass
 class FSDPStrategy(StrategyConfig):
-    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    # HYBRID_SHARD*: ranks in one shard group; unset: a node's processes.
-    hybrid_shard_size: Optional[int] = None
-    auto_wrap_policy: AutoWrapPolicy = AutoWrapPolicy.TRANSFORMER_BASED_WRAP
-    # TRANSFORMER_BASED_WRAP: class names of the blocks to shard as units; empty means the model's _no_split_modules.
-    transformer_layer_cls: List[str] = field(default_factory=list)
-    # SIZE_BASED_WRAP: a module becomes a unit once it holds this many parameters not already in a unit.
-    min_num_params: int = 100_000_000
-    # Keep the sharded parameters, gradients and optimizer states in CPU RAM; the optimizer steps on the CPU.
-    offload_params: bool = False
-    # Only rank 0 loads (or initialises) the weights; the others start on the meta device and receive them.
-    cpu_ram_efficient_loading: bool = False
-    sync_module_states: bool = True
-    # Checkpoints: FULL gathers the whole model and optimizer state on rank 0; SHARDED has each rank write its own
-    # shards (faster, no whole copy in any process). Both resume on any layout.
-    state_dict_type: StateDictType = StateDictType.FULL
-    # How many following blocks' all-gathers to issue early in forward, and preceding ones in backward.
-    forward_prefetch: int = 0
-    backward_prefetch: int = 1
-    # Tensor-parallel ranks: each block's heads and MLP columns split across this many consecutive processes.
-    tp_size: int = 1
-    # Async tensor parallelism: the compiled blocks overlap each split layer's all-gather and reduce-scatter with its
-    # matmul (torch's micro-pipelined TP, as torchtitan's async TP; CUDA, train.compile=true).
-    async_tp: bool = False
-    # Pipeline stages: the decoder layers cut into this many slices, each held by world / pp_size processes.
-    pp_size: int = 1
-    # The order of a step's micro batches (train.grad_accum_steps) through the stages: GPipe, 1F1B, Interleaved1F1B
-    # (a string: an enum's member could not be named 1F1B).
-    pp_schedule: str = PipelineSchedule.ONE_F_ONE_B.value
-    # Context-parallel ranks: each sequence split into this many slices, the attention run as a ring among them
-    # (torch's context parallelism; CUDA only).
-    cp_size: int = 1
+    sharding_strategy: ShardingStrategy = setting(
+        ShardingStrategy.FULL_SHARD,
+        "What is sharded across the data-parallel ranks: FULL_SHARD (parameters, gradients, optimizer states: ZeRO-3), "
+        "SHARD_GRAD_OP (gradients and optimizer states: ZeRO-2), NO_SHARD (replicated), HYBRID_SHARD and "
+        "HYBRID_SHARD_ZERO2 (sharded within a group of hybrid_shard_size ranks, replicated across groups).",
+    )
+    hybrid_shard_size: Optional[int] = setting(
+        None,
+        "HYBRID_SHARD*: ranks in one shard group; unset: a node's processes.",
+    )
+    auto_wrap_policy: AutoWrapPolicy = setting(
+        AutoWrapPolicy.TRANSFORMER_BASED_WRAP,
+        "Which modules become FSDP units (an all-gather each): TRANSFORMER_BASED_WRAP (the blocks "
+        "transformer_layer_cls names), SIZE_BASED_WRAP (by min_num_params) or NO_WRAP (the whole model as one unit).",
+    )
+    transformer_layer_cls: List[str] = setting(
+        [],
+        "TRANSFORMER_BASED_WRAP: class names of the blocks to shard as units; empty means the model's "
+        "_no_split_modules.",
+    )
+    min_num_params: int = setting(
+        100_000_000,
+        "SIZE_BASED_WRAP: a module becomes a unit once it holds this many parameters not already in a unit.",
+    )
+    offload_params: bool = setting(
+        False,
+        "Keep the sharded parameters, gradients and optimizer states in CPU RAM; the optimizer steps on the CPU.",
+    )
+    cpu_ram_efficient_loading: bool = setting(
+        False,
+        "Only rank 0 loads (or initialises) the weights; the others start on the meta device and receive them.",
+    )
+    sync_module_states: bool = setting(
+        True,
+        "Broadcast rank 0's weights to the other ranks before sharding, so that all start from the same (needed by "
+        "cpu_ram_efficient_loading).",
+    )
+    state_dict_type: StateDictType = setting(
+        StateDictType.FULL,
+        "Checkpoints: FULL gathers the whole model and optimizer state on rank 0; SHARDED has each rank write its own "
+        "shards (faster, no whole copy in any process). Both resume on any layout.",
+    )
+    forward_prefetch: int = setting(
+        0,
+        "How many following blocks' all-gathers to issue early in forward, and preceding ones in backward.",
+    )
+    backward_prefetch: int = setting(1, "How many preceding blocks' all-gathers to issue early in backward (0: none).")
+    tp_size: int = setting(
+        1,
+        "Tensor-parallel ranks: each block's heads and MLP columns split across this many consecutive processes of a "
+        "node; FSDP shards over the rest.",
+    )
+    async_tp: bool = setting(
+        False,
+        "Async tensor parallelism: the compiled blocks overlap each split layer's all-gather and reduce-scatter with "
+        "its matmul (torch's micro-pipelined TP, as torchtitan's async TP; CUDA, train.compile=true).",
+    )
+    pp_size: int = setting(
+        1,
+        "Pipeline stages: the decoder layers cut into this many slices, each held by world / pp_size processes (FSDP "
+        "over world / (pp_size x tp_size) of them).",
+    )
+    pp_schedule: str = setting(
+        PipelineSchedule.ONE_F_ONE_B.value,
+        "The order of a step's micro batches (train.grad_accum_steps) through the stages: GPipe, 1F1B (at least "
+        "pp_size micro batches) or Interleaved1F1B (two stages a process). A string: an enum's member could not be "
+        "named 1F1B.",
+    )
+    cp_size: int = setting(
+        1,
+        "Context-parallel ranks: each sequence split into this many slices, the attention run as a ring among them "
+        "(torch's context parallelism; CUDA only); FSDP shards over them too.",
+    )
 
     name: ClassVar[str] = "fsdp"
     distributed: ClassVar[bool] = True

@@ -13,6 +13,7 @@ from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
 from runner.planning.time_plan import TimePlan, plan
 from runner.tasks.train import estimated_or_checked, run_training, training_inputs
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -37,15 +38,22 @@ SMOOTHED = (PreferenceLossKind.sigmoid, PreferenceLossKind.robust, PreferenceLos
 
 @dataclass
 class DpoTask(PostTrainingTaskConfig):
-    beta: float = 0.1
-    loss: PreferenceLossKind = PreferenceLossKind.sigmoid
-    # The share of pairs taken as mislabelled (sigmoid, robust, simpo).
-    label_smoothing: float = 0.0
-    # SimPO's target reward margin.
-    simpo_gamma: float = 0.5
-    # Compute the reference's log-probs of every pair once, before training, and keep them beside the token store's
-    # rows for later runs: training then holds only the policy.
-    precompute_reference: bool = False
+    beta: float = setting(
+        0.1,
+        "The strength of the implicit KL to the reference (DPO's beta): higher keeps the policy closer.",
+    )
+    loss: PreferenceLossKind = setting(
+        PreferenceLossKind.sigmoid,
+        "The preference loss: sigmoid (DPO), robust (cDPO's label noise), ipo, hinge (SLiC) or simpo (reference-free, "
+        "length-normalised).",
+    )
+    label_smoothing: float = setting(0.0, "The share of pairs taken as mislabelled (sigmoid, robust, simpo).")
+    simpo_gamma: float = setting(0.5, "SimPO's target reward margin.")
+    precompute_reference: bool = setting(
+        False,
+        "Compute the reference's log-probs of every pair once, before training, and keep them beside the token store's "
+        "rows for later runs: training then holds only the policy.",
+    )
 
     eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_rewards/accuracies": True,
                                                "eval_rewards/margins": True}

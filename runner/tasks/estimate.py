@@ -10,6 +10,7 @@ from runner.components.lora import targets
 from runner.config.task import TaskConfig
 from runner.memory.facts import meta_model
 from runner.memory.report import report
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -18,8 +19,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class EstimateTask(TaskConfig):
-    # Also print accelerate's `estimate-memory` table for the model (Adam, batch size 1, no activations).
-    accelerate_view: bool = True
+    accelerate_view: bool = setting(
+        True,
+        "Also print accelerate's `estimate-memory` table for the model (Adam, batch size 1, no activations).",
+    )
 
     runs_on_this_machine: ClassVar[bool] = False
 

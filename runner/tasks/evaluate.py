@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -18,6 +18,7 @@ from runner.errors import SpecError, require
 from runner.memory.facts import check_causal_lm
 from runner.memory.inference_report import inference_answer, planned_report
 from runner.memory.terms import processes
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -38,13 +39,24 @@ class EvalSplit(str, Enum):
 
 @dataclass
 class EvaluateTask(InferenceTaskConfig):
-    split: EvalSplit = EvalSplit.eval
-    # Batches of train.micro_batch_size rows; unset: train.eval_batches (the rows training evaluates); 0: every row.
-    max_batches: Optional[int] = None
-    # lm-evaluation-harness tasks to score the model on besides the loss, as train.benchmarks
-    # (docs/benchmark_scores.md).
-    benchmarks: list[str] = field(default_factory=list)
-    benchmark_limit: Optional[int] = None  # documents of each (lm-eval's `limit`); null: all of them
+    split: EvalSplit = setting(
+        EvalSplit.eval,
+        "Which rows are evaluated: the held-out ones (eval), or all of them (all).",
+    )
+    max_batches: Optional[int] = setting(
+        None,
+        "Batches of train.micro_batch_size rows; unset: train.eval_batches (the rows training evaluates); 0: every "
+        "row.",
+    )
+    benchmarks: list[str] = setting(
+        [],
+        "lm-evaluation-harness tasks to score the model on besides the loss, as train.benchmarks "
+        "(docs/benchmark_scores.md).",
+    )
+    benchmark_limit: Optional[int] = setting(
+        None,
+        "Documents of each benchmark scored (lm-eval's `limit`); null: all of them.",
+    )
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
         require(self.max_batches is None or self.max_batches >= 0,

@@ -6,7 +6,7 @@ Here: the schema and its checks; reading the prompts, and the job itself, are in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Optional
 
@@ -15,6 +15,7 @@ from runner.errors import require
 from runner.files import absolute_path
 from runner.memory.facts import check_causal_lm, facts_of
 from runner.memory.inference_report import inference_answer
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -24,26 +25,31 @@ if TYPE_CHECKING:
 
 @dataclass
 class GenerateTask(InferenceTaskConfig):
-    # A text file (a prompt per line) or a .jsonl file (a prompt per line in `prompt_field`).
-    prompts: Optional[str] = None
-    prompt_field: str = "prompt"
-    max_new_tokens: int = 64
-    # Greedy (false), or sampling with temperature, top_p and top_k (0: no top-k), each batch from seed + its index.
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    # A completion ends before this text, where it appears (and always at the tokenizer's end-of-sequence token).
-    stop: Optional[str] = None
-    # Prompts per batch, left-padded.
-    batch_size: int = 8
-    # Split the model's blocks into this many stages, one per process (torch.distributed.pipelining).
-    pipeline_stages: int = 1
-    # The blocks where stages 2, 3, ... start; unset: an even split.
-    split_points: List[int] = field(default_factory=list)
-    # Each batch is cut into this many micro-batches, so that the stages work at once.
-    microbatches: int = 2
+    prompts: Optional[str] = setting(
+        None,
+        "A text file (a prompt per line) or a .jsonl file (a prompt per line in `prompt_field`).",
+    )
+    prompt_field: str = setting("prompt", "A .jsonl prompts file: the field holding each prompt.")
+    max_new_tokens: int = setting(64, "Tokens generated for each prompt at most.")
+    do_sample: bool = setting(
+        False,
+        "Greedy decoding (false), or sampling with temperature, top_p and top_k, each batch from seed + its index.",
+    )
+    temperature: float = setting(1.0, "do_sample: the logits are divided by it before sampling.")
+    top_p: float = setting(1.0, "do_sample: nucleus sampling's share of the probability mass kept (1: all).")
+    top_k: int = setting(0, "do_sample: only the k likeliest tokens are drawn from (0: no top-k).")
+    seed: int = setting(0, "do_sample: the seed of the first batch's sampling.")
+    stop: Optional[str] = setting(
+        None,
+        "A completion ends before this text, where it appears (and always at the tokenizer's end-of-sequence token).",
+    )
+    batch_size: int = setting(8, "Prompts per batch, left-padded.")
+    pipeline_stages: int = setting(
+        1,
+        "Split the model's blocks into this many stages, one per process (torch.distributed.pipelining).",
+    )
+    split_points: List[int] = setting([], "The blocks where stages 2, 3, ... start; unset: an even split.")
+    microbatches: int = setting(2, "Each batch is cut into this many micro-batches, so that the stages work at once.")
 
 
     def with_absolute_paths(self, base: Path) -> GenerateTask:

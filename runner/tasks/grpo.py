@@ -7,7 +7,7 @@ task=train checks, the task's own keys, and the prompts against the rewards and 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
@@ -18,6 +18,7 @@ from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
 from runner.planning.time_plan import TimePlan, plan
 from runner.tasks.train import estimated_or_checked, run_training, training_inputs
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -52,26 +53,53 @@ GIVEN = {"prompts", "completions", "completion_ids"}
 
 @dataclass
 class GrpoTask(PostTrainingTaskConfig):
-    # Completions sampled for each prompt: a group, whose rewards' mean and std make each one's advantage.
-    num_generations: int = 4
-    max_completion_length: int = 64
-    # Completions sampled together, a multiple of num_generations (0: each rank's whole share of a step). Fewer hold
-    # a smaller KV cache; a fixed number samples the same completions under any number of processes.
-    sampling_batch_size: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
-    scale_rewards: RewardScale = RewardScale.group
-    loss: PolicyLossKind = PolicyLossKind.dapo
-    importance_sampling_level: ImportanceSampling = ImportanceSampling.token
-    # The clip range of the ratio: [1 - epsilon, 1 + epsilon_high] (unset: epsilon; DAPO's clip-higher: 0.28).
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
-    # Optimizer steps on each rollout's completions: the later ones weight each token by its ratio to the policy
-    # that sampled it, clipped (TRL's num_iterations, GRPO's mu).
-    num_iterations: int = 1
-    # The weight of the KL to the reference (the initial model; adapters off under LoRA). 0: no reference held.
-    beta: float = 0.0
+    num_generations: int = setting(
+        4,
+        "Completions sampled for each prompt: a group, whose rewards' mean and std make each one's advantage.",
+    )
+    max_completion_length: int = setting(64, "Tokens sampled for each completion at most.")
+    sampling_batch_size: int = setting(
+        0,
+        "Completions sampled together, a multiple of num_generations (0: each rank's whole share of a step). Fewer "
+        "hold a smaller KV cache; a fixed number samples the same completions under any number of processes.",
+    )
+    temperature: float = setting(
+        1.0,
+        "The sampling temperature; the loss divides the logits by it too, as the sampler did.",
+    )
+    top_p: float = setting(1.0, "Nucleus sampling's share of the probability mass kept (1: all).")
+    rewards: list[RewardSpec] = setting(
+        [RewardSpec()],
+        "The reward functions a completion is scored by, each with its weight; their weighted sum is its reward.",
+    )
+    scale_rewards: RewardScale = setting(
+        RewardScale.group,
+        "The advantage is the reward minus its group's mean, divided by the group's std (group), the batch's std "
+        "(batch), or not divided (none: Dr. GRPO).",
+    )
+    loss: PolicyLossKind = setting(
+        PolicyLossKind.dapo,
+        "How token losses are averaged: grpo (per completion, then over completions), dapo (over the batch's tokens) "
+        "or dr_grpo (over completions x max_completion_length).",
+    )
+    importance_sampling_level: ImportanceSampling = setting(
+        ImportanceSampling.token,
+        "The policy ratio per token (GRPO), or one per completion, the geometric mean of its tokens' (GSPO).",
+    )
+    epsilon: float = setting(0.2, "The clip range of the ratio is [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: Optional[float] = setting(
+        None,
+        "The ratio's upper clip bound above 1; unset: epsilon (DAPO's clip-higher: 0.28).",
+    )
+    num_iterations: int = setting(
+        1,
+        "Optimizer steps on each rollout's completions: the later ones weight each token by its ratio to the policy "
+        "that sampled it, clipped (TRL's num_iterations, GRPO's mu).",
+    )
+    beta: float = setting(
+        0.0,
+        "The weight of the KL to the reference (the initial model; adapters off under LoRA). 0: no reference held.",
+    )
 
     eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_reward": True}
     step_kind: ClassVar[str] = "grpo"

@@ -20,6 +20,7 @@ from runner.memory.facts import check_causal_lm, fp8_linears, meta_model
 from runner.memory.report import report
 from runner.parallel.tensor import block_plan
 from runner.planning.time_plan import plan
+from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,8 +35,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainTask(TaskConfig):
-    # Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).
-    fit_check: bool = True
+    fit_check: bool = setting(
+        True,
+        "Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).",
+    )
 
     runs_on_this_machine: ClassVar[bool] = True
     trains: ClassVar[bool] = True
