@@ -35,20 +35,23 @@ truncated by the runner; the peers get the same truncated rows), the loss on the
                            micro batch's examples in one row, position_ids and no attention mask
 
 Configs: single (one process), ddp and fsdp (2 processes, gloo on the CPU; on a machine with 2 GPUs, NCCL); the
-instruction workload runs single and ddp. Runs alternate (runner, hand, accelerate, trainer, runner, ...)
-`--repeats` times, each process with `--threads` torch threads. Every contender logs its loss every `--log-every`
-steps with the wall-clock time and the real (non-padding) tokens it has trained on so far (the runner in its
-metrics.jsonl, the peers in their own log); a run's tokens/s is the median over its logging windows after
-`--warmup` steps of the window's tokens over its seconds (text: every token is real), and the table shows the
-median over the runs. The instruction table also shows the peak memory: the runner's summary.json's, the peers'
-own (the peak resident memory of the first process, on the CPU). The rows come from the runner's data pipeline,
-written once to a file the peers read.
+instruction workload runs single and ddp. Each config runs `--repeats` rounds of its contenders, each process with
+`--threads` torch threads, in a rotating order: repeat r starts with contender r mod n (runner, hand, accelerate,
+trainer; then hand, accelerate, trainer, runner; ...), so that on a machine that speeds up over a run no contender
+always runs first. Every contender logs its loss every `--log-every` steps with the wall-clock time and the real
+(non-padding) tokens it has trained on so far (the runner in its metrics.jsonl, the peers in their own log); a run's
+tokens/s is the median over its logging windows after `--warmup` steps of the window's tokens over its seconds
+(text: every token is real), and the table shows the median over the runs. The paired table divides the runner's
+tokens/s (instruction: each runner variant's) by every other contender's in the same repeat, under the same load,
+and shows those ratios' median and range; the verdicts read the paired medians. The instruction table also shows the
+peak memory: the runner's summary.json's, the peers' own (the peak resident memory of the first process, on the
+CPU). The rows come from the runner's data pipeline, written once to a file the peers read.
 
 Start-up: the wall time of `run --help` and `run --cfg job` (and whether they import torch), and from process
 start to the end of the first optimizer step: the default `run`, the hand-written loop under `python` and the
 accelerate loop under `accelerate launch`, all reading and tokenizing the default data themselves. The default
 run evaluates before its first step; the equivalent scripts evaluate the same rows first too, and the hand-written
-loop also runs without that evaluation.
+loop also runs without that evaluation. Each round rotates its commands' order the same way.
 
 Prints Markdown for docs/benchmarks.md. The peers need `pip install '.[bench]'`.
 """
@@ -56,19 +59,36 @@ Prints Markdown for docs/benchmarks.md. The peers need `pip install '.[bench]'`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness import UNSUPPORTED, Config, child_env, contender_command, median, peer_plan, read_records, run_contender
+from harness import (
+    UNSUPPORTED,
+    Config,
+    Outcome,
+    child_env,
+    contender_command,
+    failed,
+    header,
+    median,
+    pair_of,
+    paired_table,
+    peak_memory,
+    peer_plan,
+    ratio_spread,
+    read_records,
+    real_tokens_seen,
+    rotated,
+    runner_spec,
+    run_contender,
+    steady_throughput,
+)
 from instruction_data import write_instruction_set
 from startup import startup_section
 
@@ -88,16 +108,12 @@ PROCESSES = {"single": 1, "ddp": 2, "fsdp": 2}
 WORKLOAD_CONFIGS = {"text": ("single", "ddp", "fsdp"), "instruction": ("single", "ddp")}
 RATIO_TARGET = 0.98
 PACKED_TARGET = 1.5  # runner-packed's real tokens/s over the padded loops'
+TEXT_TARGETS = (("hand", RATIO_TARGET, f"at least {RATIO_TARGET}x the hand-written loop", False),
+                ("accelerate", 1.0, "ahead of accelerate", True), ("trainer", 1.0, "ahead of trainer", True))
+PACKED_TARGETS = (("hand", PACKED_TARGET, f"at least {PACKED_TARGET}x the padded hand-written loop", False),
+                  ("trainer", PACKED_TARGET, f"at least {PACKED_TARGET}x the Trainer with its defaults", False))
 INSTRUCTION_SEQ_LEN = 1024
 INSTRUCTION_EXAMPLES = 4000  # about two epochs of packed rows at 60 steps of ddp's global batch of 16 rows
-
-
-@dataclass
-class Outcome:
-    tokens_per_s: float | None = None
-    final_loss: float | None = None
-    peak_memory_gib: float | None = None
-    error: str | None = None
 
 
 @dataclass
@@ -109,7 +125,8 @@ class Workload:
     data_note: str = ""
 
 
-def main() -> None:
+def arguments() -> tuple[argparse.Namespace, list[str], set[str]]:
+    """The options, checked; the workloads to run and the contenders wanted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="text",
                         help="text, instruction, or both (text,instruction): the data the contenders train on")
@@ -117,7 +134,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput")
     parser.add_argument("--log-every", type=int, default=5,
                         help="every contender's logging interval: the windows the throughput is measured over")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating rounds of all contenders")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of all contenders, each in a rotated order")
     parser.add_argument("--configs", default="single,ddp,fsdp",
                         help="the instruction workload runs those of them it has (single, ddp)")
     parser.add_argument("--contenders", default=None,
@@ -151,7 +168,11 @@ def main() -> None:
     for name in args.configs.split(","):
         if name and name not in PROCESSES:
             parser.error(f"unknown config {name}; choose from {', '.join(PROCESSES)}")
+    return args, workloads, wanted
 
+
+def main() -> None:
+    args, workloads, wanted = arguments()
     began = time.perf_counter()
     workdir = Path(args.keep or tempfile.mkdtemp(prefix="compare_loops-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -166,45 +187,13 @@ def main() -> None:
             print(f"\n{name} workload, {config}: skipped, {why}")
         if configs and workload.contenders:
             results = measure_throughput(workload, configs, args, workdir)
-            spec = workload.spec
-            if name == "text":
-                print(throughput_table(configs, workload.contenders, results, spec.data.seq_len,
-                                       spec.train.micro_batch_size))
-            else:
-                print(instruction_table(workload, configs, results))
+            table = throughput_table if name == "text" else instruction_table
+            print(table(workload, configs, results, args.repeats))
     if not args.no_startup:
         print(startup_section(runner_spec(args.steps), args.startup_repeats, args.threads, workdir))
     print(f"\n(wall time of this benchmark: {time.perf_counter() - began:.0f} s)")
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def header() -> str:
-    import accelerate
-    import datasets
-    import torch
-    import transformers
-
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
-    return (f"{datetime.date.today()} | {device}, {len(os.sched_getaffinity(0))} cores | Python "
-            f"{platform.python_version()} | torch {torch.__version__} | transformers {transformers.__version__} | "
-            f"accelerate {accelerate.__version__} | datasets {datasets.__version__}\n"
-            f"command: python bench/compare_loops.py {' '.join(sys.argv[1:])}")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "CPU"
-
-
-def runner_spec(steps: int, overrides: list[str] = ()):
-    """The runner's default spec with `overrides`, resolved the way `run` resolves it."""
-    from runner.cli.compose import compose_config
-    from runner.config.spec import load_spec, validate
-
-    return validate(load_spec(compose_config([*overrides, f"train.max_steps={steps}"])))
 
 
 def prepare_workload(name: str, contenders: list[str], args: argparse.Namespace, workdir: Path) -> Workload:
@@ -260,30 +249,9 @@ def prepare_configs(workload: Workload, args: argparse.Namespace, workdir: Path)
     return configs, skipped
 
 
-def steady_throughput(records: list[dict], warmup: int, tokens_seen) -> float:
-    """The median over the logging windows after the warm-up of the window's tokens/s (`tokens_seen`: a record's
-    tokens so far): on a shared machine, a window that another process slowed down moves it less than it would
-    move the mean."""
-    steps = [r for r in records if "loss" in r and r["step"] >= warmup]
-    return statistics.median((tokens_seen(b) - tokens_seen(a)) / (b["time"] - a["time"])
-                             for a, b in zip(steps, steps[1:]))
-
-
-def real_tokens_seen(record: dict) -> int:
-    """The real tokens trained on by a record's step: the runner's tokens_seen, the peers' tokens."""
-    return record["tokens_seen"] if "tokens_seen" in record else record["tokens"]
-
-
-def peak_memory(program: str, records: list[dict], run_dir: Path) -> float | None:
-    """The runner's peak memory from its summary.json; a peer's from its last record."""
-    if program == "runner":
-        summary = run_dir / "summary.json"
-        return json.loads(summary.read_text())["peak_memory_gib"] if summary.exists() else None
-    return next((r["peak_memory_gib"] for r in reversed(records) if "peak_memory_gib" in r), None)
-
-
 def measure_throughput(workload: Workload, configs: list[Config], args: argparse.Namespace,
                        workdir: Path) -> dict[tuple[str, str], list[Outcome]]:
+    """Each config's `--repeats` rounds of its contenders, each round in its rotated order."""
     # The runner evaluates before the first step and after the last, outside the measured window; the peers do
     # not evaluate, so the runner evaluates as little as it can and does not save the model.
     overrides = [*workload.overrides, f"train.max_steps={args.steps}", f"train.log_every={args.log_every}",
@@ -298,42 +266,43 @@ def measure_throughput(workload: Workload, configs: list[Config], args: argparse
         else:
             tokens_seen = real_tokens_seen
         for repeat in range(args.repeats):
-            for contender in workload.contenders:
+            for contender in rotated(workload.contenders, repeat):
                 if any(o.error and o.error.startswith(UNSUPPORTED) for o in results.get((config.name, contender), [])):
                     continue  # it said once that it cannot run this config here
-                program, extra = VARIANTS.get(contender, (contender, []))
-                name = f"{workload.name}_{config.name}_{contender}_{repeat}"
-                log, run_dir = workdir / f"{name}.jsonl", workdir / name
-                if program == "runner":
-                    command = contender_command(program, config, log, run_dir, [*overrides, *extra])
-                else:  # the script's own options come last in every launcher's command line
-                    command = [*contender_command(program, config, log, run_dir, overrides), *extra]
-                _, error = run_contender(command, child_env(args.threads), workdir / f"{name}.out")
-                if error:
-                    outcome = Outcome(error=error)
-                else:
-                    records = read_records(program, log, run_dir)
-                    outcome = Outcome(steady_throughput(records, args.warmup, tokens_seen),
-                                      [r for r in records if "loss" in r][-1]["loss"],
-                                      peak_memory(program, records, run_dir))
+                outcome = run_once(workload, config, contender, repeat, overrides, tokens_seen, args, workdir)
                 results.setdefault((config.name, contender), []).append(outcome)
-                shown = error or (f"{outcome.tokens_per_s:.0f} tokens/s, final loss {outcome.final_loss:.4f}, peak "
-                                  f"memory {outcome.peak_memory_gib or float('nan'):.2f} GiB")
-                print(f"  {workload.name} {config.name} {contender} run {repeat + 1}: {shown}", file=sys.stderr,
-                      flush=True)
     return results
 
 
-def failed(errors: list[str]) -> str:
-    return errors[0].replace(UNSUPPORTED, "n/a: ") if errors[0].startswith(UNSUPPORTED) else f"failed: {errors[0]}"
+def run_once(workload: Workload, config: Config, contender: str, repeat: int, overrides: list[str], tokens_seen,
+             args: argparse.Namespace, workdir: Path) -> Outcome:
+    """One run of one contender: its tokens/s, final loss and peak memory, or its error."""
+    program, extra = VARIANTS.get(contender, (contender, []))
+    name = f"{workload.name}_{config.name}_{contender}_{repeat}"
+    log, run_dir = workdir / f"{name}.jsonl", workdir / name
+    if program == "runner":
+        command = contender_command(program, config, log, run_dir, [*overrides, *extra])
+    else:  # the script's own options come last in every launcher's command line
+        command = [*contender_command(program, config, log, run_dir, overrides), *extra]
+    _, error = run_contender(command, child_env(args.threads), workdir / f"{name}.out")
+    if error:
+        outcome = Outcome(repeat, error=error)
+    else:
+        records = read_records(program, log, run_dir)
+        outcome = Outcome(repeat, steady_throughput(records, args.warmup, tokens_seen),
+                          [r for r in records if "loss" in r][-1]["loss"], peak_memory(program, records, run_dir))
+    shown = error or (f"{outcome.tokens_per_s:.0f} tokens/s, final loss {outcome.final_loss:.4f}, peak "
+                      f"memory {outcome.peak_memory_gib or float('nan'):.2f} GiB")
+    print(f"  {workload.name} {config.name} {contender} run {repeat + 1}: {shown}", file=sys.stderr, flush=True)
+    return outcome
 
 
-def throughput_table(configs: list[Config], contenders: list[str], results: dict, seq_len: int,
-                     micro_batch: int) -> str:
+def throughput_table(workload: Workload, configs: list[Config], results: dict, repeats: int) -> str:
+    contenders, spec = workload.contenders, workload.spec
     lines = [
         "",
-        f"Throughput: tokens/s after the warm-up steps, median of the runs (sequence {seq_len}, micro batch "
-        f"{micro_batch} per process)",
+        f"Throughput: tokens/s after the warm-up steps, median of the runs (sequence {spec.data.seq_len}, micro "
+        f"batch {spec.train.micro_batch_size} per process)",
         "",
         "| config | contender | tokens/s | vs hand-written | final loss | runs (tokens/s) |",
         "|---|---|---|---|---|---|",
@@ -353,25 +322,27 @@ def throughput_table(configs: list[Config], contenders: list[str], results: dict
             runs = ", ".join(f"{o.tokens_per_s:.0f}" for o in done) + (f" ({len(errors)} failed)" if errors else "")
             lines.append(f"| {config.name} | {contender} | {medians[contender]:.0f} | {ratio} | {losses:.4f} "
                          f"| {runs} |")
-        verdicts += config_verdicts(config.name, medians)
-    return "\n".join([*lines, "", *verdicts])
+        verdicts += target_verdicts(config.name, "runner", TEXT_TARGETS, results)
+    paired = paired_table(configs, [("runner", c) for c in contenders if c != "runner"], results, repeats)
+    return "\n".join([*lines, *paired, "", *verdicts])
 
 
-def config_verdicts(config: str, medians: dict[str, float | None]) -> list[str]:
-    runner, hand = medians.get("runner"), medians.get("hand")
-    if runner is None:
+def target_verdicts(config: str, base: str, targets: tuple, results: dict) -> list[str]:
+    """Each target (peer, ratio, what, whether strictly above) met or missed by the median of `base`'s paired
+    ratios over the peer: its tokens/s over the peer's, repeat by repeat."""
+    if (config, base) not in results:
         return []
     verdicts = []
-    if hand:
-        met = "met" if runner >= RATIO_TARGET * hand else "MISSED"
-        verdicts.append(f"- {config}: runner at least {RATIO_TARGET}x the hand-written loop: {met} "
-                        f"({runner / hand:.3f}x)")
-    for peer in ("accelerate", "trainer"):
-        if medians.get(peer):
-            met = "met" if runner > medians[peer] else "MISSED"
-            verdicts.append(f"- {config}: runner ahead of {peer}: {met} ({runner / medians[peer]:.3f}x)")
-        elif peer in medians:
-            verdicts.append(f"- {config}: runner ahead of {peer}: no figure ({peer} did not run)")
+    for peer, target, what, strictly in targets:
+        ratios = pair_of(config, base, peer, results)
+        if ratios is None:
+            continue  # the peer was not run
+        if not ratios:
+            verdicts.append(f"- {config}: {base} {what}: no figure (no repeat in which both {base} and {peer} ran)")
+            continue
+        paired = median(list(ratios.values()))
+        met = paired > target if strictly else paired >= target
+        verdicts.append(f"- {config}: {base} {what}: {'met' if met else 'MISSED'} (paired: {ratio_spread(ratios)})")
     return verdicts
 
 
@@ -386,7 +357,7 @@ def padding_share(config: Config) -> float:
     return 1 - sum(lengths) / sum(max(batch) * len(batch) for batch in batches)
 
 
-def instruction_table(workload: Workload, configs: list[Config], results: dict) -> str:
+def instruction_table(workload: Workload, configs: list[Config], results: dict, repeats: int) -> str:
     spec = workload.spec
     lines = [
         "",
@@ -417,23 +388,10 @@ def instruction_table(workload: Workload, configs: list[Config], results: dict) 
                          f"{median([o.final_loss for o in done]):.4f} | {runs} |")
         verdicts.append(f"- {config.name}: the padded micro batches (runner, hand, accelerate, trainer) are "
                         f"{padding_share(config):.0%} padding")
-        verdicts += packed_verdicts(config.name, medians)
-    return "\n".join([*lines, "", *verdicts])
-
-
-def packed_verdicts(config: str, medians: dict[str, float | None]) -> list[str]:
-    packed = medians.get("runner-packed")
-    if "runner-packed" not in medians:
-        return []
-    verdicts = []
-    for peer, label in (("hand", "the padded hand-written loop"), ("trainer", "the Trainer with its defaults")):
-        what = f"- {config}: runner-packed at least {PACKED_TARGET}x {label}"
-        if packed and medians.get(peer):
-            ratio = packed / medians[peer]
-            verdicts.append(f"{what}: {'met' if ratio >= PACKED_TARGET else 'MISSED'} ({ratio:.2f}x)")
-        elif peer in medians or not packed:
-            verdicts.append(f"{what}: no figure ({'runner-packed' if not packed else peer} did not run)")
-    return verdicts
+        verdicts += target_verdicts(config.name, "runner-packed", PACKED_TARGETS, results)
+    pairs = [(base, peer) for base in workload.contenders if base.startswith("runner")
+             for peer in workload.contenders if not peer.startswith("runner")]
+    return "\n".join([*lines, *paired_table(configs, pairs, results, repeats), "", *verdicts])
 
 
 if __name__ == "__main__":

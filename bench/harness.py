@@ -1,10 +1,13 @@
-"""What the benchmarks share: the contenders' commands and environment, running one, reading its records, and
-the plan that gives the peer scripts the runner's own settings."""
+"""What the benchmarks share: the contenders' commands and environment, the order they run in, running one,
+reading its records and its tokens/s, comparing two contenders repeat by repeat, and the plan that gives the peer
+scripts the runner's own settings."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
 import re
 import signal
 import statistics
@@ -23,6 +26,15 @@ sys.path.insert(0, str(ROOT))
 PEER_SCRIPTS = {"hand": "hand_loop.py", "accelerate": "accelerate_loop.py", "trainer": "trainer_loop.py"}
 RUN_TIMEOUT_S = 600
 UNSUPPORTED = "unsupported: "  # how a peer script says it cannot run a config on this machine
+
+
+@dataclass
+class Outcome:
+    repeat: int
+    tokens_per_s: float | None = None
+    final_loss: float | None = None
+    peak_memory_gib: float | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -98,8 +110,46 @@ def read_records(contender: str, log: Path, run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl" if contender == "runner" else log
     return [json.loads(line) for line in path.read_text().splitlines()]
 
+def steady_throughput(records: list[dict], warmup: int, tokens_seen) -> float:
+    """The median over the logging windows after the warm-up of the window's tokens/s (`tokens_seen`: a record's
+    tokens so far): on a shared machine, a window that another process slowed down moves it less than it would
+    move the mean."""
+    steps = [r for r in records if "loss" in r and r["step"] >= warmup]
+    return statistics.median((tokens_seen(b) - tokens_seen(a)) / (b["time"] - a["time"])
+                             for a, b in zip(steps, steps[1:]))
+
+def real_tokens_seen(record: dict) -> int:
+    """The real tokens trained on by a record's step: the runner's tokens_seen, the peers' tokens."""
+    return record["tokens_seen"] if "tokens_seen" in record else record["tokens"]
+
+def peak_memory(program: str, records: list[dict], run_dir: Path) -> float | None:
+    """The runner's peak memory from its summary.json; a peer's from its last record."""
+    if program == "runner":
+        summary = run_dir / "summary.json"
+        return json.loads(summary.read_text())["peak_memory_gib"] if summary.exists() else None
+    return next((r["peak_memory_gib"] for r in reversed(records) if "peak_memory_gib" in r), None)
+
 def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
+
+def rotated(items, repeat: int) -> list:
+    """Repeat `repeat`'s order of `items`: from item `repeat` mod n on, then those before it. Each item runs first
+    in turn, so on a machine that speeds up (or slows down) over a run no contender always takes the first,
+    slowest slot."""
+    items = list(items)
+    shift = repeat % len(items) if items else 0
+    return items[shift:] + items[:shift]
+
+def paired_ratios(base: dict[int, float], other: dict[int, float]) -> dict[int, float]:
+    """`base`'s figure over `other`'s in each repeat both finished (each: repeat -> figure): the two ran minutes
+    apart, under the same load, so a ratio per repeat cancels the drift that a ratio of medians keeps."""
+    return {repeat: base[repeat] / other[repeat] for repeat in sorted(base.keys() & other.keys()) if other[repeat]}
+
+def ratio_spread(ratios: dict[int, float]) -> str:
+    """The paired ratios' median and range, as 'median 0.988x, range 0.940-1.039x over 3 repeats'."""
+    values = list(ratios.values())
+    return (f"median {statistics.median(values):.3f}x, range {min(values):.3f}-{max(values):.3f}x over "
+            f"{len(values)} repeat{'s' if len(values) != 1 else ''}")
 
 def peer_plan(spec, workdir: Path, rows: Path | None, global_batch: int, steps: int, log_every: int,
               eval_batches: int = 0) -> dict:
@@ -131,3 +181,63 @@ def peer_plan(spec, workdir: Path, rows: Path | None, global_batch: int, steps: 
         "max_grad_norm": spec.train.max_grad_norm,
         "pad_token_id": byte_tokenizer().pad_token_id,  # the runner's default tokenizer's, for padding instruction rows
     }
+
+def by_repeat(outcomes: list[Outcome]) -> dict[int, float]:
+    """The finished runs' tokens/s, by repeat."""
+    return {o.repeat: o.tokens_per_s for o in outcomes if o.error is None}
+
+def paired_table(configs: list[Config], pairs: list[tuple[str, str]], results: dict, repeats: int) -> list[str]:
+    """Each pair's ratio repeat by repeat (the first's tokens/s over the second's in the same repeat), its median
+    and its range; nothing where no pair ran."""
+    rows = ["", "Paired: the first contender's tokens/s over the second's in the same repeat (the order rotates "
+             "each repeat), median and range (min-max) over the repeats both finished", "",
+             "| config | ratio | median | min-max | per repeat |", "|---|---|---|---|---|"]
+    for config in configs:
+        for base, other in pairs:
+            ratios = pair_of(config.name, base, other, results)
+            if ratios is None or (config.name, base) not in results:
+                continue  # one of them was not run
+            label = f"{base} / {other}"
+            if not ratios:
+                rows.append(f"| {config.name} | {label} | no pair | | |")
+                continue
+            values = list(ratios.values())
+            each = ", ".join(f"{ratios[r]:.3f}" if r in ratios else "-" for r in range(repeats))
+            rows.append(f"| {config.name} | {label} | {median(values):.3f}x | {min(values):.3f}-{max(values):.3f}x "
+                         f"| {each} |")
+    return rows if len(rows) > 5 else []
+
+def pair_of(config: str, base: str, other: str, results: dict) -> dict[int, float] | None:
+    """`base`'s paired ratios over `other` in `config`; None where `other` never ran there."""
+    if (config, other) not in results:
+        return None
+    return paired_ratios(by_repeat(results.get((config, base), [])), by_repeat(results[(config, other)]))
+
+def header() -> str:
+    """The date, the machine, the versions and the command line, for a results table."""
+    import accelerate
+    import datasets
+    import torch
+    import transformers
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_name()
+    return (f"{datetime.date.today()} | {device}, {len(os.sched_getaffinity(0))} cores | Python "
+            f"{platform.python_version()} | torch {torch.__version__} | transformers {transformers.__version__} | "
+            f"accelerate {accelerate.__version__} | datasets {datasets.__version__}\n"
+            f"command: python bench/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}")
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "CPU"
+
+def failed(errors: list[str]) -> str:
+    return errors[0].replace(UNSUPPORTED, "n/a: ") if errors[0].startswith(UNSUPPORTED) else f"failed: {errors[0]}"
+
+def runner_spec(steps: int, overrides: list[str] = ()):
+    """The runner's default spec with `overrides`, resolved the way `run` resolves it."""
+    from runner.cli.compose import compose_config
+    from runner.config.spec import load_spec, validate
+
+    return validate(load_spec(compose_config([*overrides, f"train.max_steps={steps}"])))

@@ -18,6 +18,7 @@ from harness import (
     median,
     peer_plan,
     read_records,
+    rotated,
     run_command,
     run_contender,
 )
@@ -53,14 +54,14 @@ def startup_section(spec, repeats: int, threads: int, workdir: Path) -> str:
     evaluated: dict[str, list[float]] = {}  # each contender's eval loss before its first step
     errors: dict[str, str] = {}
     for repeat in range(repeats):
-        for name, command in quick.items():
+        for name, command in rotated(quick.items(), repeat):  # each round starts one further on
             for _ in range(QUICK_REPEATS):
                 began = time.perf_counter()
                 result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=workdir)
                 times[name].append(time.perf_counter() - began)
                 if result.returncode:
                     errors[name] = result.stderr.strip().splitlines()[-1]
-        for name, (contender, plan) in FIRST_STEP.items():
+        for name, (contender, plan) in rotated(FIRST_STEP.items(), repeat):
             label = f"startup_{contender}_{plan}_{repeat}"
             log, run_dir = workdir / f"{label}.jsonl", workdir / label
             overrides = ["train.max_steps=1", "train.log_every=1", "train.save_model=false"]
