@@ -6,17 +6,14 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Optional
 
-from runner.components.mixed_precision import grad_scaler
 from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype, PrecisionConfig
-from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.replicated import whole_copies
 from runner.memory.terms import Part, processes
 from runner.parallel.dims import ParallelDims
-from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
-from runner.strategies.torch_stepper import TorchStepper
+from runner.strategies.protocol import WholeWeights
+from runner.strategies.single import SingleStrategy
 from runner.config.fields import setting
 
 if TYPE_CHECKING:
@@ -26,12 +23,13 @@ if TYPE_CHECKING:
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
     from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Change, Estimate
-    from runner.parallel.sequence import SequenceSplit
+    from runner.memory.terms import Estimate
 
 
 @dataclass
-class DDPStrategy(StrategyConfig):
+class DDPStrategy(SingleStrategy):
+    """single's replica on each process, wrapped in DistributedDataParallel: what differs from single is here."""
+
     find_unused_parameters: bool = setting(
         False,
         "Let DDP look for parameters that get no gradient in a step (slower; only for models that need it).",
@@ -40,13 +38,6 @@ class DDPStrategy(StrategyConfig):
 
     name: ClassVar[str] = "ddp"
     distributed: ClassVar[bool] = True
-    forward_cast: ClassVar[Optional[str]] = None
-    float8_all_gather: ClassVar[bool] = False
-    shards_inference: ClassVar[bool] = False
-    checkpoint_layout: ClassVar[CheckpointLayout] = CheckpointLayout.FULL
-
-    def resolved(self, spec: RunSpec) -> RunSpec:
-        return spec  # no files of its own
 
     def check(self, spec: RunSpec) -> None:
         require(self.bucket_cap_mb > 0, f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
@@ -61,19 +52,6 @@ class DDPStrategy(StrategyConfig):
 
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
         return ParallelDims(dp_replicate=hardware.world_size)
-
-    def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:
-        return None
-
-    def loads_weights(self, rank: int) -> bool:
-        return True
-
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-               whole: Optional[WholeWeights] = None) -> nn.Module:
-        return model.to(device)  # no gradients to reduce: a replica as it is
-
-    def frozen_shards(self, spec: RunSpec) -> int:
-        return 1
 
     def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
              whole: Optional[WholeWeights] = None) -> nn.Module:
@@ -93,22 +71,17 @@ class DDPStrategy(StrategyConfig):
             ddp.register_comm_hook(None, hook)
         return ddp
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
-                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
+    def gradient_sync(self, model: nn.Module) -> Callable[[bool], ContextManager]:
         def sync(last: bool) -> ContextManager:
             return contextlib.nullcontext() if last else model.no_sync()
 
-        scaler = grad_scaler(spec.precision, device, sharded=False)
-        return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler, sync)
+        return sync
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
         """As single, plus P.w of gradient buckets."""
         result = whole_copies(spec, facts)
         result.buffers = Part(result.gradients.bytes, "DDP's gradient buckets (a flat copy of the gradients)")
         return result
-
-    def memory_changes(self, spec: RunSpec) -> list[Change]:
-        return [switch_to_fsdp()]
 
 
 def reduce_hook(precision: PrecisionConfig) -> Optional[Callable]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Optional
 
 from runner.components.mixed_precision import grad_scaler
 from runner.config.strategy import StrategyConfig
@@ -13,7 +13,7 @@ from runner.memory.terms import processes
 from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
-from runner.strategies.torch_stepper import TorchStepper
+from runner.strategies.torch_stepper import TorchStepper, no_sync_needed
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +73,12 @@ class SingleStrategy(StrategyConfig):
     def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
                 stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
         scaler = grad_scaler(spec.precision, device, sharded=False)
-        return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler)
+        return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler,
+                                   self.gradient_sync(model))
+
+    def gradient_sync(self, model: nn.Module) -> Callable[[bool], ContextManager]:
+        """What holds back the gradients' reduction on the micro batches before a step's last: nothing to reduce."""
+        return no_sync_needed
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
         return whole_copies(spec, facts)
