@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from runner.cli import recipes
 from runner.cli.app import hydra_main
@@ -100,7 +100,7 @@ def main() -> None:
         sys.exit(ExitStatus.STOPPED)
 
 
-def shown_config(args: list[str]) -> str | None:
+def shown_config(args: list[str]) -> Optional[str]:
     """What `--cfg job|hydra|all` (or `-c`) asks Hydra to print; None without it."""
     for flag in ("--cfg", "-c"):
         if flag in args and args.index(flag) + 1 < len(args):

@@ -9,6 +9,8 @@ then the directories listed in $RUNNER_RECIPES.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import functools
 import os
 import shutil
@@ -87,7 +89,7 @@ def listing(directories: list[Path], bundled: Path) -> str:
     return "\n".join(lines)
 
 
-def copy(directories: list[Path], name: str, new_name: str | None) -> Path:
+def copy(directories: list[Path], name: str, new_name: Optional[str]) -> Path:
     """Copies recipe `name` to ./recipes/<new name>.yaml, where `run recipe=<new name>` finds it; never overwrites."""
     recipes = find(directories)
     if name not in recipes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import re
 from dataclasses import fields
 
@@ -71,7 +73,7 @@ def one_line(error: BaseException) -> str:
     return " ".join(lines[:2]) if lines else type(error).__name__
 
 
-def option_of(schema_name: str) -> tuple[str, str] | None:
+def option_of(schema_name: str) -> Optional[tuple[str, str]]:
     """The group and option whose schema is the class of this name."""
     return next(((group, option) for group, options in SCHEMAS.items() for option, schema in options.items()
                  if schema.__name__ == schema_name), None)

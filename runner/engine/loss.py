@@ -11,7 +11,7 @@ model's own forward and its logits.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional, TYPE_CHECKING
 
 from runner.config.training import LossKind, loss_kind_in_effect
 from runner.data.batches import shifted
@@ -35,8 +35,8 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
     kind = loss_kind_in_effect(requested, model.config.model_type, model.config.vocab_size)
     own_forward = model.forward
 
-    def forward(*args, loss_labels: torch.Tensor | None = None, per_row: bool = False, per_token: bool = False,
-                labels_shifted: bool = False, label_count: int | None = None, temperature: float = 1.0, **kwargs):
+    def forward(*args, loss_labels: Optional[torch.Tensor] = None, per_row: bool = False, per_token: bool = False,
+                labels_shifted: bool = False, label_count: Optional[int] = None, temperature: float = 1.0, **kwargs):
         if loss_labels is None:
             return own_forward(*args, **kwargs)
         each = "token" if per_token else "row" if per_row else None
@@ -68,7 +68,7 @@ def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, 
     return chunked_summed_cross_entropy(hidden, head, labels, chunk_tokens)
 
 
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, each: str | None = None,
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, each: Optional[str] = None,
                          labels_shifted: bool = False) -> torch.Tensor:
     """Summed next-token cross entropy over the whole batch's logits (`each`: "row", each row's; "token", each
     position's). The labels are shifted (the last position gets IGNORE) rather than the logits, whose slice would be
@@ -84,8 +84,8 @@ def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, each: str |
 
 
 def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                                 chunk_tokens: int, each: str | None = None, labels_shifted: bool = False,
-                                 label_count: int | None = None, temperature: float = 1.0) -> torch.Tensor:
+                                 chunk_tokens: int, each: Optional[str] = None, labels_shifted: bool = False,
+                                 label_count: Optional[int] = None, temperature: float = 1.0) -> torch.Tensor:
     """The same sum from the last hidden states: the head runs chunk by chunk on the `label_count` positions that
     predict a label (where the count is not given, on every position, the others' targets IGNORE); under autograd
     each chunk keeps only its input, and backward recomputes its logits one chunk at a time. The count comes from

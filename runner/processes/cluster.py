@@ -6,6 +6,8 @@ job starts no launcher of its own.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import logging
 import os
 import re
@@ -35,7 +37,7 @@ class Task:
     restarts: int
 
 
-def current_task() -> Task | None:
+def current_task() -> Optional[Task]:
     """The submitit task this process is, or None outside a submitit job."""
     if "SUBMITIT_EXECUTOR" not in os.environ:
         return None

@@ -247,7 +247,7 @@ def end_with_controller(controller: int) -> None:
 
 
 def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity,
-              task: Task | None = None) -> dict[str, Any]:
+              task: Optional[Task] = None) -> dict[str, Any]:
     """Runs the task as one rank of the job's process group: of the elastic launcher's workers, or the submitit job's
     `task`."""
     quiet_worker(spec.hardware.accelerator.value)  # before the imports: torchao's warn as they load

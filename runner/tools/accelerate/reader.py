@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -90,7 +90,7 @@ def plain(value: Any) -> Any:
 
 
 def mapped(key: str, full_key: str, value: Any, table: dict[str, Handler], file: dict, settings: Settings,
-           origins: dict[str, str], looked_up: str | None = None) -> str:
+           origins: dict[str, str], looked_up: Optional[str] = None) -> str:
     """Applies one key of the file (`looked_up` in the table under accelerate's full name) to the settings; its
     line."""
     looked_up = looked_up or key
