@@ -33,7 +33,7 @@ from runner.errors import (
     WorkerFailed,
     WriteFailed,
 )
-from runner.files import complete_checkpoints
+from runner.files.checkpoint_dirs import complete_checkpoints
 from runner.frameworks import collector_paused
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
 from runner.planning.time_plan import TimePlan, plan, requeue_line, sweep_line

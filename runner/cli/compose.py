@@ -22,7 +22,7 @@ from runner.config.optim import AdamWConfig, SGDConfig
 from runner.config.precision import PrecisionConfig
 from runner.config.scheduler import SchedulerConfig
 from runner.config.spec import RunSpec, load_spec, validate
-from runner.files import bundled
+from runner.files.paths import bundled
 from runner.strategies import STRATEGIES
 from runner.tasks import TASKS
 

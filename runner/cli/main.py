@@ -40,7 +40,7 @@ from runner.errors import (
     WorkerFailed,
     WriteFailed,
 )
-from runner.files import new_recipe
+from runner.cli.recipes import new_recipe
 from runner.quiet import quiet_libraries
 
 

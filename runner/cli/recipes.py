@@ -13,13 +13,14 @@ from typing import Optional
 
 import functools
 import os
+import re
 import shutil
 from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from runner.files import new_recipe
+from runner.errors import SpecError
 
 SEARCH_PATH_VARIABLE = "RUNNER_RECIPES"
 
@@ -97,4 +98,15 @@ def copy(directories: list[Path], name: str, new_name: Optional[str]) -> Path:
     target = new_recipe(new_name or name, f"run --copy-recipe {name} <new name>")
     target.parent.mkdir(exist_ok=True)
     shutil.copyfile(recipes[name], target)
+    return target
+
+
+def new_recipe(name: str, retry: str) -> Path:
+    """./recipes/<name>.yaml, where `run recipe=<name>` finds it: a plain name (no path) that no recipe there has.
+    `retry` is the command to give another name with."""
+    if not re.fullmatch(r"\w[\w-]*", name):
+        raise SpecError(f"{name} cannot name a recipe: use letters, digits, _ and -; {retry}")
+    target = Path("recipes") / f"{name}.yaml"
+    if target.exists():
+        raise SpecError(f"{target} exists already; give the recipe another name: {retry}")
     return target

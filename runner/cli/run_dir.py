@@ -14,7 +14,7 @@ from runner.cli.compose import PRIMARY_CONFIG_FLAGS, SCHEMAS
 from runner.config.spec import RunSpec, to_plain
 from runner.config.tracker import REDACTED, RunIdentity, secrets
 from runner.errors import SpecError
-from runner.files import complete_checkpoints
+from runner.files.checkpoint_dirs import complete_checkpoints
 
 
 def resume_arguments(args: list[str]) -> list[str]:

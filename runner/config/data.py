@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from runner.errors import require
-from runner.files import absolute_path
+from runner.files.paths import absolute_path
 from runner.config.fields import setting
 
 

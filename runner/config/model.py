@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from runner.errors import require
-from runner.files import absolute_path
+from runner.files.paths import absolute_path
 from runner.config.fields import setting
 
 if TYPE_CHECKING:

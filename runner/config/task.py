@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Optional, TypeVar
 
 from runner.config.model import BYTES, ModelConfig
 from runner.errors import SpecError, require
-from runner.files import absolute_path
+from runner.files.paths import absolute_path
 from runner.config.fields import setting
 
 Spec = TypeVar("Spec")  # a RunSpec: runner/config/spec.py imports this module, so it cannot be imported here

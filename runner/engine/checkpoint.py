@@ -31,17 +31,10 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from runner.data.batches import GlobalBatch, batch_from_tensors, batch_tensors
 from runner.distributed import Ranks, barrier
 from runner.errors import require
-from runner.files import (
-    PARTIAL,
-    checkpoints_dir,
-    complete_checkpoints,
-    move_into_place,
-    read_tensors,
-    save_tensors,
-    write_json,
-    write_json_atomically,
-    written_whole,
-)
+from runner.files.atomic import move_into_place, write_json, write_json_atomically
+from runner.files.checkpoint_dirs import PARTIAL, checkpoints_dir, complete_checkpoints
+from runner.files.refused_writes import written_whole
+from runner.files.tensor_io import read_tensors, save_tensors
 from runner.memory.disk import disk_need
 from runner.strategies.protocol import CheckpointLayout
 

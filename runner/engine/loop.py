@@ -22,14 +22,9 @@ from runner.engine.placement import frozen_base
 from runner.engine.step import SHOWN_METRICS, benchmark, evaluate, objective_of, train_step
 from runner.engine.tally import DeviceTally
 from runner.errors import DeviceOutOfMemory, NonFiniteLoss, RewardFailed, Stopped
-from runner.files import (
-    checkpoints_dir,
-    complete_checkpoints,
-    move_into_place,
-    refused_write,
-    write_json_atomically,
-    written_whole,
-)
+from runner.files.atomic import move_into_place, write_json_atomically
+from runner.files.checkpoint_dirs import checkpoints_dir, complete_checkpoints
+from runner.files.refused_writes import refused_write, written_whole
 from runner.memory.disk import disk_need
 from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_memory_record
 from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_flops

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 from runner.errors import SpecError, require
-from runner.files import bundled
+from runner.files.paths import bundled
 
 if TYPE_CHECKING:
     import torch

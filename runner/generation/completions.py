@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Protocol
 from runner.config.data import DataFormat
 from runner.data.chat import ChatRenderer, chat_template
 from runner.errors import SpecError, require
-from runner.files import move_into_place, write_json_atomically
+from runner.files.atomic import move_into_place, write_json_atomically
 from runner.generation.data_parallel import InferenceModel, gathered, generate, inference_model, my_batches
 from runner.generation.decoding import Batch, Decoding, completion, prompt_batches
 from runner.memory.inference_report import planned_report

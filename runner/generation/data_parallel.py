@@ -17,7 +17,7 @@ from runner.config.task import DeviceMap, InferenceTaskConfig, TrainedModel, tra
 from runner.engine.loss import with_summed_loss
 from runner.engine.metrics import ProgressBar
 from runner.engine.placement import device_of, placed_model
-from runner.files import read_model_shards
+from runner.files.tensor_io import read_model_shards
 from runner.generation.decoding import Batch, Decoding, up_to_eos
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """What a training run writes to its run directory, known before it writes it: the bytes of one checkpoint, how
 many are on disk at once, and the exported model's, against the free space of the filesystem that holds the run
 directory. `run` checks it before launch (runner/cli/app.py); a write that fails names these figures
-(runner/files.py)."""
+(runner/files/refused_writes.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runner.errors import require
-from runner.files import existing_parent
+from runner.files.refused_writes import existing_parent
 from runner.memory.facts import facts_of
 from runner.memory.parameters import parameters_of
 from runner.memory.terms import FP32, readable

@@ -27,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from runner.compat import shutdown_timeout
 from runner.distributed import Ranks, close_process_group, free_port
 from runner.errors import CollectiveTimedOut, ExitStatus, Stopped, WorkerFailed, WriteFailed
-from runner.files import complete_checkpoints
+from runner.files.checkpoint_dirs import complete_checkpoints
 from runner.frameworks import import_frameworks
 from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_memory_record
 from runner.processes.cluster import Task, check_reachable

@@ -105,7 +105,7 @@ class EvaluateTask(InferenceTaskConfig):
         from runner.data.batches import eval_batches
         from runner.engine.metrics import peak_memory_gib
         from runner.engine.step import mean_loss
-        from runner.files import write_json_atomically
+        from runner.files.atomic import write_json_atomically
         from runner.generation.benchmark_model import Shard
         from runner.generation.data_parallel import inference_model
 
