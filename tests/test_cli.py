@@ -3,9 +3,13 @@
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
-from helpers import run_cli
+from helpers import composed, run_cli
+
+from runner.cli.spec_yaml import plain_spec, spec_yaml
+from runner.config.spec import to_yaml, validate
 
 
 def test_help_lists_groups_and_options(workdir):
@@ -44,6 +48,33 @@ def test_cfg_job_refuses_what_the_run_would_refuse(workdir):
     assert result.stderr.strip() == "run: error: strategy.bucket_cap_mb=-5 must be > 0"
     assert result.stdout == ""
     assert not (workdir / "outputs").exists()
+
+
+# Between them, every schema of the spec (each strategy, task and tracker, fp8's section, the adapters, SGD).
+EVERY_SCHEMA = [["strategy=ddp", "task=dpo", "tracker=wandb", "tracker.wandb.api_key=abc", "tracker.wandb.tags=[a,b]",
+                 "precision=fp8", "adapter=lora", "optim=sgd"],
+                ["strategy=fsdp", "task=grpo", "tracker=mlflow", "adapter=qlora", "scheduler=linear"],
+                ["strategy=deepspeed", "task=evaluate", "tracker=tensorboard"], ["task=generate"], ["task=estimate"]]
+
+
+def test_cfg_jobs_yaml_is_the_specs_own_without_its_structured_config():
+    """`run --cfg job` writes the spec's YAML itself (runner/cli/spec_yaml.py): the same text as to_yaml, whose
+    structured config of the spec took most of the time after the composition."""
+    for spec in [validate(composed([])), *(composed(overrides) for overrides in EVERY_SCHEMA)]:
+        assert plain_spec(spec)
+        assert spec_yaml(spec) == to_yaml(spec)
+    assert "<redacted>" in spec_yaml(composed(EVERY_SCHEMA[0]))
+
+
+def test_cfg_jobs_yaml_leaves_what_omegaconf_would_change_to_to_yaml():
+    """An int in a float field is a float in to_yaml's text (OmegaConf converts it), and an interpolation is
+    resolved: spec_yaml leaves such a spec to to_yaml."""
+    spec = composed([])
+    a_float_as_int = replace(spec, hardware=replace(spec.hardware, device_memory_gib=80))
+    for changed in (a_float_as_int, replace(spec, hardware=replace(spec.hardware, device_name="${seed}"))):
+        assert not plain_spec(changed)
+        assert spec_yaml(changed) == to_yaml(changed)
+    assert "device_memory_gib: 80.0" in spec_yaml(a_float_as_int)
 
 
 def test_help_does_not_import_torch(workdir):

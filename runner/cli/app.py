@@ -18,7 +18,8 @@ from runner.cli.compose import CONF_DIR
 from runner.cli.run_dir import chosen_options, discard_run_dir, run_identity, scrub_secrets, spec_file
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.hardware import check_rendezvous
-from runner.config.spec import RunSpec, load_spec, to_yaml, validate, with_absolute_paths
+from runner.cli.spec_yaml import spec_yaml
+from runner.config.spec import RunSpec, load_spec, validate, with_absolute_paths
 from runner.errors import (
     DeviceOutOfMemory,
     EndedInOneLine,
@@ -253,7 +254,7 @@ def checked(config: DictConfig, prefix: str = "", launcher: Optional[DictConfig]
 def shown_spec(config: DictConfig, spec: RunSpec) -> str:
     """The checked spec under a line of the options it was composed from, which the sections do not name."""
     options = chosen_options(config.hydra.runtime.choices)
-    return f"# {' '.join(f'{group}={choice}' for group, choice in options.items())}\n{to_yaml(spec)}"
+    return f"# {' '.join(f'{group}={choice}' for group, choice in options.items())}\n{spec_yaml(spec)}"
 
 
 class ValidateSpec(Callback):
