@@ -1,12 +1,22 @@
 """Start-up, for bench/compare_loops.py: the wall time of `run --help` and `run --cfg job` (and whether they import
 torch), and from process start to the end of the first optimizer step, the runner against scripts that do the same
-first (not a test)."""
+first (not a test).
+
+On its own, `python bench/startup.py [--repeats N] [overrides...]`: `run --cfg job` against a bare Hydra compose of
+the same config (conf/ and the runner's schemas, composed and printed, nothing checked), each a new process, their
+order rotating from one repeat to the next; the medians and the ratio of each repeat's pair, against
+CFG_JOB_RATIO_TARGET.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +34,7 @@ from harness import (
 )
 
 CFG_JOB_TARGET_S = 0.5
+CFG_JOB_RATIO_TARGET = 1.5  # `run --cfg job` over a bare Hydra compose of the same config (issue 66, item 7)
 FIRST_STEP_MARGIN_S = 2.0
 RUNNER_FIRST_STEP = "run (default job)"
 HAND_FIRST_STEP = "python hand_loop.py, evaluating first"
@@ -120,3 +131,90 @@ def imports_torch(arguments: list[str], env: dict[str, str]) -> bool:
     modules = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
                if line.startswith("import time:")]
     return "torch" in modules
+
+
+# A bare Hydra app's compose of the runner's config: conf/ with the schemas its options start from (`/schema/...`)
+# and, where the overrides can choose one, the recipes, registered by the runner's own function, composed by Hydra's
+# compose API and printed resolved (as `run --cfg job` prints the spec); no checks, no spec.
+BARE_COMPOSE = """
+import sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from runner.cli import recipes
+from runner.cli.compose import CONF_DIR, RECIPES_DIR, choosable_recipes, register
+register(*choosable_recipes(recipes.search_path(RECIPES_DIR), sys.argv[1:]))
+with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    config = compose("config", overrides=sys.argv[1:])
+print(OmegaConf.to_yaml(config, resolve=True))
+"""
+CFG_JOB = "run --cfg job"
+BARE = "bare Hydra compose"
+
+
+def cfg_job_contenders(overrides: list[str]) -> dict[str, list[str]]:
+    """`run --cfg job` (this checkout's, through -m) and the bare compose of the same config, and what any Hydra app
+    pays before it composes, for scale."""
+    return {CFG_JOB: [sys.executable, "-m", "runner", "--cfg", "job", *overrides],
+            BARE: [sys.executable, "-c", BARE_COMPOSE, *overrides],
+            HYDRA_FLOOR: [sys.executable, "-c", "import hydra, omegaconf"]}
+
+
+def time_cfg_job(repeats: int, overrides: list[str], workdir: Path) -> dict[str, dict[str, list[float]]]:
+    """Each contender's wall and CPU times (user and system, which a busy machine disturbs less), one run of each
+    per repeat, in an order that rotates from one repeat to the next (a machine speeds up and slows down over a
+    run). One untimed run of each first compiles and caches."""
+    env = child_env(1)
+    contenders = cfg_job_contenders(overrides)
+    names = list(contenders)
+    for name in names:
+        result = subprocess.run(contenders[name], env=env, capture_output=True, text=True, cwd=workdir)
+        if result.returncode:
+            sys.exit(f"{name} failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
+    times: dict[str, dict[str, list[float]]] = {"wall": {name: [] for name in names},
+                                                "cpu": {name: [] for name in names}}
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            used, began = children_cpu(), time.perf_counter()
+            subprocess.run(contenders[name], env=env, capture_output=True, cwd=workdir, check=True)
+            times["wall"][name].append(time.perf_counter() - began)
+            times["cpu"][name].append(children_cpu() - used)
+    return times
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def cfg_job_report(times: dict[str, dict[str, list[float]]]) -> str:
+    """The medians, and the ratio of `run --cfg job` to the bare compose in each repeat: its median and spread, of
+    the wall time (the target's) and of the CPU time."""
+    repeats = len(times["wall"][CFG_JOB])
+    lines = [f"`run --cfg job` against a bare Hydra compose of the same config: seconds, {repeats} repeats", "",
+             "| what | median wall | min wall | max wall | median CPU |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {statistics.median(wall):.3f} | {min(wall):.3f} | {max(wall):.3f} | "
+              f"{statistics.median(times['cpu'][name]):.3f} |" for name, wall in times["wall"].items()]
+    lines.append("")
+    for kind, measured in times.items():
+        ratios = sorted(runner / bare for runner, bare in zip(measured[CFG_JOB], measured[BARE]))
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        lines.append(f"- {kind} time ratio per repeat, `run --cfg job` over the bare compose: median "
+                     f"{statistics.median(ratios):.2f}, quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, range "
+                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}")
+    ratio = statistics.median(runner / bare for runner, bare in zip(times["wall"][CFG_JOB], times["wall"][BARE]))
+    lines.append(f"- within {CFG_JOB_RATIO_TARGET}x (the median wall time ratio): "
+                 f"{'met' if ratio <= CFG_JOB_RATIO_TARGET else 'MISSED'} ({ratio:.2f})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="`run --cfg job` against a bare Hydra compose of the same config")
+    parser.add_argument("--repeats", type=int, default=20, help="rounds of one run of each contender")
+    parser.add_argument("overrides", nargs="*", help="the config's overrides, given to both (e.g. task=dpo)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="startup-") as workdir:  # nothing of the checkout's cwd is read
+        print(cfg_job_report(time_cfg_job(args.repeats, args.overrides, Path(workdir))))
+
+
+if __name__ == "__main__":
+    main()
