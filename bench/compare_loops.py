@@ -176,7 +176,7 @@ def main() -> None:
     began = time.perf_counter()
     workdir = Path(args.keep or tempfile.mkdtemp(prefix="compare_loops-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    from runner.quiet import quiet_libraries
+    from runner.library_noise import quiet_libraries
 
     quiet_libraries()  # as `run` does: the harness composes the runner's spec too
     print(header())

@@ -289,8 +289,8 @@ def dry_run(runs: list[Run], workdir: Path) -> list[tuple[Run, str, str | None]]
     loop, the plan made from them), and each memory config's estimate: (run, command, why it was refused or None)."""
     from harness import peer_plan
 
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     checked, specs = [], {}
     for run in runs:
@@ -824,7 +824,7 @@ def main() -> None:
         if name not in SECTIONS:
             parser.error(f"unknown section {name}; choose from {', '.join(SECTIONS)}")
     sections = [s for s in SECTIONS if s in sections]
-    from runner.quiet import quiet_libraries
+    from runner.library_noise import quiet_libraries
 
     quiet_libraries()  # as `run` does: the proof composes the runner's specs too
     runs = needed(plan(), sections)

@@ -78,8 +78,8 @@ def config_overrides(grid_overrides: list[str], steps: int) -> list[str]:
 def estimated(overrides: list[str]):
     from runner.cli.compose import compose_config
     from runner.config.spec import load_spec, validate
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     spec = validate(load_spec(compose_config(overrides)))
     result = estimate(spec, facts_of(spec.model))

@@ -34,7 +34,7 @@ from runner.errors import (
     WriteFailed,
 )
 from runner.files.checkpoint_dirs import complete_checkpoints
-from runner.frameworks import collector_paused
+from runner.framework_imports import collector_paused
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
 from runner.planning.time_plan import TimePlan, plan, requeue_line, sweep_line
 from runner.processes.cluster import (
@@ -47,7 +47,7 @@ from runner.processes.cluster import (
     submits_to_cluster,
 )
 from runner.processes.signals import SweepStop
-from runner.quiet import name_deepspeed_accelerator, quiet_libraries
+from runner.library_noise import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from runner.errors import (
     WriteFailed,
 )
 from runner.cli.recipes import new_recipe
-from runner.quiet import quiet_libraries
+from runner.library_noise import quiet_libraries
 
 
 def main() -> None:

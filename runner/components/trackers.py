@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from runner.components.reachable import unanswered, wandb_key_known
+from runner.components.tracker_services import unanswered, wandb_key_known
 from runner.config.tracker import REDACTED, MLflowConfig, RunIdentity, TensorBoardConfig, TrackerConfig, WandbConfig
 from runner.errors import require
 

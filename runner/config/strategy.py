@@ -1,5 +1,5 @@
 """The `strategy` group's base schema. Its options (single, ddp, fsdp, deepspeed) are backends in
-runner/strategies/, one file each behind the Strategy protocol (runner/strategies/protocol.py)."""
+runner/strategies/, one file each behind the Strategy protocol (runner/strategies/strategy_protocol.py)."""
 
 from __future__ import annotations
 

@@ -49,8 +49,8 @@ class TaskConfig:
         return None
 
     def memory_terms(self, spec: Spec, facts: Any, estimate: Any) -> Any:
-        """The memory estimate (runner/memory/terms.py's Estimate, which this layer cannot name) of a training run of
-        this task, from the strategy's terms: those of next-token training by default."""
+        """The memory estimate (runner/memory/breakdown.py's Estimate, which this layer cannot name) of a training
+        run of this task, from the strategy's terms: those of next-token training by default."""
         return estimate
 
 

@@ -36,13 +36,13 @@ from runner.files.checkpoint_dirs import PARTIAL, checkpoints_dir, complete_chec
 from runner.files.refused_writes import written_whole
 from runner.files.tensor_io import read_tensors, save_tensors
 from runner.memory.disk import disk_need
-from runner.strategies.protocol import CheckpointLayout
+from runner.strategies.strategy_protocol import CheckpointLayout
 
 if TYPE_CHECKING:
     import torch
 
     from runner.config.spec import RunSpec
-    from runner.strategies.protocol import Stepper
+    from runner.strategies.strategy_protocol import Stepper
 
 log = logging.getLogger("runner")
 BEST = "best.json"

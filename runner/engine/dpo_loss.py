@@ -30,7 +30,7 @@ from runner.data.rows import IGNORE
 from runner.distributed import all_ranks_sums
 from runner.engine.loss import loss_arguments, loss_line
 from runner.parallel.sequence import split_sequences
-from runner.strategies.protocol import unwrapped
+from runner.strategies.strategy_protocol import unwrapped
 
 if TYPE_CHECKING:
     import numpy as np

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from runner.data.batches import shifted
 from runner.data.rows import IGNORE
 from runner.engine.loss import loss_arguments, loss_line
-from runner.strategies.protocol import unwrapped
+from runner.strategies.strategy_protocol import unwrapped
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ from runner.distributed import Ranks
 from runner.engine import checkpoint
 from runner.engine.placement import device_of, place
 from runner.errors import SpecError
-from runner.strategies.protocol import parameter_count
+from runner.strategies.strategy_protocol import parameter_count
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from runner.parallel.dims import ParallelDims
     from runner.parallel.pipeline.schedule import Pipeline
     from runner.parallel.sequence import SequenceSplit, WholeLoss
-    from runner.strategies.protocol import Stepper
+    from runner.strategies.strategy_protocol import Stepper
 
 log = logging.getLogger("runner")
 

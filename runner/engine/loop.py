@@ -30,14 +30,14 @@ from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_m
 from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_flops
 from runner.processes.signals import GracefulStop, StopVote
 from runner.processes.stall_watch import StallWatch, process_watch, stalls_file
-from runner.strategies.protocol import unwrapped
+from runner.strategies.strategy_protocol import unwrapped
 
 if TYPE_CHECKING:
     from runner.components.trackers import Tracker
     from runner.data.batches import GlobalBatch
     from runner.engine.job import PreparedJob
     from runner.engine.tally import Reading
-    from runner.strategies.protocol import StepOutcome
+    from runner.strategies.strategy_protocol import StepOutcome
 
 log = logging.getLogger("runner")
 

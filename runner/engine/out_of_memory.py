@@ -9,7 +9,7 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from runner.memory.out_of_memory_report import write_record
-from runner.memory.terms import readable
+from runner.memory.breakdown import readable
 
 if TYPE_CHECKING:
     from runner.engine.job import PreparedJob

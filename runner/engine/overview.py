@@ -9,7 +9,7 @@ from runner.config.data import DataFormat, resolve_files
 from runner.config.scheduler import Decay, warmup_steps
 from runner.data.store import size_on_disk
 from runner.engine.step import objective_of
-from runner.strategies.protocol import model_class_name
+from runner.strategies.strategy_protocol import model_class_name
 
 if TYPE_CHECKING:
     from runner.engine.job import PreparedJob

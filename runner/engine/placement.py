@@ -48,7 +48,7 @@ from runner.engine.attention import attend_causally_unmasked, attend_with, atten
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
 from runner.parallel.pipeline.layout import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
-from runner.strategies.protocol import WholeWeights
+from runner.strategies.strategy_protocol import WholeWeights
 
 if TYPE_CHECKING:
     import torch
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from runner.distributed import Ranks
     from runner.parallel.pipeline.schedule import Pipeline
     from runner.parallel.sequence import SequenceSplit
-    from runner.strategies.protocol import Stepper
+    from runner.strategies.strategy_protocol import Stepper
 
 log = logging.getLogger("runner")
 

@@ -12,7 +12,7 @@ from runner.data.batches import MeanLoss
 from runner.distributed import all_ranks_sums, summed_on_device
 from runner.engine.loss import loss_arguments, loss_line
 from runner.parallel.sequence import split_sequences
-from runner.strategies.protocol import unwrapped
+from runner.strategies.strategy_protocol import unwrapped
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from runner.data.batches import GlobalBatch, MicroBatch
     from runner.engine.job import Objective, PreparedJob
     from runner.parallel.sequence import SequenceSplit, WholeLoss
-    from runner.strategies.protocol import StepOutcome
+    from runner.strategies.strategy_protocol import StepOutcome
 
 log = logging.getLogger("runner")
 # The objective's metrics that the log lines show (metrics.jsonl and the trackers have them all).

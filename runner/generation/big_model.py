@@ -28,7 +28,7 @@ from runner.components.modeling import build_model
 from runner.config.model import ModelConfig
 from runner.errors import require
 from runner.memory.device_map import DISK, Device, automatic_device_map, device_of
-from runner.memory.terms import readable
+from runner.memory.breakdown import readable
 
 if TYPE_CHECKING:
     from torch import nn

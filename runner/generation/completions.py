@@ -19,7 +19,7 @@ from runner.files.atomic import move_into_place, write_json_atomically
 from runner.generation.data_parallel import InferenceModel, gathered, generate, inference_model, my_batches
 from runner.generation.decoding import Batch, Decoding, completion, prompt_batches
 from runner.memory.inference_report import planned_report
-from runner.memory.terms import processes
+from runner.memory.breakdown import processes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

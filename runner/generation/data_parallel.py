@@ -110,7 +110,7 @@ def generate(model: InferenceModel, batches: list[Batch], mine: list[int], decod
     sampled batch draws from its own seed (seed + its index): the same whatever rank it falls to."""
     import torch
 
-    from runner.strategies.protocol import unwrapped
+    from runner.strategies.strategy_protocol import unwrapped
 
     generator_model = unwrapped(model.model)
     bar = ProgressBar(progress, 0, sum(len(batches[b]["input_ids"]) for b in mine), unit="prompt")

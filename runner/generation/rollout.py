@@ -26,7 +26,7 @@ from runner.engine.attention import own_attention
 from runner.engine.grpo_loss import group_advantages, token_logps
 from runner.errors import RewardFailed
 from runner.generation.decoding import Decoding, completion, next_tokens, prompt_batches
-from runner.strategies.protocol import unwrapped
+from runner.strategies.strategy_protocol import unwrapped
 
 if TYPE_CHECKING:
     import torch

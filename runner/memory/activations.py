@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Optional
 
 from runner.config.training import LossKind, loss_kind_in_effect
 from runner.memory.parameters import parameters_of
-from runner.memory.terms import FP32, Part, micro_batch_tokens
+from runner.memory.breakdown import FP32, Part, micro_batch_tokens
 from runner.parallel.pipeline.layout import PipelineSchedule, balanced_bounds, stages_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-    from runner.memory.facts import LayerShape, ModelFacts
+    from runner.memory.model_shapes import LayerShape, ModelFacts
 
 
 @dataclass(frozen=True)

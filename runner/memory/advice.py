@@ -13,12 +13,12 @@ from runner.config.hardware import GIB, Accelerator
 from runner.config.precision import Dtype
 from runner.config.spec import check_combination
 from runner.errors import SpecError
-from runner.memory.facts import facts_of
-from runner.memory.terms import Change, Estimate, estimate, processes, readable, strategy_change
+from runner.memory.model_shapes import facts_of
+from runner.memory.breakdown import Change, Estimate, estimate, processes, readable, strategy_change
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
+    from runner.memory.model_shapes import ModelFacts
 
 
 @dataclass

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 from runner.errors import require
 from runner.files.refused_writes import existing_parent
-from runner.memory.facts import facts_of
+from runner.memory.model_shapes import facts_of
 from runner.memory.parameters import parameters_of
-from runner.memory.terms import FP32, readable
+from runner.memory.breakdown import FP32, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec

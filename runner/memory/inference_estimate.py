@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Optional
 
 from runner.components.modeling import blocks
 from runner.errors import SpecError
-from runner.memory.terms import FP32, Part, dtype_name, sharded_elements
+from runner.memory.breakdown import FP32, Part, dtype_name, sharded_elements
 
 if TYPE_CHECKING:
-    from runner.memory.facts import LayerShape, ModelFacts
+    from runner.memory.model_shapes import LayerShape, ModelFacts
 
 HOWS = ("replica", "pipeline", "sharded")
 OFF_DEVICE = {"cpu": "CPU RAM", "disk": "disk"}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.hardware import GIB, Accelerator
 from runner.errors import SpecError
-from runner.memory.facts import facts_of
+from runner.memory.model_shapes import facts_of
 from runner.memory.inference_estimate import (
     InferenceEstimate,
     InferenceLoad,
@@ -18,12 +18,12 @@ from runner.memory.inference_estimate import (
     model_parts,
     pipeline_load,
 )
-from runner.memory.terms import Part, dtype_name, part_row, readable
+from runner.memory.breakdown import Part, dtype_name, part_row, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
     from runner.config.task import InferenceTaskConfig
-    from runner.memory.facts import ModelFacts
+    from runner.memory.model_shapes import ModelFacts
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.hardware import GIB
 from runner.memory.advice import cheapest_fits, proposals
-from runner.memory.facts import facts_of
-from runner.memory.terms import estimate, readable
+from runner.memory.model_shapes import facts_of
+from runner.memory.breakdown import estimate, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 from runner.components.lora import nf4_fits, targets
 from runner.components.modeling import blocks
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT
-from runner.memory.terms import FP32, Part, sharded_elements
+from runner.memory.breakdown import FP32, Part, sharded_elements
 from runner.parallel.pipeline.layout import balanced_bounds, stage_parameters, stages_of
 from runner.parallel.tensor import adapter_shapes, block_plan, split_shapes
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
+    from runner.memory.model_shapes import ModelFacts
     from runner.parallel.dims import ParallelDims
 
 NF4 = "NF4"

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
-from runner.memory.facts import fp8_linears
+from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
-from runner.memory.terms import Estimate, Part, dtype_name
+from runner.memory.breakdown import Estimate, Part, dtype_name
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
+    from runner.memory.model_shapes import ModelFacts
 
 
 def whole_copies(spec: RunSpec, facts: ModelFacts) -> Estimate:

@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Optional
 
 from runner.memory.accelerate_view import format_accelerate_view
 from runner.memory.advice import cheapest_fits, fit, proposals
-from runner.memory.facts import facts_of
+from runner.memory.model_shapes import facts_of
 from runner.memory.parameters import parameters_of
-from runner.memory.terms import Estimate, Part, Phase, estimate, part_row, processes, readable
+from runner.memory.breakdown import Estimate, Part, Phase, estimate, part_row, processes, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Optional
 
 from runner.parallel.context import causal_unmasked_attention
 from runner.parallel.sequence import AttentionFunction, WholeLoss, sliceable
-from runner.quiet import deepspeed_setup
+from runner.library_noise import deepspeed_setup
 
 if TYPE_CHECKING:
     import torch

@@ -130,7 +130,7 @@ def readable_seconds(seconds: float) -> str:
 
 def flops_per_token(spec: RunSpec) -> float:
     """The training work of one token of the run (forward and backward), as the module's docstring counts it."""
-    from runner.memory.facts import facts_of
+    from runner.memory.model_shapes import facts_of
     from runner.memory.parameters import parameters_of
 
     facts = facts_of(spec.model)

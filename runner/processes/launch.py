@@ -28,12 +28,12 @@ from runner.compat import shutdown_timeout
 from runner.distributed import Ranks, close_process_group, free_port
 from runner.errors import CollectiveTimedOut, ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files.checkpoint_dirs import complete_checkpoints
-from runner.frameworks import import_frameworks
+from runner.framework_imports import import_frameworks
 from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_memory_record
 from runner.processes.cluster import Task, check_reachable
 from runner.processes.collective_timeouts import RECORD, record_collectives, timed_out, timed_out_line, waited
 from runner.processes.stall_watch import StallWatch, stalls_file, watched_phase
-from runner.quiet import name_deepspeed_accelerator, quiet_launcher, quiet_loggers
+from runner.library_noise import name_deepspeed_accelerator, quiet_launcher, quiet_loggers
 
 if TYPE_CHECKING:
     from datetime import timedelta

@@ -10,9 +10,9 @@ from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype, PrecisionConfig
 from runner.errors import require
 from runner.memory.replicated import whole_copies
-from runner.memory.terms import Part, processes
+from runner.memory.breakdown import Part, processes
 from runner.parallel.dims import ParallelDims
-from runner.strategies.protocol import WholeWeights
+from runner.strategies.strategy_protocol import WholeWeights
 from runner.strategies.single import SingleStrategy
 from runner.config.fields import setting
 
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Estimate
+    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.breakdown import Estimate
 
 
 @dataclass

@@ -17,13 +17,13 @@ from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
-from runner.memory.facts import facts_of
-from runner.memory.terms import Change, processes, strategy_change
+from runner.memory.model_shapes import facts_of
+from runner.memory.breakdown import Change, processes, strategy_change
 from runner.parallel.dims import ParallelDims
 from runner.strategies import deepspeed_engine, deepspeed_memory
 from runner.strategies.deepspeed_json import OffloadDevice, deepspeed_config, read_into_spec
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
+from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.config.fields import setting
 
 if TYPE_CHECKING:
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Estimate
+    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.breakdown import Estimate
     from runner.parallel.sequence import SequenceSplit
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 from runner.distributed import groups_wait_as_long_as_the_world
-from runner.quiet import deepspeed_setup
+from runner.library_noise import deepspeed_setup
 from runner.strategies.deepspeed_json import deepspeed_config
-from runner.strategies.protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
+from runner.strategies.strategy_protocol import CheckpointLayout, StepOutcome, has_frozen_parameters, trained_state
 
 if TYPE_CHECKING:
     import torch

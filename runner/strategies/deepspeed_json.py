@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from runner.config.precision import Dtype, PrecisionConfig
 from runner.config.scheduler import Decay, SchedulerConfig
 from runner.errors import SpecError
-from runner.memory.facts import facts_of
+from runner.memory.model_shapes import facts_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 from runner.config.precision import Dtype
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
-from runner.memory.facts import fp8_linears
+from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import host_loading, parameters_of
-from runner.memory.terms import FP32, Estimate, Part, dtype_name, share
+from runner.memory.breakdown import FP32, Estimate, Part, dtype_name, share
 from runner.strategies.deepspeed_json import OffloadDevice, deepspeed_config
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
+    from runner.memory.model_shapes import ModelFacts
     from runner.memory.parameters import Parameters
 
 # DeepSpeed's defaults for the zero_optimization keys the estimate reads (deepspeed/runtime/zero/config.py).

@@ -30,12 +30,12 @@ from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
-from runner.memory.terms import Change, processes
+from runner.memory.breakdown import Change, processes
 from runner.parallel.dims import ParallelDims
 from runner.parallel.pipeline.layout import PipelineSchedule
 from runner.strategies import fsdp_memory, fsdp_placement
 from runner.strategies.fsdp_settings import AutoWrapPolicy, ShardingStrategy, StateDictType
-from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
+from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.config.fields import setting
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Estimate
+    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.breakdown import Estimate
     from runner.parallel.sequence import SequenceSplit
     from runner.strategies.torch_stepper import TorchStepper
 

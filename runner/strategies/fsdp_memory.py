@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 from runner.errors import SpecError
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes, pipeline_activations_part
-from runner.memory.facts import fp8_linears, meta_model
+from runner.memory.model_shapes import fp8_linears, meta_model
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
-from runner.memory.terms import Change, Estimate, Part, dtype_name, sharded_elements, share, strategy_change
+from runner.memory.breakdown import Change, Estimate, Part, dtype_name, sharded_elements, share, strategy_change
 from runner.parallel.tensor import block_plan
 from runner.strategies.fsdp_placement import wrap_units
 from runner.strategies.fsdp_settings import FSDPSettings, ShardingStrategy
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
+    from runner.memory.model_shapes import ModelFacts
     from runner.memory.parameters import Parameters
 
 

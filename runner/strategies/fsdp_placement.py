@@ -11,7 +11,7 @@ from runner.components.mixed_precision import grad_scaler
 from runner.config.precision import Dtype, PrecisionConfig
 from runner.distributed import local
 from runner.strategies.fsdp_settings import AutoWrapPolicy, FSDPSettings
-from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
+from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper
 
 if TYPE_CHECKING:

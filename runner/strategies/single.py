@@ -9,10 +9,10 @@ from runner.components.mixed_precision import grad_scaler
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.replicated import whole_copies
-from runner.memory.terms import processes
+from runner.memory.breakdown import processes
 from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
-from runner.strategies.protocol import CheckpointLayout, PipelineStages, WholeWeights
+from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper, no_sync_needed
 
 if TYPE_CHECKING:
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Change, Estimate
+    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.breakdown import Change, Estimate
     from runner.parallel.sequence import SequenceSplit
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 from runner.distributed import cpu_copy, local, process_group_up, whole_on_cpu
 from runner.files.atomic import write_json
 from runner.files.tensor_io import read_shards, read_tensors, save_tensors, write_shards
-from runner.strategies.protocol import (
+from runner.strategies.strategy_protocol import (
     CheckpointLayout,
     PipelineStages,
     StepOutcome,

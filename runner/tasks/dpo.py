@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from runner.distributed import Ranks
     from runner.engine.dpo_loss import PreferenceLoss, Reference
     from runner.engine.job import LoadedData, PreparedJob
-    from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Estimate
+    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.breakdown import Estimate
 
 
 class PreferenceLossKind(str, Enum):
@@ -37,7 +37,7 @@ SMOOTHED = (PreferenceLossKind.sigmoid, PreferenceLossKind.robust, PreferenceLos
 
 
 @dataclass
-class DpoTask(PostTrainingTaskConfig):
+class DPOTask(PostTrainingTaskConfig):
     beta: float = setting(
         0.1,
         "The strength of the implicit KL to the reference (DPO's beta): higher keeps the policy closer.",
@@ -96,7 +96,7 @@ class DpoTask(PostTrainingTaskConfig):
         """Two rows a pair: twice the activations of a micro batch of rows. The reference: a frozen copy of the
         weights in their dtype (sharded as the strategy shards what it trains: FSDP, ZeRO-3), or none (the adapters
         switched off, simpo, or precomputed log-probs)."""
-        from runner.memory.terms import Part, reference_model
+        from runner.memory.breakdown import Part, reference_model
 
         if not self.has_reference:
             reference = Part(0, "none (task.loss=simpo)")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 
 from runner.components.lora import targets
 from runner.config.task import TaskConfig
-from runner.memory.facts import meta_model
+from runner.memory.model_shapes import meta_model
 from runner.memory.report import report
 from runner.config.fields import setting
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.task import InferenceTaskConfig
 from runner.errors import SpecError, require
-from runner.memory.facts import check_causal_lm
+from runner.memory.model_shapes import check_causal_lm
 from runner.memory.inference_report import inference_answer, planned_report
-from runner.memory.terms import processes
+from runner.memory.breakdown import processes
 from runner.config.fields import setting
 
 if TYPE_CHECKING:

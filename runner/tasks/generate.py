@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 from runner.config.task import InferenceTaskConfig
 from runner.errors import require
 from runner.files.paths import absolute_path
-from runner.memory.facts import check_causal_lm, facts_of
+from runner.memory.model_shapes import check_causal_lm, facts_of
 from runner.memory.inference_report import inference_answer
 from runner.config.fields import setting
 

@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from runner.distributed import Ranks
     from runner.engine.grpo_loss import GroupPolicyLoss
     from runner.engine.job import LoadedData, PreparedJob
-    from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Estimate
+    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.breakdown import Estimate
 
 
 class PolicyLossKind(str, Enum):
@@ -52,7 +52,7 @@ GIVEN = {"prompts", "completions", "completion_ids"}
 
 
 @dataclass
-class GrpoTask(PostTrainingTaskConfig):
+class GRPOTask(PostTrainingTaskConfig):
     num_generations: int = setting(
         4,
         "Completions sampled for each prompt: a group, whose rewards' mean and std make each one's advantage.",
@@ -119,7 +119,7 @@ class GrpoTask(PostTrainingTaskConfig):
         num_iterations steps share them."""
         return (1 + (self.num_iterations > 1) + (self.beta > 0)) / self.num_iterations
 
-    def with_absolute_paths(self, base: Path) -> GrpoTask:
+    def with_absolute_paths(self, base: Path) -> GRPOTask:
         """A reward in a file (`path/to/file.py:function`) named from `base`."""
         def absolute(reward: RewardSpec) -> RewardSpec:
             where, _, name = reward.function.rpartition(":")
@@ -200,7 +200,7 @@ class GrpoTask(PostTrainingTaskConfig):
         """The reference (beta > 0): a frozen copy of the weights in their dtype, sharded as the strategy shards
         what it trains, or none (the adapters switched off). Sampling: the KV cache of each rank's completions of a
         step, its prompts and completions at their longest (data.seq_len)."""
-        from runner.memory.terms import Part, dtype_name, reference_model
+        from runner.memory.breakdown import Part, dtype_name, reference_model
 
         reference = reference_model(spec, facts.parameters, facts.buffer_bytes) if self.beta else \
             Part(0, "none (task.beta=0)")
@@ -255,7 +255,7 @@ def reference_logps(job: PreparedJob, temperature: float):
     from runner.components.lora import adapters_off
     from runner.engine.grpo_loss import token_logps
     from runner.engine.placement import placed_model
-    from runner.strategies.protocol import unwrapped
+    from runner.strategies.strategy_protocol import unwrapped
 
     if job.spec.adapter.active:
         def with_adapters_off(job: PreparedJob, micro_batch) -> Any:

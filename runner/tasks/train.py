@@ -16,7 +16,7 @@ from runner.config.task import PostTrainingTaskConfig, TaskConfig
 from runner.engine.checkpoint import check_resumable
 from runner.errors import require
 from runner.memory.advice import check_fit
-from runner.memory.facts import check_causal_lm, fp8_linears, meta_model
+from runner.memory.model_shapes import check_causal_lm, fp8_linears, meta_model
 from runner.memory.report import report
 from runner.parallel.tensor import block_plan
 from runner.planning.time_plan import plan

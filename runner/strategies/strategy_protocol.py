@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
-    from runner.memory.terms import Change, Estimate
+    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.breakdown import Change, Estimate
     from runner.parallel.dims import ParallelDims
     from runner.parallel.sequence import SequenceSplit
 

@@ -11,7 +11,7 @@ from runner.config.hardware import GIB
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-    from runner.memory.facts import ModelFacts
+    from runner.memory.model_shapes import ModelFacts
 
 FP32 = 4
 
