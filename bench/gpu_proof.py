@@ -41,6 +41,8 @@ Each target prints as MET or MISSED with its figure.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import argparse
 import datetime
 import json
@@ -133,8 +135,8 @@ class Run:
     gpus: int = 1
     hand: bool = False
     plan_extra: dict = field(default_factory=dict)  # the hand loop's plan beyond the runner's settings
-    group: str | None = None  # adjacent runs of a group run side by side; None: alone (a timed run)
-    stop_rank_1_at: int | None = None  # rank 1 stopped (SIGSTOP) once its log shows this step
+    group: Optional[str] = None  # adjacent runs of a group run side by side; None: alone (a timed run)
+    stop_rank_1_at: Optional[int] = None  # rank 1 stopped (SIGSTOP) once its log shows this step
 
     @property
     def slug(self) -> str:
@@ -149,12 +151,12 @@ class Run:
 
 @dataclass
 class Outcome:
-    error: str | None = None  # failed, timed out, or skipped (then `skipped` is set)
+    error: Optional[str] = None  # failed, timed out, or skipped (then `skipped` is set)
     skipped: bool = False
     wall_s: float = 0.0
     records: list[dict] = field(default_factory=list)
-    summary: dict | None = None
-    run_dir: Path | None = None
+    summary: Optional[dict] = None
+    run_dir: Optional[Path] = None
 
     @property
     def ok(self) -> bool:
@@ -284,7 +286,7 @@ def composed(overrides: list[str], gpus: int):
     return validate(replace(spec, hardware=machine), on_this_machine=False)
 
 
-def dry_run(runs: list[Run], workdir: Path) -> list[tuple[Run, str, str | None]]:
+def dry_run(runs: list[Run], workdir: Path) -> list[tuple[Run, str, Optional[str]]]:
     """Every run's command line, its overrides composed and checked as `run` would check them (and, for the hand
     loop, the plan made from them), and each memory config's estimate: (run, command, why it was refused or None)."""
     from harness import peer_plan
@@ -310,7 +312,7 @@ def dry_run(runs: list[Run], workdir: Path) -> list[tuple[Run, str, str | None]]
     return checked
 
 
-def command(run: Run, workdir: Path, plan_path: Path | None) -> list[str]:
+def command(run: Run, workdir: Path, plan_path: Optional[Path]) -> list[str]:
     """The command line of a run: `run` with its overrides, or the hand loop on its plan."""
     out = workdir / run.slug
     if run.hand:
@@ -467,7 +469,7 @@ def verdict(met: bool, text: str) -> str:
     return f"- {'MET' if met else 'MISSED'}: {text}"
 
 
-def failed(outcome: Outcome | None) -> str:
+def failed(outcome: Optional[Outcome]) -> str:
     if outcome is None:
         return "not run"
     return ("skipped: " if outcome.skipped else "failed: ") + (outcome.error or "")
@@ -494,7 +496,7 @@ class Report:
         self.lines: list[str] = []
         self.bf16_mfu: dict[bool, float] = {}  # compiled or eager: the 1B run's MFU, for the plan's table
 
-    def get(self, key: str) -> Outcome | None:
+    def get(self, key: str) -> Optional[Outcome]:
         return self.outcomes.get(key)
 
     def build(self) -> str:
@@ -760,7 +762,7 @@ class Report:
         self.table("Two GPUs or more", lines)
 
 
-def with_rank_1_stopped(argv: list[str], env: dict[str, str], out: Path, step: int, timeout: float) -> str | None:
+def with_rank_1_stopped(argv: list[str], env: dict[str, str], out: Path, step: int, timeout: float) -> Optional[str]:
     """Runs a job of two processes and stops its rank 1 (SIGSTOP) once rank 1 has logged `step`: the job should
     then end on its collective timeout. What went wrong before that, or None."""
     deadline = time.monotonic() + timeout

@@ -4,6 +4,8 @@ scripts the runner's own settings."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import datetime
 import json
 import os
@@ -31,10 +33,10 @@ UNSUPPORTED = "unsupported: "  # how a peer script says it cannot run a config o
 @dataclass
 class Outcome:
     repeat: int
-    tokens_per_s: float | None = None
-    final_loss: float | None = None
-    peak_memory_gib: float | None = None
-    error: str | None = None
+    tokens_per_s: Optional[float] = None
+    final_loss: Optional[float] = None
+    peak_memory_gib: Optional[float] = None
+    error: Optional[str] = None
 
 
 @dataclass
@@ -82,7 +84,7 @@ def contender_command(contender: str, config: Config, log: Path, run_dir: Path,
     return [sys.executable, *script]
 
 def run_contender(command: list[str], env: dict[str, str], output: Path,
-                  timeout: float = RUN_TIMEOUT_S) -> tuple[float, str | None]:
+                  timeout: float = RUN_TIMEOUT_S) -> tuple[float, Optional[str]]:
     """Runs one contender, for at most `timeout` seconds; returns the time it was started at and its error, if it
     failed."""
     with output.open("w") as out:
@@ -122,14 +124,14 @@ def real_tokens_seen(record: dict) -> int:
     """The real tokens trained on by a record's step: the runner's tokens_seen, the peers' tokens."""
     return record["tokens_seen"] if "tokens_seen" in record else record["tokens"]
 
-def peak_memory(program: str, records: list[dict], run_dir: Path) -> float | None:
+def peak_memory(program: str, records: list[dict], run_dir: Path) -> Optional[float]:
     """The runner's peak memory from its summary.json; a peer's from its last record."""
     if program == "runner":
         summary = run_dir / "summary.json"
         return json.loads(summary.read_text())["peak_memory_gib"] if summary.exists() else None
     return next((r["peak_memory_gib"] for r in reversed(records) if "peak_memory_gib" in r), None)
 
-def median(values: list[float]) -> float | None:
+def median(values: list[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 def rotated(items, repeat: int) -> list:
@@ -151,7 +153,7 @@ def ratio_spread(ratios: dict[int, float]) -> str:
     return (f"median {statistics.median(values):.3f}x, range {min(values):.3f}-{max(values):.3f}x over "
             f"{len(values)} repeat{'s' if len(values) != 1 else ''}")
 
-def peer_plan(spec, workdir: Path, rows: Path | None, global_batch: int, steps: int, log_every: int,
+def peer_plan(spec, workdir: Path, rows: Optional[Path], global_batch: int, steps: int, log_every: int,
               eval_batches: int = 0) -> dict:
     """The runner's settings, as the peer scripts read them; `eval_batches`: evaluate that many micro batches of the
     runner's eval rows before the first step, as the runner does (start-up runs only)."""
@@ -207,7 +209,7 @@ def paired_table(configs: list[Config], pairs: list[tuple[str, str]], results: d
                          f"| {each} |")
     return rows if len(rows) > 5 else []
 
-def pair_of(config: str, base: str, other: str, results: dict) -> dict[int, float] | None:
+def pair_of(config: str, base: str, other: str, results: dict) -> Optional[dict[int, float]]:
     """`base`'s paired ratios over `other` in `config`; None where `other` never ran there."""
     if (config, other) not in results:
         return None

@@ -18,6 +18,8 @@ sorted order and `examples` of the pairs are drawn with a seeded random sample: 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import argparse
 import ast
 import json
@@ -79,7 +81,7 @@ def _functions(tree: ast.Module, lines: list[str], module: str):
 
 
 def _pair(function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str], module: str,
-          qualname: str) -> tuple[str, str] | None:
+          qualname: str) -> Optional[tuple[str, str]]:
     docstring = ast.get_docstring(function)
     if not docstring or len(function.body) < 2:
         return None  # undocumented, or nothing but the docstring to write

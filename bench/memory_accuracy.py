@@ -14,6 +14,8 @@ A config that runs out of memory is reported as such (the estimate said so, or i
 
 from __future__ import annotations
 
+from typing import Optional
+
 import argparse
 import json
 import subprocess
@@ -86,7 +88,7 @@ def estimated(overrides: list[str]):
     return result.peak / 1024**3, result.peak_phase.value
 
 
-def measured(overrides: list[str], timeout: int) -> tuple[float | None, str]:
+def measured(overrides: list[str], timeout: int) -> tuple[Optional[float], str]:
     """Rank 0's peak allocated GiB over a short run, or None and why not."""
     with tempfile.TemporaryDirectory() as workdir:
         try:
