@@ -11,7 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import (
+
+from runner.errors import WriteFailed
+from runner.files import refused_write, write_failed_line, written_whole
+from runner.memory.disk import disk_need
+from tests.support.helpers import (
     QUICK,
     composed,
     deleted_files_mapped,
@@ -21,10 +25,6 @@ from helpers import (
     start_cli,
     step_losses,
 )
-
-from runner.errors import WriteFailed
-from runner.files import refused_write, write_failed_line, written_whole
-from runner.memory.disk import disk_need
 
 pytestmark = pytest.mark.slow
 
