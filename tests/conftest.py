@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import WARM_IMPORTS, warm_processes
+from tests.support.warm import WARM_IMPORTS, warm_processes
 
 # One thread per process: two workers share the two cores, and each test's processes take one each. Two runs of the
 # default job at once took 8.7 s with one thread each, 11.9 s with torch's two (one alone: 8.2 s and 7.6 s).

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from tests.support import REPO
-from tests.support.helpers import run_cli
+from tests.support.command import run_cli
 
 
 def test_help_lists_groups_and_options(workdir):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import DATA
-from tests.support.helpers import run_cli
+from tests.support.command import run_cli
 
 TRL_PAIRS = DATA / "trl" / "preference_standard.jsonl"
 BAD_INPUTS = {

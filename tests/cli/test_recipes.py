@@ -16,7 +16,8 @@ from runner.memory.advice import check_fit, fit
 from runner.memory.facts import facts_of
 from runner.memory.terms import estimate
 from tests.support import DATA
-from tests.support.helpers import composed, run_cli
+from tests.support.command import run_cli
+from tests.support.specs import composed
 
 RECIPES = sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
 CPU_RECIPES = [name for name in RECIPES if name.startswith("cpu_")]

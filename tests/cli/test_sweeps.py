@@ -10,7 +10,9 @@ import signal
 import pytest
 import yaml
 
-from tests.support.helpers import QUICK, composed, run_cli, start_cli, wait_until
+from tests.support.command import run_cli, start_cli
+from tests.support.runs import wait_until
+from tests.support.specs import QUICK, composed
 
 pytestmark = pytest.mark.slow
 

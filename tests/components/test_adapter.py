@@ -11,7 +11,10 @@ from safetensors import safe_open
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
-from tests.support.helpers import QUICK, killed_and_resumed, resolved_spec, run_cli, step_losses, train_in_workers
+from tests.support.command import run_cli
+from tests.support.runs import killed_and_resumed, step_losses
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import train_in_workers
 
 STEPS = 8
 BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",

@@ -23,7 +23,8 @@ from runner.engine.loop import train
 from runner.errors import SpecError
 from runner.strategies.deepspeed_json import deepspeed_config
 from runner.strategies.protocol import unwrapped
-from tests.support.helpers import QUICK, composed, resolved_spec, run_in_workers
+from tests.support.specs import QUICK, composed, resolved_spec
+from tests.support.workers import run_in_workers
 
 STEPS = 6
 OVERFLOW_STEP = 3

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import DATA
-from tests.support.helpers import QUICK, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import run_dirs
+from tests.support.specs import QUICK
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from runner.config.hardware import Accelerator
 from runner.config.spec import RunSpec, to_yaml, validate
 from runner.errors import SpecError
 from tests.support import DATA
-from tests.support.helpers import composed
+from tests.support.specs import composed
 
 
 def config_dir(tmp: Path) -> Path:

@@ -153,7 +153,7 @@ def test_an_attention_mask_only_where_a_row_is_padded(splits):
 
 def test_an_unpadded_batch_has_the_loss_and_gradients_it_has_with_an_all_ones_mask():
     """What transformers does with an all-ones mask is what it does with none: the same summed loss, exactly."""
-    from tests.support.helpers import QUICK, resolved_spec
+    from tests.support.specs import QUICK, resolved_spec
 
     from runner.components.modeling import build_model
     from runner.config.training import LossKind

@@ -14,7 +14,9 @@ from runner.data.rows import IGNORE
 from runner.data.splits import token_splits
 from runner.errors import SpecError
 from tests.support import DATA
-from tests.support.helpers import TWO_BLOCKS, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import run_dirs
+from tests.support.specs import TWO_BLOCKS
 
 TEMPLATES = DATA / "trl_chat_templates"
 LLAMA_FACTORY = DATA / "llama_factory"
@@ -318,7 +320,9 @@ def chat_run(name: str, tokenizer_dir: Path) -> list[str]:
 
 @pytest.mark.distributed
 def test_real_chat_data_trains_to_the_same_losses_under_single_ddp_and_fsdp(chat_tokenizer_dir, tmp_path):
-    from tests.support.helpers import resolved_spec, step_losses, train_in_workers
+    from tests.support.runs import step_losses
+    from tests.support.specs import resolved_spec
+    from tests.support.workers import train_in_workers
 
     from runner.engine.job import prepare_job
     from runner.engine.loop import train
@@ -342,7 +346,7 @@ def test_real_chat_data_trains_to_the_same_losses_under_single_ddp_and_fsdp(chat
 
 @pytest.mark.signals
 def test_a_chat_run_killed_and_resumed_has_the_uninterrupted_losses(chat_tokenizer_dir, tmp_path, tmp_path_factory):
-    from tests.support.helpers import killed_and_resumed
+    from tests.support.runs import killed_and_resumed
 
     args = [*chat_run("LLaMA-Factory glaive_toolcall_en_demo", chat_tokenizer_dir), "train.max_steps=8",
             "train.checkpoint_every=2"]

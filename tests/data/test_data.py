@@ -18,7 +18,8 @@ from runner.data import read
 from runner.data.pack import GROUP, GROUP_TOKENS, groups
 from runner.data.splits import token_splits
 from runner.data.store import documents_key, size_on_disk
-from tests.support.helpers import run_cli, start_cli, wait_until
+from tests.support.command import run_cli, start_cli
+from tests.support.runs import wait_until
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -27,18 +27,10 @@ from runner.engine.loop import train
 from runner.engine.loss import with_summed_loss
 from runner.errors import SpecError
 from tests.support import DATA
-from tests.support.helpers import (
-    QUICK,
-    TWO_BLOCKS,
-    killed_and_resumed,
-    logged,
-    resolved_spec,
-    run_cli,
-    run_dirs,
-    run_in_workers,
-    step_losses,
-    train_in_workers,
-)
+from tests.support.command import run_cli
+from tests.support.runs import killed_and_resumed, logged, run_dirs, step_losses
+from tests.support.specs import QUICK, TWO_BLOCKS, resolved_spec
+from tests.support.workers import run_in_workers, train_in_workers
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 LLAMA_FACTORY_ALPACA = DATA / "llama_factory" / "alpaca_en_demo.json"
@@ -264,7 +256,7 @@ def test_compile_under_deepspeed_is_refused_in_one_line():
 
 
 def test_the_estimate_counts_one_chunk_of_logits_under_the_chunked_loss():
-    from tests.support.helpers import composed
+    from tests.support.specs import composed
 
     from runner.memory.facts import facts_of
     from runner.memory.terms import estimate

@@ -13,7 +13,9 @@ from runner.config.data import DataConfig, DataFormat
 from runner.data.pack import GROUP
 from runner.data.read import read_item, values, work_items
 from runner.data.stream import StreamedRows, StreamPosition, held_out_every, shard
-from tests.support.helpers import QUICK, killed_and_resumed, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import killed_and_resumed, run_dirs
+from tests.support.specs import QUICK
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

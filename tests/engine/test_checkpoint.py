@@ -17,20 +17,18 @@ from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import NonFiniteLoss
 from runner.files import complete_checkpoints
-from tests.support.helpers import (
-    QUICK,
+from tests.support.command import run_cli, start_cli
+from tests.support.runs import (
     deleted_files_mapped,
     hold_at_step,
     kill_at_step,
     logged,
-    resolved_spec,
-    run_cli,
     run_dirs,
-    run_in_workers,
-    start_cli,
     uninterrupted_losses,
     wait_until,
 )
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import run_in_workers
 
 STEPS = 12
 TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=1"]

@@ -21,7 +21,8 @@ import pytest
 
 from tests.support import DATA
 from tests.support.host_reads import counting_host_reads
-from tests.support.helpers import QUICK, resolved_spec, run_in_workers
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import run_in_workers
 
 ALPACA = DATA / "llama_factory" / "alpaca_en_demo.json"  # tests/support/data/llama_factory/SOURCE.md
 DPO_DEMO = DATA / "llama_factory" / "dpo_en_demo.json"

@@ -4,7 +4,8 @@ last rank's backward, in a real worker process of a real run (as a GPU's allocat
 
 import pytest
 
-from tests.support.helpers import QUICK, start_cli
+from tests.support.command import start_cli
+from tests.support.specs import QUICK
 
 # Micro batches of 4: a smaller one is then among what needs less.
 RUN = [*QUICK, "train.micro_batch_size=4", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runner.engine.tally import DeviceTally
-from tests.support.helpers import run_in_workers
+from tests.support.workers import run_in_workers
 
 
 def test_a_reading_sums_the_steps_since_the_last_one():

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import DATA
-from tests.support.helpers import TWO_BLOCKS, run_cli
+from tests.support.command import run_cli
+from tests.support.specs import TWO_BLOCKS
 
 TASK_FILES = DATA / "benchmarks"
 BENCHMARKS = ["local_copa", *(str(TASK_FILES / f"copa_{kind}.yaml") for kind in ("loglikelihood", "rolling",
@@ -92,7 +93,8 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
     FSDP2 over two, each rank answering half the requests); the last scores are HFLM's on the saved model, and
     train.keep_best keeps the checkpoint of the best local_copa accuracy besides the last one; task=evaluate gives
     the saved model the same scores. The run's time plan counts the benchmarks' forwards."""
-    from tests.support.helpers import resolved_spec, train_in_workers
+    from tests.support.specs import resolved_spec
+    from tests.support.workers import train_in_workers
 
     from runner.components.modeling import build_tokenizer
     from runner.generation.benchmarks import forward_tokens, load_benchmarks
@@ -199,7 +201,8 @@ def test_the_scores_are_the_same_under_zero3_tensor_parallelism_and_lora(tmp_pat
     """One step, then the scores of the model as each strategy placed it: ZeRO-3 and tensor parallelism over two
     processes against one; LoRA under FSDP against LoRA alone. The same step gives the same model, and so the same
     answers, whichever ranks hold its shards."""
-    from tests.support.helpers import resolved_spec, train_in_workers
+    from tests.support.specs import resolved_spec
+    from tests.support.workers import train_in_workers
 
     base = ["train.max_steps=1", "train.eval_batches=1", "train.save_model=false", f"train.benchmark_limit={DOCUMENTS}",
             f"train.benchmarks=[{','.join(BENCHMARKS[:3])}]", "train.micro_batch_size=4", *TWO_BLOCKS]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import TWO_BLOCKS, resolved_spec, run_in_workers
+from tests.support.specs import TWO_BLOCKS, resolved_spec
+from tests.support.workers import run_in_workers
 
 # Prompts of 2 to 40 tokens: batched, most rows are mostly padding.
 PROMPTS = ["x", "import sys, os", "class Parser:  def __init__(self, text, *, strict=True):",

@@ -11,7 +11,8 @@ from runner.errors import SpecError
 from runner.generation.decoding import Decoding, next_tokens, prompt_batches
 from runner.generation.pipelined import pipeline_generate
 from runner.parallel.pipeline.layout import stage_bounds
-from tests.support.helpers import composed, run_in_workers
+from tests.support.specs import composed
+from tests.support.workers import run_in_workers
 
 PROMPTS = ["Hello", "The quick brown fox", "a", "pipeline parallel", "12345 678"]
 MAX_NEW_TOKENS = 12

@@ -18,7 +18,7 @@ from runner.memory.facts import facts_of
 from runner.memory.parameters import parameters_of
 from runner.memory.report import report
 from runner.memory.terms import estimate, sharded_elements
-from tests.support.helpers import QUICK, composed, resolved_spec
+from tests.support.specs import QUICK, composed, resolved_spec
 
 GIB = 1024**3
 P_8B = 8_030_261_248
@@ -369,7 +369,7 @@ def _held_after_a_step(ranks, specs):
 
 @pytest.mark.distributed
 def test_each_rank_holds_what_the_estimate_says_of_an_adapter_run():
-    from tests.support.helpers import run_in_workers
+    from tests.support.workers import run_in_workers
 
     specs = {name: resolved_spec([*TWO_RANK_LLAMA, *overrides]) for name, overrides in TWO_RANK_CASES.items()}
     held = run_in_workers(_held_after_a_step, specs, nproc=2)

@@ -20,7 +20,9 @@ from runner.memory.advice import cheapest_fits, check_fit, fit
 from runner.memory.facts import LayerShape, facts_of, meta_model
 from runner.memory.report import report
 from runner.memory.terms import FP32, estimate, gib
-from tests.support.helpers import QUICK, composed, resolved_spec, run_cli, run_in_workers
+from tests.support.command import run_cli
+from tests.support.specs import QUICK, composed, resolved_spec
+from tests.support.workers import run_in_workers
 
 GIB = 1024**3
 

@@ -22,7 +22,7 @@ from runner.memory.inference_estimate import (
 )
 from runner.memory.inference_report import Options, check_inference_fit, inference_answer, inference_report
 from runner.memory.terms import gib
-from tests.support.helpers import composed
+from tests.support.specs import composed
 
 GIB = 1024**3
 RTX4090 = ["hardware=2xrtx4090"]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from runner.parallel.dims import ParallelDims
-from tests.support.helpers import resolved_spec, run_in_workers
+from tests.support.specs import resolved_spec
+from tests.support.workers import run_in_workers
 
 
 def _slices(ranks, dims):

@@ -14,7 +14,10 @@ import torch
 from runner.compat import pipeline_passes_integer_tensors
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
-from tests.support.helpers import QUICK, QUICK_STEPS, logged, resolved_spec, run_cli, step_losses, train_in_workers
+from tests.support.command import run_cli
+from tests.support.runs import logged, step_losses
+from tests.support.specs import QUICK, QUICK_STEPS, resolved_spec
+from tests.support.workers import train_in_workers
 
 # (torch 2.11 and 2.12: the run refuses strategy.pp_size > 1 before launch)
 trains_a_pipeline = pytest.mark.skipif(not pipeline_passes_integer_tensors(),
@@ -166,7 +169,7 @@ def test_stages_are_balanced_by_the_parameters_they_hold():
     split by layers. The tiny model's ends weigh little: its split is the even one."""
     import math
 
-    from tests.support.helpers import composed
+    from tests.support.specs import composed
 
     from runner.memory.facts import meta_model
     from runner.parallel.pipeline.layout import balanced_bounds, stage_bounds, stage_parameters

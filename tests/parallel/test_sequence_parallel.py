@@ -13,7 +13,9 @@ from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
 from tests.support import DATA
-from tests.support.helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
+from tests.support.runs import logged, step_losses
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import run_in_workers, train_in_workers
 
 STEPS = 6
 # Global batch 8: micro batch 2 x 4 accumulation steps in one process and under sp 2 alone (one data-parallel

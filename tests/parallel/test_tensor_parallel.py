@@ -14,7 +14,9 @@ import torch
 from runner.compat import dtensor_flattens_a_sharded_sequence
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
-from tests.support.helpers import QUICK, logged, resolved_spec, run_in_workers, step_losses, train_in_workers
+from tests.support.runs import logged, step_losses
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import run_in_workers, train_in_workers
 
 STEPS = 10
 # Global batch 8: micro batch 2 x 4 accumulation steps in one process and under tp 2 alone (one data-parallel rank),
@@ -185,7 +187,7 @@ def _mesh_places(ranks, dims):
 def test_the_data_loader_is_told_its_place_on_the_mesh_batch_dimension():
     """On a 2 x 2 x 2 mesh of 8 processes (HYBRID_SHARD x tp): the data-parallel rank each process reads for is its
     coordinate along dp_replicate x dp_shard, and one rank of each tensor-parallel group counts in sums."""
-    from tests.support.helpers import run_in_workers
+    from tests.support.workers import run_in_workers
 
     from runner.parallel.dims import ParallelDims
 

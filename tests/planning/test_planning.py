@@ -13,7 +13,9 @@ import pytest
 
 from runner.config.spec import validate
 from tests.support import DATA
-from tests.support.helpers import composed, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import run_dirs
+from tests.support.specs import composed
 
 
 def planned(*overrides):

@@ -10,7 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from runner.cli.compose import CONF_DIR
-from tests.support.helpers import QUICK, run_cli
+from tests.support.command import run_cli
+from tests.support.specs import QUICK
 
 SHORT = [*QUICK, "train.max_steps=6", "train.log_every=3", "train.eval_every=0", "train.eval_batches=2",
          "train.save_model=false"]

@@ -15,17 +15,10 @@ from transformers import AutoModelForCausalLM
 from runner.distributed import close_process_group
 from runner.parallel.dims import ParallelDims
 from runner.processes.launch import LOST_PEER
-from tests.support.helpers import (
-    QUICK,
-    Started,
-    resolved_spec,
-    run_cli,
-    run_dirs,
-    run_in_workers,
-    start_cli,
-    step_losses,
-    wait_until,
-)
+from tests.support.command import Started, run_cli, start_cli
+from tests.support.runs import run_dirs, step_losses, wait_until
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import run_in_workers
 
 pytestmark = pytest.mark.distributed
 

@@ -16,7 +16,9 @@ from typing import Optional
 
 import pytest
 
-from tests.support.helpers import QUICK, Started, hold_at_step, last_step, run_cli, start_cli, step_losses, wait_until
+from tests.support.command import Started, run_cli, start_cli
+from tests.support.runs import hold_at_step, last_step, step_losses, wait_until
+from tests.support.specs import QUICK
 
 pytestmark = pytest.mark.cluster
 

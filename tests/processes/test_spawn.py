@@ -15,7 +15,9 @@ from runner.config.hardware import StartMethod
 from runner.config.tracker import RunIdentity
 from runner.processes.launch import launch, start_method, worker
 from tests.support import DATA
-from tests.support.helpers import QUICK, composed, logged, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import logged, run_dirs
+from tests.support.specs import QUICK, composed
 
 TRL_PAIRS = DATA / "trl" / "preference_standard.jsonl"
 # What a worker's spec may hold: every strategy, a tensor-parallel layout, adapters, trackers, streaming, DPO.

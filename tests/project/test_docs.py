@@ -16,7 +16,7 @@ from omegaconf.errors import MissingMandatoryValue
 from runner.config.spec import validate
 from runner.errors import SpecError
 from tests.support import REPO
-from tests.support.helpers import composed
+from tests.support.specs import composed
 
 ROOT = REPO
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -13,7 +13,8 @@ from runner.errors import SpecError
 from runner.memory.facts import facts_of
 from runner.strategies.deepspeed_json import deepspeed_config
 from tests.support import DATA
-from tests.support.helpers import QUICK, composed, resolved_spec, run_cli
+from tests.support.command import run_cli
+from tests.support.specs import QUICK, composed, resolved_spec
 
 CORPUS = DATA / "accelerate_corpus"
 TRANSFORMERS_ZERO3 = CORPUS / "huggingface__transformers__tests__deepspeed__ds_config_zero3.json"

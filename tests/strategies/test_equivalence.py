@@ -13,7 +13,9 @@ import pytest
 from runner.config.scheduler import lr_factor
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
-from tests.support.helpers import QUICK, logged, resolved_spec, step_losses, train_in_workers
+from tests.support.runs import logged, step_losses
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import train_in_workers
 
 STEPS = 10
 # Global batch 8 = micro batch 2 x 4 accumulation steps in one process, or x 2 ranks x 2 steps.

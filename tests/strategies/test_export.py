@@ -10,7 +10,8 @@ from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.strategies.protocol import parameter_count, unwrapped
 from tests.support import DATA
-from tests.support.helpers import QUICK, resolved_spec, run_in_workers
+from tests.support.specs import QUICK, resolved_spec
+from tests.support.workers import run_in_workers
 
 pytestmark = pytest.mark.distributed
 

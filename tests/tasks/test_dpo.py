@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.support import DATA
-from tests.support.helpers import TWO_BLOCKS, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import run_dirs
+from tests.support.specs import TWO_BLOCKS
 
 TEMPLATES = DATA / "trl_chat_templates"
 STACK_EXCHANGE = DATA / "torchtune" / "stack_exchange_paired_tiny.json"  # tests/support/data/torchtune/SOURCE.md
@@ -361,7 +363,9 @@ def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokeni
     single and fsdp; with the reference's log-probs precomputed once into the token store (from split sequences,
     under ZeRO-3 x sp 2), and read back. The gradient norms too: Adam and clipping would hide a gradient off by a
     constant factor in the losses."""
-    from tests.support.helpers import logged, resolved_spec, step_losses, train_in_workers
+    from tests.support.runs import logged, step_losses
+    from tests.support.specs import resolved_spec
+    from tests.support.workers import train_in_workers
 
     base = dpo_run(short_pairs, llama3_tokenizer_dir)
     lora = ["adapter=lora", "adapter.rank=4"]
@@ -408,7 +412,7 @@ def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokeni
 @pytest.mark.signals
 def test_a_dpo_run_killed_and_resumed_has_the_uninterrupted_losses(short_pairs, llama3_tokenizer_dir, tmp_path,
                                                                   tmp_path_factory):
-    from tests.support.helpers import killed_and_resumed
+    from tests.support.runs import killed_and_resumed
 
     args = [*dpo_run(short_pairs, llama3_tokenizer_dir, steps=8), "train.checkpoint_every=2"]
     expected, resumed = killed_and_resumed(args, tmp_path, 5, tmp_path_factory)
@@ -423,7 +427,7 @@ def test_the_estimate_counts_the_reference_model_and_both_rows_of_a_pair():
     reference), with simpo or once precomputed; twice the activations of a micro batch of rows."""
     from dataclasses import replace
 
-    from tests.support.helpers import composed
+    from tests.support.specs import composed
 
     from runner.config.spec import validate
     from runner.memory.facts import facts_of

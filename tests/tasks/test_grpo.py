@@ -11,7 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from tests.support import DATA
-from tests.support.helpers import TWO_BLOCKS, logged, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import logged, run_dirs
+from tests.support.specs import TWO_BLOCKS
 from tests.tasks.test_dpo import tiny_llama, word_tokenizer
 
 GSM8K = DATA / "gsm8k" / "test_head.jsonl"  # tests/support/data/gsm8k/SOURCE.md
@@ -263,7 +265,7 @@ def stopping_policy(tmp_path_factory) -> Path:
     """A saved two-block default model whose end-of-sequence token has 25 times its output weights (tied to its
     input's): its completions stop after 1 to 8 tokens, where a random model's all run to the length limit."""
     import torch
-    from tests.support.helpers import resolved_spec
+    from tests.support.specs import resolved_spec
 
     from runner.components.modeling import build_model, build_tokenizer
 
@@ -287,7 +289,9 @@ def test_grpo_losses_are_the_same_under_every_strategy(stopping_policy, tmp_path
     completion draws from its own seeded generator, each prompt's group sampled on its own: the same completions,
     rewards, losses and gradient norms whatever the layout. The completions stop at the end-of-sequence token
     after 1 to 8 tokens, at different steps on each rank: the shortest and longest are the global batch's."""
-    from tests.support.helpers import resolved_spec, step_losses, train_in_workers
+    from tests.support.runs import step_losses
+    from tests.support.specs import resolved_spec
+    from tests.support.workers import train_in_workers
 
     base = grpo_run(model=("model=pretrained", f"model.pretrained={stopping_policy}"))
     lora = ["adapter=lora", "adapter.rank=4"]
@@ -332,7 +336,7 @@ def test_a_grpo_run_killed_and_resumed_samples_the_same_completions(tmp_path, tm
     """Two optimizer steps on each rollout (task.num_iterations=2), the second clipped against the sampling policy's
     log-probs: the checkpoint of step 3, between a rollout's two steps, keeps its rows, which the resumed step 4
     trains on again; step 5 samples anew, as the uninterrupted run did."""
-    from tests.support.helpers import killed_and_resumed
+    from tests.support.runs import killed_and_resumed
 
     args = [*grpo_run(steps=6), "task.num_iterations=2", "train.checkpoint_every=3"]
     expected, resumed = killed_and_resumed(args, tmp_path, 4, tmp_path_factory)
@@ -401,7 +405,7 @@ def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference():
     """Llama-3-8B on two 4090s: the KV cache of the completions sampled at once (each rank's share of a step, or
     task.sampling_batch_size), with the last position's logits, at a peak of its own; a reference (beta > 0) as for
     DPO, a 1/2 shard under FSDP, none with adapters."""
-    from tests.support.helpers import composed
+    from tests.support.specs import composed
 
     from runner.config.spec import validate
     from runner.memory.facts import facts_of

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import TWO_BLOCKS, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import run_dirs
+from tests.support.specs import TWO_BLOCKS
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,9 @@ from runner.data.rows import IGNORE
 from runner.data.splits import token_splits
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
-from tests.support.helpers import QUICK, QUICK_STEPS, resolved_spec, run_cli, run_dirs
+from tests.support.command import run_cli
+from tests.support.runs import run_dirs
+from tests.support.specs import QUICK, QUICK_STEPS, resolved_spec
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from runner.memory.terms import estimate
 from runner.tools.accelerate.reader import convert
 from runner.tools.accelerate.writer import accelerate_file
 from tests.support import DATA, REPO
-from tests.support.helpers import run_cli
+from tests.support.command import run_cli
 
 SEEDS = DATA / "accelerate"
 
