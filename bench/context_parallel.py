@@ -5,8 +5,8 @@ each layout costs and holds at long sequences.
     python bench/context_parallel.py --gpus 4        # cp 4 and tp 4 too
     python bench/context_parallel.py --seq-len 32768
 
-torch's ring attention runs on CUDA's kernels only, so the CPU tests (tests/test_context_parallel.py) check what
-surrounds it; this is where the ring itself is checked:
+torch's ring attention runs on CUDA's kernels only, so the CPU tests (tests/parallel/test_context_parallel.py) check
+what surrounds it; this is where the ring itself is checked:
 
 1. Losses. Llama-3.2-1B's shapes in fp32 (SDPA's memory-efficient kernel, which the ring splits), 10 steps at
    the same seed and global batch: one GPU, then cp = 2 (and 4), then tp = 2 (and 4). Each layout's per-step

@@ -1,4 +1,4 @@
-"""The tests' fixtures, tiers and order; the helpers they share are in helpers.py.
+"""The tests' fixtures, tiers and order; what they share is in tests/support/ (its __init__.py lists it).
 
 Tiers, as pytest markers (registered in pyproject.toml):
     slow          trains more than a few steps, starts worker processes or a new interpreter that imports torch,
@@ -18,7 +18,8 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import WARM_IMPORTS, warm_processes
+
+from tests.support.warm import WARM_IMPORTS, warm_processes
 
 # One thread per process: two workers share the two cores, and each test's processes take one each. Two runs of the
 # default job at once took 8.7 s with one thread each, 11.9 s with torch's two (one alone: 8.2 s and 7.6 s).
@@ -28,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # (multi-process, not waiting on a signal or a stall), then of their slow tests, then of all their tests, among the
 # tests the command selected: the cluster's first (they mostly wait on SLURM, and overlap the rest), then those
 # that fill both cores while it waits, the big ones before the small ones, so that the two workers end together.
+# Modules alike in all four keep the order of their names, whatever folder of tests/ holds them.
 KINDS = ("slow", "distributed", "cluster")
 
 
@@ -38,6 +40,7 @@ def pytest_itemcollected(item):
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected: the order of what runs
 def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.module.__name__.rpartition(".")[2])  # stable: each module keeps its order
     weights: dict[str, tuple[int, int, int, int]] = {}
     for item in items:
         kind = max((rank + 1 for rank, marker in enumerate(KINDS) if marker in item.keywords), default=0)
@@ -60,7 +63,8 @@ def token_store(tmp_path_factory):
 def warm_server(token_store):
     """The forkserver every `run` and worker of the tests comes from, started before the first test, so that no
     test finds it among its new processes; its children inherit its environment, the token store's place with it.
-    This process imports what the forkserver imports, and freezes it as the forkserver does (frozen_heap.py)."""
+    This process imports what the forkserver imports, and freezes it as the forkserver does
+    (tests/support/frozen_heap.py)."""
     warm_processes()
     for module in WARM_IMPORTS:
         importlib.import_module(module)
@@ -68,9 +72,9 @@ def warm_server(token_store):
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A real SLURM cluster on this host, started once for the session (tests/cluster/slurm.py) and stopped after
+    """A real SLURM cluster on this host, started once for the session (tests/support/slurm.py) and stopped after
     it; its clients (sbatch, scontrol, sacct, and submitit through them) find it by $SLURM_CONF."""
-    from cluster import slurm
+    from tests.support import slurm
 
     try:
         env = slurm.start()

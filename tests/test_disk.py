@@ -11,20 +11,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import (
-    QUICK,
-    composed,
-    deleted_files_mapped,
-    hold_at_step,
-    run_cli,
-    run_dirs,
-    start_cli,
-    step_losses,
-)
 
 from runner.errors import WriteFailed
 from runner.files import refused_write, write_failed_line, written_whole
 from runner.memory.disk import disk_need
+from tests.support.command import run_cli, start_cli
+from tests.support.runs import deleted_files_mapped, hold_at_step, run_dirs, step_losses
+from tests.support.specs import QUICK, composed
 
 pytestmark = pytest.mark.slow
 
