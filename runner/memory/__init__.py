@@ -50,8 +50,8 @@ temporaries; and, for DeepSpeed, which moves the whole module onto each device b
 loading. Each node's RAM holds what offload moves there, and while loading, the fp32 model each process builds.
 
 Where each part is: model_shapes.py (the model, from the meta device), parameters.py (what trains, what is frozen
-and in what dtype), activations.py, breakdown.py (the parts of an estimate, its phases and peak), replicated.py (whole copies, single and ddp), each strategy's own terms in its
-backend (runner/strategies/<name>.py, or <name>_memory.py beside it), advice.py (the fit check and the cheapest
-changes that fit), report.py
-(what `run task=estimate` prints) and accelerate_view.py (accelerate estimate-memory's table).
+and in what dtype), activations.py, breakdown.py (the parts of an estimate, its phases and peak), replicated.py
+(whole copies, single and ddp), each strategy's own terms in its backend (runner/strategies/<name>.py, or
+<name>_memory.py beside it), advice.py (the fit check and the cheapest changes that fit), report.py (what `run
+task=estimate` prints) and accelerate_view.py (accelerate estimate-memory's table).
 """

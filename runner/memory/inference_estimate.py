@@ -32,7 +32,7 @@ head_dim, kv = kv_heads x head_dim.
 A device_map placement (accelerate's big-model inference) replaces the weights: the device holds its own entry,
 and one offloaded block at a time while it runs; CPU RAM and disk are shown as rows, not counted on the device.
 Generate's prefill is counted at its full length with the whole cache: a bound of both the prefill and the last
-decoding step. Checked against the tensors a CPU forward of tiny_llama holds (tests/test_inference_estimate.py):
+decoding step. Checked against the tensors a CPU forward of tiny_llama holds (tests/memory/test_inference_estimate.py):
 the estimate is 0 to 30% above them. The report and the fit check: runner/memory/inference_report.py.
 """
 

@@ -72,7 +72,7 @@ COUNT_COLLECTIONS = """
 def test_the_collector_pauses_once_and_leaves_a_disabled_collector_disabled(workdir):
     stdout = in_a_new_interpreter(workdir, COUNT_COLLECTIONS, """
         import os
-        from runner.frameworks import collector_paused
+        from runner.framework_imports import collector_paused
         collections.clear()
         with collector_paused():
             paused = not gc.isenabled()
@@ -93,7 +93,7 @@ def test_the_collector_pauses_once_and_leaves_a_disabled_collector_disabled(work
     assert stdout.splitlines() == ["first: True 0 True True", "then: True True", "forked: True"]
     stdout = in_a_new_interpreter(workdir, """
         import gc
-        from runner.frameworks import collector_paused
+        from runner.framework_imports import collector_paused
         gc.disable()
         with collector_paused():
             pass

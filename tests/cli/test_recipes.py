@@ -13,8 +13,8 @@ from runner.cli.compose import CONF_DIR, RECIPES_DIR
 from runner.config.hardware import Accelerator
 from runner.config.spec import RunSpec, validate
 from runner.memory.advice import check_fit, fit
-from runner.memory.facts import facts_of
-from runner.memory.terms import estimate
+from runner.memory.model_shapes import facts_of
+from runner.memory.breakdown import estimate
 from tests.support import DATA
 from tests.support.command import run_cli
 from tests.support.specs import composed

@@ -22,7 +22,7 @@ from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
 from runner.strategies.deepspeed_json import deepspeed_config
-from runner.strategies.protocol import unwrapped
+from runner.strategies.strategy_protocol import unwrapped
 from tests.support.specs import QUICK, composed, resolved_spec
 from tests.support.workers import run_in_workers
 

@@ -194,7 +194,7 @@ def test_an_mlflow_server_that_does_not_answer_is_refused_within_seconds(workdir
     import socket
     import time
 
-    from runner.components.reachable import WAIT_S
+    from runner.components.tracker_services import WAIT_S
 
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))

@@ -258,8 +258,8 @@ def test_compile_under_deepspeed_is_refused_in_one_line():
 def test_the_estimate_counts_one_chunk_of_logits_under_the_chunked_loss():
     from tests.support.specs import composed
 
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     def estimated(loss):
         spec = composed(["model=llama3_8b", "hardware=h100_80gb", "precision=bf16", f"train.loss={loss}",
@@ -350,8 +350,8 @@ def test_a_128k_vocabulary_step_peaks_lower_with_the_chunked_loss_as_the_estimat
     own process: the chunked loss saves most of what the estimate says the logits cost. (A step's peak is its
     forward and backward, where the logits live; the optimizer's states, made at the step's end, add the same to
     both losses.)"""
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     args = [*QUICK, "+model.architecture.vocab_size=128256", "train.max_steps=1", "train.eval_every=0",
             "train.eval_batches=1", "train.save_model=false", "train.micro_batch_size=8", "train.loss_chunk_tokens=256",

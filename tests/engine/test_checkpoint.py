@@ -16,7 +16,7 @@ import pytest
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import NonFiniteLoss
-from runner.files import complete_checkpoints
+from runner.files.checkpoint_dirs import complete_checkpoints
 from tests.support.command import run_cli, start_cli
 from tests.support.runs import (
     deleted_files_mapped,
@@ -107,7 +107,7 @@ def test_tensors_read_from_a_checkpoint_are_the_process_s_own_memory(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from runner.files import read_tensors
+    from runner.files.tensor_io import read_tensors
 
     path = tmp_path / "optimizer.safetensors"
     written = {"state/w/exp_avg": torch.randn(3, 5), "state/w/step": torch.tensor(7.0),

@@ -40,7 +40,7 @@ def decoded(ranks, specs, run_dirs) -> list[dict]:
     from runner.engine.job import prepare_job
     from runner.generation.decoding import Decoding
     from runner.generation.rollout import sample
-    from runner.strategies.protocol import unwrapped
+    from runner.strategies.strategy_protocol import unwrapped
 
     results = []
     for spec, run_dir in zip(specs, run_dirs):

@@ -14,10 +14,10 @@ from runner.cli.compose import CONF_DIR
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT
 from runner.errors import SpecError
 from runner.memory.advice import changes, cheapest_fits, check_fit, fit
-from runner.memory.facts import facts_of
+from runner.memory.model_shapes import facts_of
 from runner.memory.parameters import parameters_of
 from runner.memory.report import report
-from runner.memory.terms import estimate, sharded_elements
+from runner.memory.breakdown import estimate, sharded_elements
 from tests.support.specs import QUICK, composed, resolved_spec
 
 GIB = 1024**3

@@ -13,13 +13,13 @@ import torch
 
 from runner.distributed import Ranks
 from runner.errors import SpecError
-from runner.memory import facts as model_facts
+from runner.memory import model_shapes as model_facts
 from runner.memory.accelerate_view import accelerate_bytes, accelerate_sizes, format_accelerate_view
 from runner.memory.activations import ActivationDtypes, activation_bytes, layer_activation_bytes
 from runner.memory.advice import cheapest_fits, check_fit, fit
-from runner.memory.facts import LayerShape, facts_of, meta_model
+from runner.memory.model_shapes import LayerShape, facts_of, meta_model
 from runner.memory.report import report
-from runner.memory.terms import FP32, estimate, gib
+from runner.memory.breakdown import FP32, estimate, gib
 from tests.support.command import run_cli
 from tests.support.specs import QUICK, composed, resolved_spec
 from tests.support.workers import run_in_workers

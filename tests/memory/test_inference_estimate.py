@@ -9,7 +9,7 @@ import pytest
 
 from runner.config.task import DeviceMap
 from runner.errors import SpecError
-from runner.memory.facts import facts_of
+from runner.memory.model_shapes import facts_of
 from runner.memory.inference_estimate import (
     InferenceLoad,
     activations_part,
@@ -21,7 +21,7 @@ from runner.memory.inference_estimate import (
     stage_layers,
 )
 from runner.memory.inference_report import Options, check_inference_fit, inference_answer, inference_report
-from runner.memory.terms import gib
+from runner.memory.breakdown import gib
 from tests.support.specs import composed
 
 GIB = 1024**3

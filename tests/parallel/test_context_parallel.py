@@ -109,8 +109,8 @@ def test_context_parallelism_is_estimated_by_its_slices_and_refused_where_it_can
     """Llama-3-70B on 8 H100s at 64k tokens: cp 2 holds half a sequence's activations, with FSDP's shards over all
     eight ranks; what torch's ring does not run yet is refused before launch."""
     from runner.errors import SpecError
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     overrides = ["task=estimate", "model=llama3_70b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb",
                  "data.seq_len=65536", "train.micro_batch_size=1", "strategy.activation_checkpointing=true"]

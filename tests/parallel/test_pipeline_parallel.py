@@ -111,8 +111,8 @@ def test_the_estimate_counts_a_pipeline_rank_s_stages_and_its_microbatches_in_fl
     rank (16 layers and the embeddings) in 4 shards, about what fsdp 8 holds; its activations are those of its
     layers for each microbatch in flight: 2 under 1F1B (about fsdp 8's one microbatch of every layer), all 4 under
     GPipe, and 2 x 1.25 under Interleaved1F1B. With tp 2 inside the stages, half of them."""
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     overrides = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb",
                  "data.seq_len=4096", "train.micro_batch_size=1", "train.grad_accum_steps=4"]
@@ -171,7 +171,7 @@ def test_stages_are_balanced_by_the_parameters_they_hold():
 
     from tests.support.specs import composed
 
-    from runner.memory.facts import meta_model
+    from runner.memory.model_shapes import meta_model
     from runner.parallel.pipeline.layout import balanced_bounds, stage_bounds, stage_parameters
 
     model = meta_model(composed(["model=llama3_8b"]).model)

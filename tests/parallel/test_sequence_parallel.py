@@ -120,8 +120,8 @@ def test_each_rank_gets_a_contiguous_slice_padded_to_equal_length():
 def test_ulysses_is_estimated_by_its_slices_and_refused_where_it_cannot_split():
     """Llama-3-70B at 64k tokens under ZeRO-3 on 8 H100s: sp 2 holds half a sequence's activations; what Ulysses
     cannot split is refused before launch, in one line."""
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     overrides = ["task=estimate", "model=llama3_70b", "strategy=deepspeed", "strategy.zero_stage=3",
                  "precision=bf16", "hardware=8xh100_80gb", "data.seq_len=65536", "train.micro_batch_size=1",

@@ -139,7 +139,7 @@ def _trained_and_frozen_on_this_rank(ranks, spec, run_dir):
 def test_the_estimate_counts_each_tensor_parallel_rank_s_parts_of_the_adapters_and_the_base(tmp_path):
     """tp 2 on 2 processes (one data-parallel rank: FSDP shards nothing): the trained and frozen elements rank 0
     holds are the estimate's (rank 1 holds one vocabulary row fewer of the byte tokenizer's odd vocabulary)."""
-    from runner.memory.facts import facts_of
+    from runner.memory.model_shapes import facts_of
     from runner.memory.parameters import parameters_of
 
     spec = resolved_spec([*BASE, *LORA, "hardware.nproc_per_node=2", *TP])
@@ -201,8 +201,8 @@ def test_the_data_loader_is_told_its_place_on_the_mesh_batch_dimension():
 def test_the_estimate_splits_parameters_and_activations_over_the_tensor_parallel_ranks():
     """Llama-3-8B on 8 H100s: fsdp 4 x tp 2 holds the same 1/8 of the weights as fsdp 8 (to the shards' padding),
     half its activations but for the head's gathered input, and a fit check short of memory proposes tp."""
-    from runner.memory.facts import facts_of
-    from runner.memory.terms import estimate
+    from runner.memory.model_shapes import facts_of
+    from runner.memory.breakdown import estimate
 
     overrides = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb",
                  "data.seq_len=4096", "train.micro_batch_size=1"]

@@ -39,7 +39,7 @@ def test_the_work_is_counted_from_the_spec(tmp_path):
 
 
 def test_adapters_do_not_count_the_frozen_weights_gradients(tmp_path):
-    from runner.memory.facts import facts_of
+    from runner.memory.model_shapes import facts_of
     from runner.memory.parameters import parameters_of
     from runner.planning.time_plan import flops_per_token
 

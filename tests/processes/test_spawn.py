@@ -30,8 +30,8 @@ SPECS = {
     "fsdp, dpo, qlora": ["strategy=fsdp", "task=dpo", "data=preference_files", f"data.files={TRL_PAIRS}",
                          "adapter=qlora"],
 }
-# The libraries whose import-time messages the worker silences (runner/quiet.py) once it runs: unpickling what it
-# runs must not import them ahead of that.
+# The libraries whose import-time messages the worker silences (runner/library_noise.py) once it runs: unpickling
+# what it runs must not import them ahead of that.
 NOISY = ("transformers", "torchao", "deepspeed", "datasets", "peft", "wandb", "mlflow", "tensorboard")
 
 

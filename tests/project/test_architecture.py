@@ -1,6 +1,7 @@
 """The structure the code keeps: each part of runner/ imports only itself and the parts below it, no module comes
 back to itself through its imports, and outside runner/strategies/ no code names a strategy's class (it asks the
-strategy, runner/strategies/protocol.py). Imports are read from the source, type-only and function-local ones too."""
+strategy, runner/strategies/strategy_protocol.py). Imports are read from the source, type-only and function-local
+ones too."""
 
 import ast
 from pathlib import Path
@@ -11,7 +12,7 @@ from runner.strategies import STRATEGIES
 PACKAGE = Path(runner.__file__).resolve().parent
 # The parts of runner/, from the bottom: each may import its own modules and those of the parts below it.
 LAYERS = [
-    {"errors", "distributed", "quiet", "compat", "frameworks"},
+    {"errors", "distributed", "library_noise", "compat", "framework_imports"},
     {"files"},
     {"config"},
     {"components"},

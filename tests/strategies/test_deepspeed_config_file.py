@@ -10,7 +10,7 @@ from runner.config.precision import Dtype
 from runner.config.scheduler import Decay
 from runner.config.spec import validate
 from runner.errors import SpecError
-from runner.memory.facts import facts_of
+from runner.memory.model_shapes import facts_of
 from runner.strategies.deepspeed_json import deepspeed_config
 from tests.support import DATA
 from tests.support.command import run_cli

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
-from runner.strategies.protocol import parameter_count, unwrapped
+from runner.strategies.strategy_protocol import parameter_count, unwrapped
 from tests.support import DATA
 from tests.support.specs import QUICK, resolved_spec
 from tests.support.workers import run_in_workers

@@ -7,7 +7,7 @@ import torch
 
 from runner.components.modeling import build_model, build_tokenizer
 from runner.engine.job import prepare_job
-from runner.strategies.protocol import unwrapped
+from runner.strategies.strategy_protocol import unwrapped
 from tests.support.specs import QUICK, QUICK_STEPS, TWO_BLOCKS, resolved_spec
 from tests.support.workers import run_in_workers
 

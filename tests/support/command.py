@@ -240,7 +240,7 @@ def _out_of_memory_at(step: int) -> None:
     import torch
 
     from runner.engine import loop
-    from runner.strategies.protocol import unwrapped
+    from runner.strategies.strategy_protocol import unwrapped
 
     real_step = loop.train_step
 

@@ -40,7 +40,7 @@ def warm_processes() -> multiprocessing.context.BaseContext:
     forkserver ignores the tests' sys.path as it imports (3.12 passes it on), so PYTHONPATH names the tests' own
     modules for it (the repository, home of the package `tests`); without them, every process it forked imported
     the support modules again, and froze nothing."""
-    from runner.quiet import name_deepspeed_accelerator, quiet_libraries
+    from runner.library_noise import name_deepspeed_accelerator, quiet_libraries
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([*RUN_IMPORTS, *WARM_IMPORTS])

@@ -430,9 +430,9 @@ def test_the_estimate_counts_the_reference_model_and_both_rows_of_a_pair():
     from tests.support.specs import composed
 
     from runner.config.spec import validate
-    from runner.memory.facts import facts_of
+    from runner.memory.model_shapes import facts_of
     from runner.memory.report import report
-    from runner.memory.terms import estimate
+    from runner.memory.breakdown import estimate
 
     def planned(*overrides):
         spec = validate(composed(["model=llama3_8b", "hardware=2xrtx4090", "precision=bf16", *overrides]),

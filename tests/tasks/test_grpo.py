@@ -408,9 +408,9 @@ def test_the_estimate_counts_the_sampling_kv_cache_and_the_reference():
     from tests.support.specs import composed
 
     from runner.config.spec import validate
-    from runner.memory.facts import facts_of
+    from runner.memory.model_shapes import facts_of
     from runner.memory.report import report
-    from runner.memory.terms import Phase, estimate
+    from runner.memory.breakdown import Phase, estimate
 
     def planned(*overrides):
         spec = validate(composed(["model=llama3_8b", "hardware=2xrtx4090", "precision=bf16", "strategy=fsdp",

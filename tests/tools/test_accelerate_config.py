@@ -14,8 +14,8 @@ from runner.cli.compose import CONF_DIR, RECIPES_DIR, register
 from runner.config.spec import RunSpec, load_spec, to_plain, validate
 from runner.errors import SpecError
 from runner.memory.advice import fit
-from runner.memory.facts import facts_of
-from runner.memory.terms import estimate
+from runner.memory.model_shapes import facts_of
+from runner.memory.breakdown import estimate
 from runner.tools.accelerate.reader import convert
 from runner.tools.accelerate.writer import accelerate_file
 from tests.support import DATA, REPO

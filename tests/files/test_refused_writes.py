@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from runner.errors import WriteFailed
-from runner.files import refused_write, write_failed_line, written_whole
+from runner.files.refused_writes import refused_write, write_failed_line, written_whole
 from runner.memory.disk import disk_need
 from tests.support.command import run_cli, start_cli
 from tests.support.runs import deleted_files_mapped, hold_at_step, run_dirs, step_losses

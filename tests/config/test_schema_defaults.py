@@ -7,7 +7,7 @@ import typing
 from dataclasses import MISSING, fields, is_dataclass
 
 import yaml
-from helpers import run_cli
+from tests.support.command import run_cli
 from omegaconf import OmegaConf
 
 from runner.cli.compose import CONF_DIR, GROUP_DIRS, SCHEMAS
