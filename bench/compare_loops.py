@@ -85,8 +85,8 @@ from harness import (
     read_records,
     real_tokens_seen,
     rotated,
-    runner_spec,
     run_contender,
+    runner_spec,
     steady_throughput,
 )
 from instruction_data import write_instruction_set
@@ -95,8 +95,15 @@ from startup import startup_section
 WORKLOADS = ("text", "instruction")
 CONTENDERS = {
     "text": ("runner", "hand", "accelerate", "trainer"),
-    "instruction": ("runner", "runner-packed", "runner-packed-compile", "hand", "accelerate", "trainer",
-                    "trainer-padding-free"),
+    "instruction": (
+        "runner",
+        "runner-packed",
+        "runner-packed-compile",
+        "hand",
+        "accelerate",
+        "trainer",
+        "trainer-padding-free",
+    ),
 }
 # A variant of a contender: the program it runs, and what it adds to that program's command line.
 VARIANTS = {
@@ -108,10 +115,15 @@ PROCESSES = {"single": 1, "ddp": 2, "fsdp": 2}
 WORKLOAD_CONFIGS = {"text": ("single", "ddp", "fsdp"), "instruction": ("single", "ddp")}
 RATIO_TARGET = 0.98
 PACKED_TARGET = 1.5  # runner-packed's real tokens/s over the padded loops'
-TEXT_TARGETS = (("hand", RATIO_TARGET, f"at least {RATIO_TARGET}x the hand-written loop", False),
-                ("accelerate", 1.0, "ahead of accelerate", True), ("trainer", 1.0, "ahead of trainer", True))
-PACKED_TARGETS = (("hand", PACKED_TARGET, f"at least {PACKED_TARGET}x the padded hand-written loop", False),
-                  ("trainer", PACKED_TARGET, f"at least {PACKED_TARGET}x the Trainer with its defaults", False))
+TEXT_TARGETS = (
+    ("hand", RATIO_TARGET, f"at least {RATIO_TARGET}x the hand-written loop", False),
+    ("accelerate", 1.0, "ahead of accelerate", True),
+    ("trainer", 1.0, "ahead of trainer", True),
+)
+PACKED_TARGETS = (
+    ("hand", PACKED_TARGET, f"at least {PACKED_TARGET}x the padded hand-written loop", False),
+    ("trainer", PACKED_TARGET, f"at least {PACKED_TARGET}x the Trainer with its defaults", False),
+)
 INSTRUCTION_SEQ_LEN = 1024
 INSTRUCTION_EXAMPLES = 4000  # about two epochs of packed rows at 60 steps of ddp's global batch of 16 rows
 
@@ -128,24 +140,39 @@ class Workload:
 def arguments() -> tuple[argparse.Namespace, list[str], set[str]]:
     """The options, checked; the workloads to run and the contenders wanted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="text",
-                        help="text, instruction, or both (text,instruction): the data the contenders train on")
+    parser.add_argument(
+        "--workload",
+        default="text",
+        help="text, instruction, or both (text,instruction): the data the contenders train on",
+    )
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput")
-    parser.add_argument("--log-every", type=int, default=5,
-                        help="every contender's logging interval: the windows the throughput is measured over")
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=5,
+        help="every contender's logging interval: the windows the throughput is measured over",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rounds of all contenders, each in a rotated order")
-    parser.add_argument("--configs", default="single,ddp,fsdp",
-                        help="the instruction workload runs those of them it has (single, ddp)")
-    parser.add_argument("--contenders", default=None,
-                        help="a subset of the workloads' contenders (default: all of them)")
-    parser.add_argument("--compile", action="store_true",
-                        help="instruction workload: also runner-packed-compile "
-                             "(torch.compile: 30-60 s per run on a CPU)")
+    parser.add_argument(
+        "--configs", default="single,ddp,fsdp", help="the instruction workload runs those of them it has (single, ddp)"
+    )
+    parser.add_argument(
+        "--contenders", default=None, help="a subset of the workloads' contenders (default: all of them)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="instruction workload: also runner-packed-compile (torch.compile: 30-60 s per run on a CPU)",
+    )
     parser.add_argument("--startup-repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads per process (OMP_NUM_THREADS); on a shared machine more threads than "
-                             "free cores make every run erratic")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process (OMP_NUM_THREADS); on a shared machine more threads than "
+        "free cores make every run erratic",
+    )
     parser.add_argument("--no-startup", action="store_true")
     parser.add_argument("--keep", help="a directory to keep the runs' files and logs in (default: a temporary one)")
     args = parser.parse_args()
@@ -210,9 +237,11 @@ def instruction_note(data: Path) -> str:
     rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()]
     lengths = sorted(len((r["prompt"] + r["response"]).encode()) + 1 for r in rows)
     longer = sum(length > INSTRUCTION_SEQ_LEN for length in lengths) / len(lengths)
-    return (f"{len(rows)} prompt/response pairs from the Python {platform.python_version()} standard library's "
-            f"documented functions (bench/instruction_data.py): {lengths[0]} to {lengths[-1]} tokens, median "
-            f"{lengths[len(lengths) // 2]}, {longer:.0%} longer than the sequence of {INSTRUCTION_SEQ_LEN} (truncated)")
+    return (
+        f"{len(rows)} prompt/response pairs from the Python {platform.python_version()} standard library's "
+        f"documented functions (bench/instruction_data.py): {lengths[0]} to {lengths[-1]} tokens, median "
+        f"{lengths[len(lengths) // 2]}, {longer:.0%} longer than the sequence of {INSTRUCTION_SEQ_LEN} (truncated)"
+    )
 
 
 def prepare_configs(workload: Workload, args: argparse.Namespace, workdir: Path) -> tuple[list[Config], dict[str, str]]:
@@ -238,29 +267,39 @@ def prepare_configs(workload: Workload, args: argparse.Namespace, workdir: Path)
         rows = workdir / f"rows_{workload.name}_{global_batch}.pt"
         if not rows.exists():
             if workload.name == "text":
-                torch.save(runner_rows(spec.data.files, spec.data.seq_len, spec.seed, global_batch, args.steps)[0],
-                           rows)
+                torch.save(
+                    runner_rows(spec.data.files, spec.data.seq_len, spec.seed, global_batch, args.steps)[0], rows
+                )
             else:
-                torch.save(instruction_rows(spec.data.files, spec.data.seq_len, spec.seed, global_batch, args.steps),
-                           rows)
+                torch.save(
+                    instruction_rows(spec.data.files, spec.data.seq_len, spec.seed, global_batch, args.steps), rows
+                )
         plan = workdir / f"plan_{workload.name}_{name}.json"
         plan.write_text(json.dumps(peer_plan(spec, workdir, rows, global_batch, args.steps, args.log_every)))
         configs.append(Config(name, processes, plan))
     return configs, skipped
 
 
-def measure_throughput(workload: Workload, configs: list[Config], args: argparse.Namespace,
-                       workdir: Path) -> dict[tuple[str, str], list[Outcome]]:
+def measure_throughput(
+    workload: Workload, configs: list[Config], args: argparse.Namespace, workdir: Path
+) -> dict[tuple[str, str], list[Outcome]]:
     """Each config's `--repeats` rounds of its contenders, each round in its rotated order."""
     # The runner evaluates before the first step and after the last, outside the measured window; the peers do
     # not evaluate, so the runner evaluates as little as it can and does not save the model.
-    overrides = [*workload.overrides, f"train.max_steps={args.steps}", f"train.log_every={args.log_every}",
-                 "train.eval_every=0", "train.eval_batches=1", "train.save_model=false"]
+    overrides = [
+        *workload.overrides,
+        f"train.max_steps={args.steps}",
+        f"train.log_every={args.log_every}",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.save_model=false",
+    ]
     results: dict[tuple[str, str], list[Outcome]] = {}
     for config in configs:
         plan = json.loads(config.plan.read_text())
         tokens_per_step = plan["global_batch"] * plan["seq_len"]
         if workload.name == "text":
+
             def tokens_seen(record: dict) -> int:
                 return record["step"] * tokens_per_step  # every token of a block is real
         else:
@@ -274,8 +313,16 @@ def measure_throughput(workload: Workload, configs: list[Config], args: argparse
     return results
 
 
-def run_once(workload: Workload, config: Config, contender: str, repeat: int, overrides: list[str], tokens_seen,
-             args: argparse.Namespace, workdir: Path) -> Outcome:
+def run_once(
+    workload: Workload,
+    config: Config,
+    contender: str,
+    repeat: int,
+    overrides: list[str],
+    tokens_seen,
+    args: argparse.Namespace,
+    workdir: Path,
+) -> Outcome:
     """One run of one contender: its tokens/s, final loss and peak memory, or its error."""
     program, extra = VARIANTS.get(contender, (contender, []))
     name = f"{workload.name}_{config.name}_{contender}_{repeat}"
@@ -289,10 +336,16 @@ def run_once(workload: Workload, config: Config, contender: str, repeat: int, ov
         outcome = Outcome(repeat, error=error)
     else:
         records = read_records(program, log, run_dir)
-        outcome = Outcome(repeat, steady_throughput(records, args.warmup, tokens_seen),
-                          [r for r in records if "loss" in r][-1]["loss"], peak_memory(program, records, run_dir))
-    shown = error or (f"{outcome.tokens_per_s:.0f} tokens/s, final loss {outcome.final_loss:.4f}, peak "
-                      f"memory {outcome.peak_memory_gib or float('nan'):.2f} GiB")
+        outcome = Outcome(
+            repeat,
+            steady_throughput(records, args.warmup, tokens_seen),
+            [r for r in records if "loss" in r][-1]["loss"],
+            peak_memory(program, records, run_dir),
+        )
+    shown = error or (
+        f"{outcome.tokens_per_s:.0f} tokens/s, final loss {outcome.final_loss:.4f}, peak "
+        f"memory {outcome.peak_memory_gib or float('nan'):.2f} GiB"
+    )
     print(f"  {workload.name} {config.name} {contender} run {repeat + 1}: {shown}", file=sys.stderr, flush=True)
     return outcome
 
@@ -320,8 +373,9 @@ def throughput_table(workload: Workload, configs: list[Config], results: dict, r
             base = medians.get("hand")
             ratio = f"{medians[contender] / base:.3f}x" if base else "-"
             runs = ", ".join(f"{o.tokens_per_s:.0f}" for o in done) + (f" ({len(errors)} failed)" if errors else "")
-            lines.append(f"| {config.name} | {contender} | {medians[contender]:.0f} | {ratio} | {losses:.4f} "
-                         f"| {runs} |")
+            lines.append(
+                f"| {config.name} | {contender} | {medians[contender]:.0f} | {ratio} | {losses:.4f} | {runs} |"
+            )
         verdicts += target_verdicts(config.name, "runner", TEXT_TARGETS, results)
     paired = paired_table(configs, [("runner", c) for c in contenders if c != "runner"], results, repeats)
     return "\n".join([*lines, *paired, "", *verdicts])
@@ -384,13 +438,22 @@ def instruction_table(workload: Workload, configs: list[Config], results: dict, 
             memory = median([o.peak_memory_gib for o in done if o.peak_memory_gib is not None])
             memory = f"{memory:.2f}" if memory is not None else "-"
             runs = ", ".join(f"{o.tokens_per_s:.0f}" for o in done) + (f" ({len(errors)} failed)" if errors else "")
-            lines.append(f"| {config.name} | {contender} | {medians[contender]:.0f} | {ratio} | {memory} | "
-                         f"{median([o.final_loss for o in done]):.4f} | {runs} |")
-        verdicts.append(f"- {config.name}: the padded micro batches (runner, hand, accelerate, trainer) are "
-                        f"{padding_share(config):.0%} padding")
+            lines.append(
+                f"| {config.name} | {contender} | {medians[contender]:.0f} | {ratio} | {memory} | "
+                f"{median([o.final_loss for o in done]):.4f} | {runs} |"
+            )
+        verdicts.append(
+            f"- {config.name}: the padded micro batches (runner, hand, accelerate, trainer) are "
+            f"{padding_share(config):.0%} padding"
+        )
         verdicts += target_verdicts(config.name, "runner-packed", PACKED_TARGETS, results)
-    pairs = [(base, peer) for base in workload.contenders if base.startswith("runner")
-             for peer in workload.contenders if not peer.startswith("runner")]
+    pairs = [
+        (base, peer)
+        for base in workload.contenders
+        if base.startswith("runner")
+        for peer in workload.contenders
+        if not peer.startswith("runner")
+    ]
     return "\n".join([*lines, *paired_table(configs, pairs, results, repeats), "", *verdicts])
 
 

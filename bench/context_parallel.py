@@ -30,31 +30,44 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODEL = ["model=llama3_2_1b", "train.eval_every=0", "train.eval_batches=1",
-         "train.save_model=false", "train.log_every=1"]
-LOSSES = ["precision=fp32", "data.seq_len=4096", "train.micro_batch_size=1", "train.grad_accum_steps=2",
-          "train.max_steps=10"]
-COST = ["precision=bf16", "strategy.activation_checkpointing=true", "train.micro_batch_size=1",
-        "train.max_steps=20"]
+MODEL = [
+    "model=llama3_2_1b",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.save_model=false",
+    "train.log_every=1",
+]
+LOSSES = [
+    "precision=fp32",
+    "data.seq_len=4096",
+    "train.micro_batch_size=1",
+    "train.grad_accum_steps=2",
+    "train.max_steps=10",
+]
+COST = ["precision=bf16", "strategy.activation_checkpointing=true", "train.micro_batch_size=1", "train.max_steps=20"]
 
 
 def run(overrides: list[str], workdir: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={workdir}"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={workdir}"], capture_output=True, text=True
+    )
     if result.returncode != 0:
         return {"error": (result.stderr.strip().splitlines() or ["(no output)"])[-1]}
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r and "tokens_per_s" in r]
-    steady = steps[len(steps) // 4:]
-    return {"losses": [r["loss"] for r in steps],
-            "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
-            "mfu": sum(r.get("mfu", 0.0) for r in steady) / len(steady),
-            "peak_memory_gib": max(r["peak_memory_gib"] for r in steps)}
+    steady = steps[len(steps) // 4 :]
+    return {
+        "losses": [r["loss"] for r in steps],
+        "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady),
+        "mfu": sum(r.get("mfu", 0.0) for r in steady) / len(steady),
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in steps),
+    }
 
 
 def estimated_peak(overrides: list[str]) -> str:
-    result = subprocess.run([sys.executable, "-m", "runner", "task=estimate", *overrides],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "task=estimate", *overrides], capture_output=True, text=True
+    )
     found = re.search(r"^\s+peak\s+([\d.]+) GiB", result.stdout, re.MULTILINE)
     return found.group(1) if found else "-"
 
@@ -66,8 +79,10 @@ def sizes(gpus: int) -> list[int]:
 def splits(size: int) -> dict[str, list[str]]:
     """The layouts whose `size` ranks all run the same rows (one data-parallel rank), each split its own way: their
     losses are one GPU's. (Ulysses's are held on the CPU.)"""
-    return {f"fsdp x cp {size}": ["strategy=fsdp", f"strategy.cp_size={size}"],
-            f"fsdp x tp {size}": ["strategy=fsdp", f"strategy.tp_size={size}"]}
+    return {
+        f"fsdp x cp {size}": ["strategy=fsdp", f"strategy.cp_size={size}"],
+        f"fsdp x tp {size}": ["strategy=fsdp", f"strategy.tp_size={size}"],
+    }
 
 
 def layouts(gpus: int) -> dict[str, list[str]]:
@@ -90,8 +105,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=16384)
     args = parser.parse_args()
     if torch.cuda.device_count() < max(2, args.gpus):
-        sys.exit(f"context_parallel: needs {max(2, args.gpus)} CUDA GPUs; this machine has "
-                 f"{torch.cuda.device_count()}")
+        sys.exit(f"context_parallel: needs {max(2, args.gpus)} CUDA GPUs; this machine has {torch.cuda.device_count()}")
     print(f"{datetime.date.today()} | {args.gpus} x {torch.cuda.get_device_name()} | torch {torch.__version__}\n")
     with tempfile.TemporaryDirectory() as tmp:
         # The global batch is micro batch x data-parallel ranks x accumulation: cp and tp ranks run the same rows,
@@ -100,23 +114,28 @@ def main() -> None:
         print("| layout (fp32, 10 steps) | largest relative loss difference from one GPU |\n|---|---|")
         for size in sizes(args.gpus):
             for name, overrides in splits(size).items():
-                row = run([*MODEL, *LOSSES, f"hardware.nproc_per_node={size}", *overrides],
-                          Path(tmp) / f"losses {name}")
+                row = run(
+                    [*MODEL, *LOSSES, f"hardware.nproc_per_node={size}", *overrides], Path(tmp) / f"losses {name}"
+                )
                 if "error" in row or "error" in one:
                     print(f"| {name} | failed: {row.get('error') or one.get('error')} |")
                     continue
                 worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], one["losses"]))
                 print(f"| {name.removeprefix('fsdp x ')} | {worst:.1e} |")
-        print(f"\n| layout (bf16, {args.seq_len} tokens, checkpointed) | tokens/s | MFU | peak GiB | estimated "
-              "peak GiB |\n|---|---|---|---|---|")
+        print(
+            f"\n| layout (bf16, {args.seq_len} tokens, checkpointed) | tokens/s | MFU | peak GiB | estimated "
+            "peak GiB |\n|---|---|---|---|---|"
+        )
         for name, overrides in layouts(args.gpus).items():
             settings = [*MODEL, *COST, f"data.seq_len={args.seq_len}", *overrides]
             row = run(settings, Path(tmp) / f"cost {name}")
             if "error" in row:
                 print(f"| {name} | failed: {row['error']} | | | |")
                 continue
-            print(f"| {name} | {row['tokens_per_s']:.0f} | {row['mfu']:.1%} | {row['peak_memory_gib']:.1f} | "
-                  f"{estimated_peak([*settings, 'hardware=auto'])} |")
+            print(
+                f"| {name} | {row['tokens_per_s']:.0f} | {row['mfu']:.1%} | {row['peak_memory_gib']:.1f} | "
+                f"{estimated_peak([*settings, 'hardware=auto'])} |"
+            )
 
 
 if __name__ == "__main__":

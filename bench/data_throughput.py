@@ -84,8 +84,9 @@ def measured(command: list[str], env: dict[str, str], cwd: Path, one_core: bool 
     """Seconds, peak GiB of the process tree, and the output; `one_core`: the process tree pinned to one core."""
     started = time.perf_counter()
     pin = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if one_core else None
-    process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               preexec_fn=pin)
+    process = subprocess.Popen(
+        command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pin
+    )
     peak = PeakMemory(process.pid)
     output, _ = process.communicate()
     seconds = time.perf_counter() - started
@@ -129,9 +130,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=20, help="corpus size in megabytes")
     parser.add_argument("--work", type=Path, default=None, help="where the corpus and the caches go")
-    parser.add_argument("--subset-mb", type=int, default=None,
-                        help="compare one core, every core and datasets on about this many megabytes of the corpus "
-                             "(its first files; default: all of it)")
+    parser.add_argument(
+        "--subset-mb",
+        type=int,
+        default=None,
+        help="compare one core, every core and datasets on about this many megabytes of the corpus "
+        "(its first files; default: all of it)",
+    )
     parser.add_argument("--datasets-batch-size", type=int, default=1000, help="datasets' map batch size (its default)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which measurements, of {', '.join(PARTS)}")
     args = parser.parse_args()
@@ -144,29 +149,48 @@ def main() -> None:
         subset = first_files(corpus, work, args.subset_mb)
         subset_size = sum(path.stat().st_size for path in subset.iterdir())
     cores = len(os.sched_getaffinity(0))
-    print(f"corpus: {size / 1e6:,.0f} MB in {len(list(corpus.iterdir()))} files; {cores} cores; the comparisons on "
-          f"{subset_size / 1e6:,.0f} MB")
+    print(
+        f"corpus: {size / 1e6:,.0f} MB in {len(list(corpus.iterdir()))} files; {cores} cores; the comparisons on "
+        f"{subset_size / 1e6:,.0f} MB"
+    )
     rates = {}
     for part, folder, procs in (("one-core", subset, 1), ("every-core", subset, cores), ("whole", corpus, cores)):
         if part not in parts or (part == "whole" and folder == subset and "every-core" in parts):
             continue
         rates[part] = prepare(work, folder, procs, part)
     if {"one-core", "every-core"} <= rates.keys():
-        print(f"runner: {cores} processes on {cores} cores / 1 process on one core: "
-              f"{rates['every-core'] / rates['one-core']:.2f}x")
+        print(
+            f"runner: {cores} processes on {cores} cores / 1 process on one core: "
+            f"{rates['every-core'] / rates['one-core']:.2f}x"
+        )
     if "datasets" in parts:
         shutil.rmtree(work / "hf_cache", ignore_errors=True)
         try:
-            seconds, gib, _ = measured([sys.executable, "-c", DATASETS_MAP, str(subset), str(work / "hf_cache"),
-                                        str(cores), str(args.datasets_batch_size)], dict(os.environ), work)
+            seconds, gib, _ = measured(
+                [
+                    sys.executable,
+                    "-c",
+                    DATASETS_MAP,
+                    str(subset),
+                    str(work / "hf_cache"),
+                    str(cores),
+                    str(args.datasets_batch_size),
+                ],
+                dict(os.environ),
+                work,
+            )
         except RuntimeError as failed:
-            print(f"datasets load_dataset + map(num_proc={cores}, batch_size={args.datasets_batch_size}), "
-                  f"{subset_size / 1e6:,.0f} MB: failed: {str(failed).strip().splitlines()[-1]}")
+            print(
+                f"datasets load_dataset + map(num_proc={cores}, batch_size={args.datasets_batch_size}), "
+                f"{subset_size / 1e6:,.0f} MB: failed: {str(failed).strip().splitlines()[-1]}"
+            )
         else:
             rate = subset_size / 1e6 / seconds
             compared = f"; runner / datasets: {rates['every-core'] / rate:.2f}x" if "every-core" in rates else ""
-            print(f"datasets load_dataset + map(num_proc={cores}, batch_size={args.datasets_batch_size}), "
-                  f"{subset_size / 1e6:,.0f} MB: {seconds:.1f} s, {rate:.1f} MB/s, peak {gib:.2f} GiB{compared}")
+            print(
+                f"datasets load_dataset + map(num_proc={cores}, batch_size={args.datasets_batch_size}), "
+                f"{subset_size / 1e6:,.0f} MB: {seconds:.1f} s, {rate:.1f} MB/s, peak {gib:.2f} GiB{compared}"
+            )
     if "second-run" in parts:
         print(second_run(work, corpus))
     if args.work is None:
@@ -178,11 +202,25 @@ def prepare(work: Path, folder: Path, procs: int, part: str) -> float:
     cache = work / f"cache_{part}"
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "RUNNER_TOKEN_CACHE": str(cache)}
-    seconds, gib, _ = measured([sys.executable, "-m", "runner", "--prepare-data", "data=text_files",
-                                f"data.files={folder}", f"data.num_proc={procs}"], env, work, one_core=procs == 1)
+    seconds, gib, _ = measured(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "--prepare-data",
+            "data=text_files",
+            f"data.files={folder}",
+            f"data.num_proc={procs}",
+        ],
+        env,
+        work,
+        one_core=procs == 1,
+    )
     megabytes = sum(path.stat().st_size for path in folder.iterdir()) / 1e6
-    print(f"runner --prepare-data, num_proc={procs}{' on one core' if procs == 1 else ''}, {megabytes:,.0f} MB: "
-          f"{seconds:.1f} s, {megabytes / seconds:.1f} MB/s, peak {gib:.2f} GiB (process tree)")
+    print(
+        f"runner --prepare-data, num_proc={procs}{' on one core' if procs == 1 else ''}, {megabytes:,.0f} MB: "
+        f"{seconds:.1f} s, {megabytes / seconds:.1f} MB/s, peak {gib:.2f} GiB (process tree)"
+    )
     return megabytes / seconds
 
 
@@ -191,18 +229,36 @@ def second_run(work: Path, corpus: Path) -> str:
     cache = next(path for path in (work / "cache_whole", work / "cache_every-core") if path.exists())
     shutil.rmtree(work / "second_run", ignore_errors=True)
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "runner", "data=text_files", f"data.files={corpus}",
-                                "train.max_steps=1", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-                                "train.save_model=false", "hydra.run.dir=second_run"],
-                               env={**os.environ, "RUNNER_TOKEN_CACHE": str(cache)}, cwd=work,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "runner",
+            "data=text_files",
+            f"data.files={corpus}",
+            "train.max_steps=1",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.save_model=false",
+            "hydra.run.dir=second_run",
+        ],
+        env={**os.environ, "RUNNER_TOKEN_CACHE": str(cache)},
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     first_step = None
     for line in process.stdout:
         if first_step is None and re.search(r"\bstep 1\b", line):
             first_step = time.perf_counter() - started
     process.wait()
-    return (f"a second run of the same data: its first step {first_step:.1f} s after launch" if first_step else
-            "a second run of the same data logged no step 1")
+    return (
+        f"a second run of the same data: its first step {first_step:.1f} s after launch"
+        if first_step
+        else "a second run of the same data logged no step 1"
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,6 @@ Each target prints as MET or MISSED with its figure.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import argparse
 import datetime
 import json
@@ -60,6 +58,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 import context_parallel
 import memory_accuracy
@@ -79,8 +78,13 @@ AGREE_STEPS = 30  # the steps the strategies' losses are held to it over (later,
 MEMORY_TOLERANCE = 0.10
 
 # The tiny default model, as bench/compare_loops.py runs it: no evaluation but the one before the first step.
-TINY = ["hardware=auto", "hardware.nproc_per_node=1", "train.eval_every=0", "train.eval_batches=1",
-        "train.save_model=false"]
+TINY = [
+    "hardware=auto",
+    "hardware.nproc_per_node=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.save_model=false",
+]
 LOSS_STEPS = 60
 STRATEGIES = {
     "single": ["strategy=single"],
@@ -101,8 +105,12 @@ PRECISION_RUNS = {
 }
 MEMORY_STEPS = 3
 # bench/memory_accuracy.py's single-GPU configs: side by side, as many at once as the GPU holds by their estimates.
-MEMORY_CONFIGS = ["deepspeed ZeRO-2 bf16, 1 GPU, 2 x 1024", "deepspeed ZeRO-3 bf16, 1 GPU, 2 x 1024",
-                  "fsdp FULL_SHARD bf16, 1 GPU, 4 x 1024", "single fp32, 2 x 512"]
+MEMORY_CONFIGS = [
+    "deepspeed ZeRO-2 bf16, 1 GPU, 2 x 1024",
+    "deepspeed ZeRO-3 bf16, 1 GPU, 2 x 1024",
+    "fsdp FULL_SHARD bf16, 1 GPU, 4 x 1024",
+    "single fp32, 2 x 512",
+]
 MEMORY_MARGIN = 1.25  # x the estimate, + 2 GiB each, that side-by-side memory runs leave room for on the GPU
 EQUIVALENCE_STEPS = 30
 # Two GPUs: async TP at a sequence short enough for the budget.
@@ -111,8 +119,13 @@ ASYNC_TP_SEQ_LEN, ASYNC_TP_STEPS = 8192, 10
 STOPPED_AT_STEP, COLLECTIVE_TIMEOUT_S = 5, 30
 
 # A stand-in for the GPU when --dry-run composes on a machine without one: an H100, as a user's GPU machine.
-STAND_IN_GPU = {"device_name": "NVIDIA H100 80GB HBM3", "device_memory_gib": 79.2, "host_memory_gib": 128.0,
-                "compute_capability": 9.0, "peak_bf16_tflops": 989.0}
+STAND_IN_GPU = {
+    "device_name": "NVIDIA H100 80GB HBM3",
+    "device_memory_gib": 79.2,
+    "host_memory_gib": 128.0,
+    "compute_capability": 9.0,
+    "peak_bf16_tflops": 989.0,
+}
 
 
 def merged(*parts: list[str]) -> list[str]:
@@ -167,91 +180,203 @@ class Outcome:
 
 
 def strategy_run(name: str, section: str = "strategies") -> Run:
-    return Run(f"strategy {name}", section,
-               merged(STRATEGIES[name], TINY, [f"train.max_steps={LOSS_STEPS}", "train.log_every=1"]),
-               needs_s=25, timeout_s=150, group="tiny")
+    return Run(
+        f"strategy {name}",
+        section,
+        merged(STRATEGIES[name], TINY, [f"train.max_steps={LOSS_STEPS}", "train.log_every=1"]),
+        needs_s=25,
+        timeout_s=150,
+        group="tiny",
+    )
 
 
 def one_b(precision: str) -> list[str]:
-    return merged(precision_throughput.MODEL, precision_throughput.RUN, precision_throughput.STRATEGIES["single"],
-                  ["hardware=auto", "hardware.nproc_per_node=1", f"train.max_steps={ONE_B_STEPS}",
-                   f"train.log_every={ONE_B_LOG_EVERY}"], PRECISION_RUNS[precision])
+    return merged(
+        precision_throughput.MODEL,
+        precision_throughput.RUN,
+        precision_throughput.STRATEGIES["single"],
+        [
+            "hardware=auto",
+            "hardware.nproc_per_node=1",
+            f"train.max_steps={ONE_B_STEPS}",
+            f"train.log_every={ONE_B_LOG_EVERY}",
+        ],
+        PRECISION_RUNS[precision],
+    )
 
 
 def plan() -> list[Run]:
     """Every run of the proof, in the order they run."""
     single = strategy_run("single")
-    tiny_host = merged(STRATEGIES["single"], TINY, [f"train.max_steps={HOST_STEPS}",
-                                                     f"train.log_every={HOST_LOG_EVERY}"])
+    tiny_host = merged(
+        STRATEGIES["single"], TINY, [f"train.max_steps={HOST_STEPS}", f"train.log_every={HOST_LOG_EVERY}"]
+    )
     runs = [
         Run("default job", "default", ["hardware=auto", "precision=bf16"], needs_s=40, timeout_s=240, group="tiny"),
-        single, *(strategy_run(name) for name in STRATEGIES if name != "single"),
+        single,
+        *(strategy_run(name) for name in STRATEGIES if name != "single"),
         Run("hand losses 1", "losses", single.overrides, needs_s=20, timeout_s=120, hand=True, group="tiny"),
         Run("hand losses 2", "losses", single.overrides, needs_s=20, timeout_s=120, hand=True, group="tiny"),
-        Run("runner loss=full", "losses", merged(single.overrides, ["train.loss=full"]), needs_s=25, timeout_s=150,
-            group="tiny"),
+        Run(
+            "runner loss=full",
+            "losses",
+            merged(single.overrides, ["train.loss=full"]),
+            needs_s=25,
+            timeout_s=150,
+            group="tiny",
+        ),
         Run("runner tiny", "host", tiny_host, needs_s=25, timeout_s=150),
         Run("hand tiny", "host", tiny_host, needs_s=20, timeout_s=120, hand=True),
         Run("1B bf16 eager", "precision", one_b("bf16 eager"), needs_s=45, timeout_s=180),
     ]
-    runs += [Run(f"memory {name}", "memory",
-                 memory_accuracy.config_overrides(memory_accuracy.GRID[name], MEMORY_STEPS), needs_s=45,
-                 timeout_s=180, group="memory") for name in MEMORY_CONFIGS]
-    runs += [Run("1B bf16 compiled", "precision", one_b("bf16 compiled"), needs_s=80, timeout_s=300),
-             Run("hand 1B bf16 compiled", "gpu", one_b("bf16 compiled"), needs_s=70, timeout_s=300, hand=True,
-                 plan_extra={"compile": True, "autocast": "bf16"}),
-             Run("1B fp8 tensorwise compiled", "precision", one_b("fp8 tensorwise compiled"), needs_s=80,
-                 timeout_s=300),
-             Run("1B fp8 rowwise compiled", "precision", one_b("fp8 rowwise compiled"), needs_s=80, timeout_s=300)]
+    runs += [
+        Run(
+            f"memory {name}",
+            "memory",
+            memory_accuracy.config_overrides(memory_accuracy.GRID[name], MEMORY_STEPS),
+            needs_s=45,
+            timeout_s=180,
+            group="memory",
+        )
+        for name in MEMORY_CONFIGS
+    ]
+    runs += [
+        Run("1B bf16 compiled", "precision", one_b("bf16 compiled"), needs_s=80, timeout_s=300),
+        Run(
+            "hand 1B bf16 compiled",
+            "gpu",
+            one_b("bf16 compiled"),
+            needs_s=70,
+            timeout_s=300,
+            hand=True,
+            plan_extra={"compile": True, "autocast": "bf16"},
+        ),
+        Run("1B fp8 tensorwise compiled", "precision", one_b("fp8 tensorwise compiled"), needs_s=80, timeout_s=300),
+        Run("1B fp8 rowwise compiled", "precision", one_b("fp8 rowwise compiled"), needs_s=80, timeout_s=300),
+    ]
     return runs + multi_gpu_runs()
 
 
 def multi_gpu_runs() -> list[Run]:
     """What needs two GPUs: every strategy on 2 processes against one process with the same global batch, tp and cp
     against one GPU (bench/context_parallel.py's layouts and loss settings), and async TP."""
-    equivalence = ["hardware=auto", "train.eval_every=0", "train.eval_batches=1", "train.save_model=false",
-                   f"train.max_steps={EQUIVALENCE_STEPS}", "train.log_every=1"]
-    runs = [Run("2 GPUs: single, 2 accumulation steps", "multi",
-                merged(STRATEGIES["single"], equivalence, ["hardware.nproc_per_node=1", "train.grad_accum_steps=2"]),
-                needs_s=25, timeout_s=150, group="equivalence")]
-    runs += [Run(f"2 GPUs: {name}", "multi", merged(STRATEGIES[name], equivalence, ["hardware.nproc_per_node=2"]),
-                 needs_s=35, timeout_s=180, gpus=2, group="equivalence") for name in STRATEGIES if name != "single"]
+    equivalence = [
+        "hardware=auto",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.save_model=false",
+        f"train.max_steps={EQUIVALENCE_STEPS}",
+        "train.log_every=1",
+    ]
+    runs = [
+        Run(
+            "2 GPUs: single, 2 accumulation steps",
+            "multi",
+            merged(STRATEGIES["single"], equivalence, ["hardware.nproc_per_node=1", "train.grad_accum_steps=2"]),
+            needs_s=25,
+            timeout_s=150,
+            group="equivalence",
+        )
+    ]
+    runs += [
+        Run(
+            f"2 GPUs: {name}",
+            "multi",
+            merged(STRATEGIES[name], equivalence, ["hardware.nproc_per_node=2"]),
+            needs_s=35,
+            timeout_s=180,
+            gpus=2,
+            group="equivalence",
+        )
+        for name in STRATEGIES
+        if name != "single"
+    ]
     losses = [*context_parallel.MODEL, *context_parallel.LOSSES, "hardware=auto"]
-    runs.append(Run("2 GPUs: one GPU, fsdp (tp and cp's reference)", "multi",
-                    merged(losses, ["hardware.nproc_per_node=1", "strategy=fsdp"]), needs_s=45, timeout_s=180))
+    runs.append(
+        Run(
+            "2 GPUs: one GPU, fsdp (tp and cp's reference)",
+            "multi",
+            merged(losses, ["hardware.nproc_per_node=1", "strategy=fsdp"]),
+            needs_s=45,
+            timeout_s=180,
+        )
+    )
     for name, overrides in context_parallel.splits(2).items():
-        runs.append(Run(f"2 GPUs: {name}", "multi", merged(losses, ["hardware.nproc_per_node=2"], overrides),
-                        needs_s=50, timeout_s=200, gpus=2))
+        runs.append(
+            Run(
+                f"2 GPUs: {name}",
+                "multi",
+                merged(losses, ["hardware.nproc_per_node=2"], overrides),
+                needs_s=50,
+                timeout_s=200,
+                gpus=2,
+            )
+        )
     layouts = context_parallel.layouts(2)
     for name in ("fsdp x tp 2, compiled", "fsdp x tp 2, async"):
-        runs.append(Run(f"2 GPUs: {name}", "multi",
-                        merged(context_parallel.MODEL, context_parallel.COST, ["hardware=auto"], layouts[name],
-                               [f"data.seq_len={ASYNC_TP_SEQ_LEN}", f"train.max_steps={ASYNC_TP_STEPS}"]),
-                        needs_s=80, timeout_s=300, gpus=2))
+        runs.append(
+            Run(
+                f"2 GPUs: {name}",
+                "multi",
+                merged(
+                    context_parallel.MODEL,
+                    context_parallel.COST,
+                    ["hardware=auto"],
+                    layouts[name],
+                    [f"data.seq_len={ASYNC_TP_SEQ_LEN}", f"train.max_steps={ASYNC_TP_STEPS}"],
+                ),
+                needs_s=80,
+                timeout_s=300,
+                gpus=2,
+            )
+        )
     timeout = COLLECTIVE_TIMEOUT_S
-    stopped = ["hardware.nproc_per_node=2", "train.max_steps=1000", f"train.collective_timeout_s={timeout}",
-               f"train.stall_report_s={timeout // 3}"]
-    runs.append(Run("2 GPUs: ddp, rank 1 stopped", "multi", merged(STRATEGIES["ddp"], equivalence, stopped),
-                    needs_s=timeout + 60, timeout_s=timeout + 120, gpus=2,
-                    stop_rank_1_at=STOPPED_AT_STEP))
+    stopped = [
+        "hardware.nproc_per_node=2",
+        "train.max_steps=1000",
+        f"train.collective_timeout_s={timeout}",
+        f"train.stall_report_s={timeout // 3}",
+    ]
+    runs.append(
+        Run(
+            "2 GPUs: ddp, rank 1 stopped",
+            "multi",
+            merged(STRATEGIES["ddp"], equivalence, stopped),
+            needs_s=timeout + 60,
+            timeout_s=timeout + 120,
+            gpus=2,
+            stop_rank_1_at=STOPPED_AT_STEP,
+        )
+    )
     return runs
 
 
 # What each line of the multi section needs, and what it says when the machine has one GPU.
 MULTI_ITEMS = {
     "NCCL equivalence of ddp, fsdp, ZeRO-2 and ZeRO-3 on 2 processes": [
-        "2 GPUs: single, 2 accumulation steps", "2 GPUs: ddp", "2 GPUs: fsdp", "2 GPUs: zero-2", "2 GPUs: zero-3"],
-    "tensor parallelism (fsdp x tp 2) against one GPU": ["2 GPUs: one GPU, fsdp (tp and cp's reference)",
-                                                          "2 GPUs: fsdp x tp 2"],
+        "2 GPUs: single, 2 accumulation steps",
+        "2 GPUs: ddp",
+        "2 GPUs: fsdp",
+        "2 GPUs: zero-2",
+        "2 GPUs: zero-3",
+    ],
+    "tensor parallelism (fsdp x tp 2) against one GPU": [
+        "2 GPUs: one GPU, fsdp (tp and cp's reference)",
+        "2 GPUs: fsdp x tp 2",
+    ],
     "context parallelism (fsdp x cp 2, bench/context_parallel.py's) against one GPU": [
-        "2 GPUs: one GPU, fsdp (tp and cp's reference)", "2 GPUs: fsdp x cp 2"],
+        "2 GPUs: one GPU, fsdp (tp and cp's reference)",
+        "2 GPUs: fsdp x cp 2",
+    ],
     "async TP (strategy.async_tp) against compiled tp": ["2 GPUs: fsdp x tp 2, compiled", "2 GPUs: fsdp x tp 2, async"],
     "a collective that a stopped rank never joins ends the job in one line": ["2 GPUs: ddp, rank 1 stopped"],
 }
 # The line that job should end with: the rank that waited (its process ended by NCCL's watchdog, or its error
 # raised), the step, and NCCL's collective.
-COLLECTIVE_TIMED_OUT = (rf"run: error: rank (\d+ failed: .*, after it|\d+) waited {COLLECTIVE_TIMEOUT_S} s in a "
-                        r"collective that another rank did not join, in step \d+: nccl:\w+ #\d+ .*")
+COLLECTIVE_TIMED_OUT = (
+    rf"run: error: rank (\d+ failed: .*, after it|\d+) waited {COLLECTIVE_TIMEOUT_S} s in a "
+    r"collective that another rank did not join, in step \d+: nccl:\w+ #\d+ .*"
+)
 
 
 def needed(runs: list[Run], sections: list[str]) -> list[Run]:
@@ -291,8 +416,8 @@ def dry_run(runs: list[Run], workdir: Path) -> list[tuple[Run, str, Optional[str
     loop, the plan made from them), and each memory config's estimate: (run, command, why it was refused or None)."""
     from harness import peer_plan
 
-    from runner.memory.model_shapes import facts_of
     from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
 
     checked, specs = [], {}
     for run in runs:
@@ -396,7 +521,9 @@ class Proof:
             for run in batch:
                 self.outcomes[run.key] = Outcome(
                     error=f"{max(left, 0):.0f} s were left of the {self.args.budget:.0f} s budget; it needs about "
-                          f"{run.needs_s} s", skipped=True)
+                    f"{run.needs_s} s",
+                    skipped=True,
+                )
                 self.say(run, self.outcomes[run.key])
             return
         commands = {}
@@ -442,7 +569,8 @@ class Proof:
             spec = runner_spec(steps, run.overrides)
             workload = Workload("text", spec, run.overrides, ["runner", "hand"])
             configs, skipped = prepare_configs(
-                workload, argparse.Namespace(configs="single", steps=steps, log_every=log_every), folder)
+                workload, argparse.Namespace(configs="single", steps=steps, log_every=log_every), folder
+            )
             if not configs:
                 raise RuntimeError("; ".join(skipped.values()))
             path = configs[0].plan
@@ -504,8 +632,21 @@ class Report:
             if name in self.sections or (name == "loops" and {"host", "gpu"} & set(self.sections)):
                 getattr(self, f"section_{name}")()
         skipped = [f"- {key}: {failed(o)}" for key, o in self.outcomes.items() if not o.ok]
-        return "\n".join([*self.header(), "", "### Targets", "", *self.targets, *self.lines, "",
-                          "### What did not run, or failed", "", *(skipped or ["- nothing"]), ""])
+        return "\n".join(
+            [
+                *self.header(),
+                "",
+                "### Targets",
+                "",
+                *self.targets,
+                *self.lines,
+                "",
+                "### What did not run, or failed",
+                "",
+                *(skipped or ["- nothing"]),
+                "",
+            ]
+        )
 
     def header(self) -> list[str]:
         import importlib.metadata
@@ -518,11 +659,15 @@ class Report:
             except importlib.metadata.PackageNotFoundError:
                 return "not installed"
 
-        device = (f"{self.proof.device_name} x {self.proof.gpus}" if self.proof.device_name
-                  else "no GPU (--allow-cpu: the figures are the CPU's, not a proof)")
+        device = (
+            f"{self.proof.device_name} x {self.proof.gpus}"
+            if self.proof.device_name
+            else "no GPU (--allow-cpu: the figures are the CPU's, not a proof)"
+        )
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         return [
-            "## Figures", "",
+            "## Figures",
+            "",
             f"{datetime.date.today()} | {device} | Python {platform.python_version()} | torch {torch.__version__} | "
             f"transformers {version('transformers')} | deepspeed {version('deepspeed')} | torchao {version('torchao')}"
             f" | checkout {head.stdout.strip() or 'unknown'}",
@@ -541,26 +686,38 @@ class Report:
         if outcome and outcome.ok and outcome.summary:
             before, after = outcome.summary["first_eval_loss"], outcome.summary["eval_loss"]
             figure = f"eval loss {before:.4f} -> {after:.4f}"
-            self.targets.append(verdict(after < before and math.isfinite(after),
-                                        f"the default job (`run hardware=auto precision=bf16`) trains: {figure}"))
-            self.table("The default job", [
-                f"`run hardware=auto precision=bf16`: {figure}, {outcome.summary['tokens_per_s']:,.0f} tokens/s (mean "
-                f"of the training steps), peak memory {outcome.summary['peak_memory_gib']:.2f} GiB, "
-                f"{outcome.summary['wall_time_s']:.0f} s of training and evaluation, {outcome.wall_s:.0f} s in all"])
+            self.targets.append(
+                verdict(
+                    after < before and math.isfinite(after),
+                    f"the default job (`run hardware=auto precision=bf16`) trains: {figure}",
+                )
+            )
+            self.table(
+                "The default job",
+                [
+                    f"`run hardware=auto precision=bf16`: {figure}, "
+                    f"{outcome.summary['tokens_per_s']:,.0f} tokens/s (mean "
+                    f"of the training steps), peak memory {outcome.summary['peak_memory_gib']:.2f} GiB, "
+                    f"{outcome.summary['wall_time_s']:.0f} s of training and evaluation, {outcome.wall_s:.0f} s in all"
+                ],
+            )
         else:
             self.targets.append(verdict(False, f"the default job trains: {failed(outcome)}"))
 
     def section_strategies(self) -> None:
         reference = self.get("strategy single")
-        rows = [f"| strategy (1 process) | exit | step-1 loss | step-{LOSS_STEPS} loss | largest relative difference "
-                f"from single, steps 1-{AGREE_STEPS} | over all {LOSS_STEPS} steps (at step) | wall s |",
-                "|---|---|---|---|---|---|---|"]
+        rows = [
+            f"| strategy (1 process) | exit | step-1 loss | step-{LOSS_STEPS} loss | largest relative difference "
+            f"from single, steps 1-{AGREE_STEPS} | over all {LOSS_STEPS} steps (at step) | wall s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         trained, agree, worst = [], True, (0.0, 0, "")
         for name in STRATEGIES:
             outcome = self.get(f"strategy {name}")
             if not outcome or not outcome.ok or not finite(outcome):
-                rows.append(f"| {name} | {failed(outcome) if not outcome or not outcome.ok else 'non-finite loss'} "
-                            "| | | | | |")
+                rows.append(
+                    f"| {name} | {failed(outcome) if not outcome or not outcome.ok else 'non-finite loss'} | | | | | |"
+                )
                 agree = False
                 continue
             trained.append(name)
@@ -575,75 +732,118 @@ class Report:
                 else:
                     difference = math.nan
                 agree = agree and difference <= LOSS_TOLERANCE
-            rows.append(f"| {name} | 0 | {losses[0]:.6f} | {losses[-1]:.6f} | {early} | {overall} | "
-                        f"{outcome.wall_s:.0f} |")
-        self.targets.append(verdict(len(trained) == len(STRATEGIES),
-                                    f"every strategy trains on one process (exit 0, finite losses): "
-                                    f"{len(trained)} of {len(STRATEGIES)} ({', '.join(trained) or 'none'})"))
-        self.targets.append(verdict(agree, f"their per-step losses agree with single's within {LOSS_TOLERANCE:.0e} "
-                                           f"relative over the first {AGREE_STEPS} steps: largest {worst[0]:.1e}"
-                                           + (f" ({worst[2]}, step {worst[1]})" if worst[2] else "")))
-        self.table(f"Strategies on one process (tiny model, fp32, {LOSS_STEPS} steps, seed 0)", [
-            *rows, "", f"Past step {AGREE_STEPS} or so, a loss spike amplifies rounding: on the CPU, single, ZeRO-2 "
-                       "and train.loss=full agree within 1e-6 to step 30 and drift 3e-3 apart by step 49."])
+            rows.append(
+                f"| {name} | 0 | {losses[0]:.6f} | {losses[-1]:.6f} | {early} | {overall} | {outcome.wall_s:.0f} |"
+            )
+        self.targets.append(
+            verdict(
+                len(trained) == len(STRATEGIES),
+                f"every strategy trains on one process (exit 0, finite losses): "
+                f"{len(trained)} of {len(STRATEGIES)} ({', '.join(trained) or 'none'})",
+            )
+        )
+        self.targets.append(
+            verdict(
+                agree,
+                f"their per-step losses agree with single's within {LOSS_TOLERANCE:.0e} "
+                f"relative over the first {AGREE_STEPS} steps: largest {worst[0]:.1e}"
+                + (f" ({worst[2]}, step {worst[1]})" if worst[2] else ""),
+            )
+        )
+        self.table(
+            f"Strategies on one process (tiny model, fp32, {LOSS_STEPS} steps, seed 0)",
+            [
+                *rows,
+                "",
+                f"Past step {AGREE_STEPS} or so, a loss spike amplifies rounding: on the CPU, single, ZeRO-2 "
+                "and train.loss=full agree within 1e-6 to step 30 and drift 3e-3 apart by step 49.",
+            ],
+        )
 
     def section_losses(self) -> None:
-        runs = {"runner (train.loss=auto: chunked)": self.get("strategy single"),
-                "runner, train.loss=full": self.get("runner loss=full"),
-                "hand loop, run 1": self.get("hand losses 1"), "hand loop, run 2": self.get("hand losses 2")}
+        runs = {
+            "runner (train.loss=auto: chunked)": self.get("strategy single"),
+            "runner, train.loss=full": self.get("runner loss=full"),
+            "hand loop, run 1": self.get("hand losses 1"),
+            "hand loop, run 2": self.get("hand losses 2"),
+        }
         rows = ["| run | step 1 | step 10 | step 60 | mean of steps 56-60 |", "|---|---|---|---|---|"]
         losses = {}
         for name, outcome in runs.items():
             if not outcome or not outcome.ok or len(outcome.losses()) < LOSS_STEPS:
-                rows.append(f"| {name} | {failed(outcome) if not outcome or not outcome.ok else 'too few steps'} "
-                            "| | | |")
+                rows.append(
+                    f"| {name} | {failed(outcome) if not outcome or not outcome.ok else 'too few steps'} | | | |"
+                )
                 continue
             losses[name] = found = outcome.losses()
-            rows.append(f"| {name} | {found[0]:.6f} | {found[9]:.6f} | {found[-1]:.6f} | "
-                        f"{statistics.mean(found[-5:]):.6f} |")
+            rows.append(
+                f"| {name} | {found[0]:.6f} | {found[9]:.6f} | {found[-1]:.6f} | {statistics.mean(found[-5:]):.6f} |"
+            )
         notes = []
         runner, full = losses.get("runner (train.loss=auto: chunked)"), losses.get("runner, train.loss=full")
         hand, hand2 = losses.get("hand loop, run 1"), losses.get("hand loop, run 2")
 
         def largest(a: list[float], b: list[float]) -> str:
             difference, step = max((abs(x - y), i) for i, (x, y) in enumerate(zip(a, b), start=1))
-            return (f"{difference:.2e} (step {step}); at step 1 {abs(a[0] - b[0]):.2e}, "
-                    f"at step 60 {abs(a[-1] - b[-1]):.2e}")
+            return (
+                f"{difference:.2e} (step {step}); at step 1 {abs(a[0] - b[0]):.2e}, at step 60 {abs(a[-1] - b[-1]):.2e}"
+            )
 
         if runner and hand:
             notes.append(f"- runner against hand loop, largest |difference|: {largest(runner, hand)}")
         if hand and hand2:
-            notes.append(f"- hand loop against itself (run-to-run spread), largest |difference|: "
-                         f"{largest(hand, hand2)}")
+            notes.append(
+                f"- hand loop against itself (run-to-run spread), largest |difference|: {largest(hand, hand2)}"
+            )
         if runner and full:
-            notes.append(f"- runner, train.loss=full against the chunked loss, largest |difference|: "
-                         f"{largest(runner, full)}")
+            notes.append(
+                f"- runner, train.loss=full against the chunked loss, largest |difference|: {largest(runner, full)}"
+            )
         if full and hand:
             # the hand loop's loss is transformers' own, over the full logits: train.loss=full's maths
-            notes.append(f"- runner, train.loss=full against hand loop, largest |difference|: {largest(full, hand)} "
-                         "(on the CPU: 0 at every step)")
+            notes.append(
+                f"- runner, train.loss=full against hand loop, largest |difference|: {largest(full, hand)} "
+                "(on the CPU: 0 at every step)"
+            )
         if runner and hand and hand2:
             spread = max(abs(x - y) for x, y in zip(hand, hand2))
             first = abs(runner[0] - hand[0])
             if first > max(1e-4, 10 * abs(hand[0] - hand2[0])):
-                notes.append("- reading: the first step's losses already differ, before any update: the two loops "
-                             "start from different weights or rows, not from different maths in the steps")
+                notes.append(
+                    "- reading: the first step's losses already differ, before any update: the two loops "
+                    "start from different weights or rows, not from different maths in the steps"
+                )
             else:
-                apart = next((i for i, (x, y) in enumerate(zip(runner, hand), start=1)
-                              if abs(x - y) > max(2 * spread, 1e-4)), None)
-                notes.append("- reading: same first step; " + (
-                    f"they drift apart beyond the hand loop's own spread from step {apart}" if apart else
-                    "they stay within the hand loop's own run-to-run spread"))
+                apart = next(
+                    (i for i, (x, y) in enumerate(zip(runner, hand), start=1) if abs(x - y) > max(2 * spread, 1e-4)),
+                    None,
+                )
+                notes.append(
+                    "- reading: same first step; "
+                    + (
+                        f"they drift apart beyond the hand loop's own spread from step {apart}"
+                        if apart
+                        else "they stay within the hand loop's own run-to-run spread"
+                    )
+                )
                 if full and apart:
-                    full_apart = next((i for i, (x, y) in enumerate(zip(full, hand), start=1)
-                                       if abs(x - y) > max(2 * spread, 1e-4)), None)
-                    notes.append("- reading: " + (
-                        f"train.loss=full drifts from the hand loop too, from step {full_apart}: not the chunked "
-                        "loss's rounding alone" if full_apart else
-                        "train.loss=full stays with the hand loop: the drift is the chunked loss's rounding (it sums "
-                        "the loss in chunks), amplified after the loss spikes, as on the CPU"))
-        self.table("The losses question (tiny model, fp32, 60 steps: the GPU's 2.7757 against 2.7572)",
-                   [*rows, "", *notes])
+                    full_apart = next(
+                        (i for i, (x, y) in enumerate(zip(full, hand), start=1) if abs(x - y) > max(2 * spread, 1e-4)),
+                        None,
+                    )
+                    notes.append(
+                        "- reading: "
+                        + (
+                            f"train.loss=full drifts from the hand loop too, from step {full_apart}: not the chunked "
+                            "loss's rounding alone"
+                            if full_apart
+                            else "train.loss=full stays with the hand loop: the drift is the chunked loss's rounding "
+                            "(it sums the loss in chunks), amplified after the loss spikes, as on the CPU"
+                        )
+                    )
+        self.table(
+            "The losses question (tiny model, fp32, 60 steps: the GPU's 2.7757 against 2.7572)", [*rows, "", *notes]
+        )
 
     def section_loops(self) -> None:
         """The runner against the hand-written loop: the tiny model (the host's cost), the 1B model compiled (the
@@ -651,36 +851,59 @@ class Report:
         warm-up."""
         rows = ["| model | runner tokens/s | hand loop tokens/s | runner / hand |", "|---|---|---|---|"]
         for section, runner_key, hand_key, warmup, model in (
-                ("host", "runner tiny", "hand tiny", HOST_WARMUP,
-                 f"tiny default model, fp32, {HOST_STEPS} steps "
-                 f"(windows of {HOST_LOG_EVERY} after step {HOST_WARMUP})"),
-                ("gpu", "1B bf16 compiled", "hand 1B bf16 compiled", ONE_B_WARMUP,
-                 f"Llama-3.2-1B's shapes, bf16, blocks compiled, 4 x 2048 tokens a step, {ONE_B_STEPS} steps "
-                 f"(windows of {ONE_B_LOG_EVERY} after step {ONE_B_WARMUP})")):
+            (
+                "host",
+                "runner tiny",
+                "hand tiny",
+                HOST_WARMUP,
+                f"tiny default model, fp32, {HOST_STEPS} steps (windows of {HOST_LOG_EVERY} after step {HOST_WARMUP})",
+            ),
+            (
+                "gpu",
+                "1B bf16 compiled",
+                "hand 1B bf16 compiled",
+                ONE_B_WARMUP,
+                f"Llama-3.2-1B's shapes, bf16, blocks compiled, 4 x 2048 tokens a step, {ONE_B_STEPS} steps "
+                f"(windows of {ONE_B_LOG_EVERY} after step {ONE_B_WARMUP})",
+            ),
+        ):
             if section not in self.sections:
                 continue
             runner, hand = self.get(runner_key), self.get(hand_key)
             if not (runner and runner.ok and hand and hand.ok):
-                why = f"runner {failed(runner) if not runner or not runner.ok else 'ran'}; hand loop " \
-                      f"{failed(hand) if not hand or not hand.ok else 'ran'}"
+                why = (
+                    f"runner {failed(runner) if not runner or not runner.ok else 'ran'}; hand loop "
+                    f"{failed(hand) if not hand or not hand.ok else 'ran'}"
+                )
                 rows.append(f"| {model} | {why} | | |")
                 if section == "host":
-                    self.targets.append(verdict(False, f"runner at least {RATIO_TARGET}x the hand-written loop on "
-                                                       f"the tiny model: no figure ({why})"))
+                    self.targets.append(
+                        verdict(
+                            False,
+                            f"runner at least {RATIO_TARGET}x the hand-written loop on "
+                            f"the tiny model: no figure ({why})",
+                        )
+                    )
                 continue
             ours, theirs = (steady_throughput(o.records, warmup, real_tokens_seen) for o in (runner, hand))
             ratio = ours / theirs
             rows.append(f"| {model} | {ours:,.0f} | {theirs:,.0f} | {ratio:.3f}x |")
             if section == "host":
-                self.targets.append(verdict(ratio >= RATIO_TARGET,
-                                            f"runner at least {RATIO_TARGET}x the hand-written loop on the tiny model "
-                                            f"(the host's cost): {ratio:.3f}x ({ours:,.0f} against {theirs:,.0f} "
-                                            "tokens/s)"))
+                self.targets.append(
+                    verdict(
+                        ratio >= RATIO_TARGET,
+                        f"runner at least {RATIO_TARGET}x the hand-written loop on the tiny model "
+                        f"(the host's cost): {ratio:.3f}x ({ours:,.0f} against {theirs:,.0f} "
+                        "tokens/s)",
+                    )
+                )
         self.table("The runner against the hand-written loop (bench/peers/hand_loop.py, on the runner's rows)", rows)
 
     def section_precision(self) -> None:
-        rows = ["| precision | blocks | tokens/s | vs bf16 eager | MFU | peak memory GiB | compile s | fp8 linear "
-                "layers |", "|---|---|---|---|---|---|---|---|"]
+        rows = [
+            "| precision | blocks | tokens/s | vs bf16 eager | MFU | peak memory GiB | compile s | fp8 linear layers |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         figures = {}
         for name in PRECISION_RUNS:
             outcome = self.get(f"1B {name}")
@@ -691,25 +914,36 @@ class Report:
             figures[name] = found = precision_throughput.steady_state(outcome.run_dir)
             base = figures.get("bf16 eager", {}).get("tokens_per_s")
             ratio = f"{found['tokens_per_s'] / base:.2f}x" if base else "-"
-            rows.append(f"| {precision} | {blocks} | {found['tokens_per_s']:,.0f} | {ratio} | {found['mfu']:.1%} | "
-                        f"{found['peak_memory_gib']:.1f} | {found['compile_time_s']:.0f} | "
-                        f"{found['precision'].get('fp8_linear_layers', 0)} |")
-        self.bf16_mfu = {name == "bf16 compiled": figures[name]["mfu"] for name in ("bf16 eager", "bf16 compiled")
-                         if name in figures}
+            rows.append(
+                f"| {precision} | {blocks} | {found['tokens_per_s']:,.0f} | {ratio} | {found['mfu']:.1%} | "
+                f"{found['peak_memory_gib']:.1f} | {found['compile_time_s']:.0f} | "
+                f"{found['precision'].get('fp8_linear_layers', 0)} |"
+            )
+        self.bf16_mfu = {
+            name == "bf16 compiled": figures[name]["mfu"] for name in ("bf16 eager", "bf16 compiled") if name in figures
+        }
         notes = []
         if "fp8 tensorwise compiled" in figures and "bf16 compiled" in figures:
             notes.append(
                 f"- fp8 tensorwise against bf16, both compiled: "
                 f"{figures['fp8 tensorwise compiled']['tokens_per_s'] / figures['bf16 compiled']['tokens_per_s']:.2f}x"
-                " (the issue's H200: 1.06x)")
-        self.table(f"Llama-3.2-1B's shapes: precision and compile (one GPU, 4 x 2048 tokens a step, {ONE_B_STEPS} "
-                   "steps; MFU against the GPU's dense bf16 peak)", [*rows, *([""] + notes if notes else [])])
+                " (the issue's H200: 1.06x)"
+            )
+        self.table(
+            f"Llama-3.2-1B's shapes: precision and compile (one GPU, 4 x 2048 tokens a step, {ONE_B_STEPS} "
+            "steps; MFU against the GPU's dense bf16 peak)",
+            [*rows, *([""] + notes if notes else [])],
+        )
 
     def section_memory(self) -> None:
-        configs = {"single bf16, 4 x 2048 (precision's eager run)": "1B bf16 eager",
-                   **{name: f"memory {name}" for name in MEMORY_CONFIGS}}
-        rows = ["| config (Llama-3.2-1B's shapes, one GPU) | estimated peak GiB | when | measured peak GiB | error |",
-                "|---|---|---|---|---|"]
+        configs = {
+            "single bf16, 4 x 2048 (precision's eager run)": "1B bf16 eager",
+            **{name: f"memory {name}" for name in MEMORY_CONFIGS},
+        }
+        rows = [
+            "| config (Llama-3.2-1B's shapes, one GPU) | estimated peak GiB | when | measured peak GiB | error |",
+            "|---|---|---|---|---|",
+        ]
         errors, missing = [], []
         for name, key in configs.items():
             outcome, estimate = self.get(key), self.proof.estimates.get(key)
@@ -725,12 +959,20 @@ class Report:
             rows.append(f"| {name} | {peak:.2f} | {when} | {measured:.2f} | {error:+.1%} |")
         worst = max(errors, default=None)
         figure = (f"largest {worst[1]:+.1%} ({worst[2]})" if worst else "no figure") + (
-            f"; no figure for {', '.join(missing)}" if missing else "")
-        self.targets.append(verdict(bool(errors) and not missing and worst[0] <= MEMORY_TOLERANCE,
-                                    f"the memory estimate within ±{MEMORY_TOLERANCE:.0%} of the measured peak for "
-                                    f"every single-GPU config: {figure}"))
-        self.table("Memory: the estimate against torch.cuda.max_memory_allocated (summary.json's peak_memory_gib, "
-                   f"{MEMORY_STEPS} steps; the eager run {ONE_B_STEPS})", rows)
+            f"; no figure for {', '.join(missing)}" if missing else ""
+        )
+        self.targets.append(
+            verdict(
+                bool(errors) and not missing and worst[0] <= MEMORY_TOLERANCE,
+                f"the memory estimate within ±{MEMORY_TOLERANCE:.0%} of the measured peak for "
+                f"every single-GPU config: {figure}",
+            )
+        )
+        self.table(
+            "Memory: the estimate against torch.cuda.max_memory_allocated (summary.json's peak_memory_gib, "
+            f"{MEMORY_STEPS} steps; the eager run {ONE_B_STEPS})",
+            rows,
+        )
 
     def section_multi(self) -> None:
         lines = []
@@ -749,16 +991,27 @@ class Report:
                 continue
             if item.startswith("async"):
                 compiled, async_tp = (precision_throughput.steady_state(outcomes[k].run_dir) for k in keys)
-                lines.append(verdict(True, f"{item}: trains; {async_tp['tokens_per_s']:,.0f} against "
-                                           f"{compiled['tokens_per_s']:,.0f} tokens/s "
-                                           f"({async_tp['tokens_per_s'] / compiled['tokens_per_s']:.2f}x)"))
+                lines.append(
+                    verdict(
+                        True,
+                        f"{item}: trains; {async_tp['tokens_per_s']:,.0f} against "
+                        f"{compiled['tokens_per_s']:,.0f} tokens/s "
+                        f"({async_tp['tokens_per_s'] / compiled['tokens_per_s']:.2f}x)",
+                    )
+                )
                 continue
-            worst = max((worst_difference(outcomes[k].losses(), outcomes[reference].losses()) + (k,)
-                         for k in others), default=(0.0, 0, ""))
-            lines.append(verdict(worst[0] <= LOSS_TOLERANCE,
-                                 f"{item}: every layout's per-step losses within {LOSS_TOLERANCE:.0e} relative of "
-                                 f"{reference.removeprefix('2 GPUs: ')}'s: largest {worst[0]:.1e} ({worst[2]}, step "
-                                 f"{worst[1]})"))
+            worst = max(
+                (worst_difference(outcomes[k].losses(), outcomes[reference].losses()) + (k,) for k in others),
+                default=(0.0, 0, ""),
+            )
+            lines.append(
+                verdict(
+                    worst[0] <= LOSS_TOLERANCE,
+                    f"{item}: every layout's per-step losses within {LOSS_TOLERANCE:.0e} relative of "
+                    f"{reference.removeprefix('2 GPUs: ')}'s: largest {worst[0]:.1e} ({worst[2]}, step "
+                    f"{worst[1]})",
+                )
+            )
         self.table("Two GPUs or more", lines)
 
 
@@ -767,14 +1020,16 @@ def with_rank_1_stopped(argv: list[str], env: dict[str, str], out: Path, step: i
     then end on its collective timeout. What went wrong before that, or None."""
     deadline = time.monotonic() + timeout
     with (out / "output.txt").open("w") as output:
-        process = subprocess.Popen(argv, env=env, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            argv, env=env, stdout=output, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
         try:
             rank1 = None
             while rank1 is None and process.poll() is None and time.monotonic() < deadline:
                 log = out / "rank1.log"
-                found = re.search(rf"rank 1 of \d+, process (\d+)(?=[\s\S]*step {step}/)",
-                                  log.read_text() if log.exists() else "")
+                found = re.search(
+                    rf"rank 1 of \d+, process (\d+)(?=[\s\S]*step {step}/)", log.read_text() if log.exists() else ""
+                )
                 rank1 = int(found.group(1)) if found else None
                 time.sleep(0.2)
             if rank1 is None:
@@ -794,8 +1049,10 @@ def collective_timeout_verdict(item: str, outcome: Outcome) -> str:
     output = (outcome.run_dir / "output.txt").read_text() if outcome.run_dir else ""
     told = [line for line in output.splitlines() if line.startswith("run: error: ")]
     line = told[0] if told else "no error line"
-    return verdict(bool(told) and re.fullmatch(COLLECTIVE_TIMED_OUT, line) is not None,
-                   f"{item} ({outcome.wall_s:.0f} s in all, {COLLECTIVE_TIMEOUT_S} s of timeout): {line}")
+    return verdict(
+        bool(told) and re.fullmatch(COLLECTIVE_TIMED_OUT, line) is not None,
+        f"{item} ({outcome.wall_s:.0f} s in all, {COLLECTIVE_TIMEOUT_S} s of timeout): {line}",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -810,16 +1067,22 @@ def write_doc(path: Path, figures: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="compose and check every command, print them, and train nothing (no GPU needed)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="compose and check every command, print them, and train nothing (no GPU needed)",
+    )
     parser.add_argument("--only", default=",".join(SECTIONS), help=f"sections, of {', '.join(SECTIONS)}")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole proof")
     parser.add_argument("--jobs", type=int, default=9, help="runs side by side, where their figures allow it")
     parser.add_argument("--threads", type=int, default=4, help="torch threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--out", type=Path, default=DOC, help="the page whose figures section it writes")
     parser.add_argument("--keep", type=Path, help="keep the runs' directories here (default: a temporary one)")
-    parser.add_argument("--allow-cpu", action="store_true",
-                        help="run on a machine without a GPU: checks the script itself; the figures mean nothing")
+    parser.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run on a machine without a GPU: checks the script itself; the figures mean nothing",
+    )
     args = parser.parse_args()
     sections = [s for s in args.only.split(",") if s]
     for name in sections:
@@ -835,13 +1098,17 @@ def main() -> None:
         workdir = args.keep or Path(tempfile.gettempdir()) / "gpu_proof"
         checked = dry_run(runs, workdir)
         for run, line, refusal in checked:
-            print(f"[{run.section}] {run.key} ({run.gpus} GPU{'s' if run.gpus > 1 else ''}"
-                  f"{', side by side: ' + run.group if run.group else ''}):\n    {line}")
+            print(
+                f"[{run.section}] {run.key} ({run.gpus} GPU{'s' if run.gpus > 1 else ''}"
+                f"{', side by side: ' + run.group if run.group else ''}):\n    {line}"
+            )
             if refusal:
                 print(f"    REFUSED: {refusal}")
         refused = [run.key for run, _, refusal in checked if refusal]
-        print(f"\n{len(checked)} commands composed, {len(refused)} refused" +
-              (f": {', '.join(refused)}" if refused else ""))
+        print(
+            f"\n{len(checked)} commands composed, {len(refused)} refused"
+            + (f": {', '.join(refused)}" if refused else "")
+        )
         sys.exit(1 if refused else 0)
 
     import torch
@@ -863,8 +1130,9 @@ def main() -> None:
         from runner.planning.time_plan import MEASURED_MFU, record_measured_mfu
 
         device = torch.cuda.get_device_name(0)
-        record_measured_mfu(MEASURED_MFU, device, report.bf16_mfu, "Llama-3.2-1B's shapes",
-                            datetime.date.today().isoformat())
+        record_measured_mfu(
+            MEASURED_MFU, device, report.bf16_mfu, "Llama-3.2-1B's shapes", datetime.date.today().isoformat()
+        )
         print(f"added {device}'s MFU to {MEASURED_MFU} (the plan's table of measured figures)")
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -31,8 +31,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ["recipe=cpu_grpo", "train.micro_batch_size=32", "train.eval_every=0", "train.log_every=1",
-          "train.checkpoint_every=0"]
+RECIPE = [
+    "recipe=cpu_grpo",
+    "train.micro_batch_size=32",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.checkpoint_every=0",
+]
 
 
 def lowercase_share(completions, **_):
@@ -58,9 +63,14 @@ def held_out_reward(model, tokenizer, prompts: list[list[int]], new_tokens: int,
     model.eval()
     with torch.no_grad():
         for ids in prompts:
-            output = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens,
-                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            text = tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
+            output = model.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            text = tokenizer.decode(output[0, len(ids) :], skip_special_tokens=True)
             total += sum(reward([text])[0] for reward in rewards)
     return total / len(prompts)
 
@@ -68,13 +78,15 @@ def held_out_reward(model, tokenizer, prompts: list[list[int]], new_tokens: int,
 def run_runner(overrides: list[str], workdir: Path) -> tuple[Path, list[float]]:
     """`run` itself in its own process: its saved model and its steps' seconds."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "runner", *overrides], cwd=workdir, env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", *overrides], cwd=workdir, env=env, capture_output=True, text=True
+    )
     if result.returncode:
         sys.exit(f"the runner failed:\n{result.stderr[-3000:]}")
     [run_dir] = [path.parent for path in (workdir / "outputs").glob("*/*/spec.yaml")]
-    times = [json.loads(line)["time"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if '"loss"' in line]
+    times = [
+        json.loads(line)["time"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line
+    ]
     return run_dir / "model", [later - earlier for earlier, later in zip(times, times[1:])]
 
 
@@ -87,25 +99,49 @@ def run_trl(spec, model, tokenizer, prompts: list[str], rewards: list, workdir: 
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     task, train, optim, scheduler = spec.task, spec.train, spec.optim, spec.scheduler
     args = GRPOConfig(
-        output_dir=str(workdir / "trl"), report_to="none", use_cpu=True, bf16=False, seed=spec.seed,
-        max_steps=train.max_steps, per_device_train_batch_size=train.micro_batch_size,
-        num_generations=task.num_generations, max_completion_length=task.max_completion_length,
-        temperature=task.temperature, top_p=task.top_p, loss_type=task.loss.value, epsilon=task.epsilon,
-        beta=task.beta, scale_rewards=task.scale_rewards.value, learning_rate=optim.lr,
-        weight_decay=optim.weight_decay, adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
-        adam_epsilon=optim.eps, max_grad_norm=train.max_grad_norm, lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": scheduler.min_lr_ratio}, warmup_steps=round(
-            scheduler.warmup_ratio * train.max_steps), logging_steps=1, save_strategy="no",
-        activation_checkpointing=False, disable_dropout=True)
+        output_dir=str(workdir / "trl"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=spec.seed,
+        max_steps=train.max_steps,
+        per_device_train_batch_size=train.micro_batch_size,
+        num_generations=task.num_generations,
+        max_completion_length=task.max_completion_length,
+        temperature=task.temperature,
+        top_p=task.top_p,
+        loss_type=task.loss.value,
+        epsilon=task.epsilon,
+        beta=task.beta,
+        scale_rewards=task.scale_rewards.value,
+        learning_rate=optim.lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_epsilon=optim.eps,
+        max_grad_norm=train.max_grad_norm,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": scheduler.min_lr_ratio},
+        warmup_steps=round(scheduler.warmup_ratio * train.max_steps),
+        logging_steps=1,
+        save_strategy="no",
+        activation_checkpointing=False,
+        disable_dropout=True,
+    )
     ends: list[float] = []
 
     class StepTimes(TrainerCallback):
         def on_step_end(self, *_, **__):
             ends.append(time.perf_counter())
 
-    trainer = GRPOTrainer(model=model, reward_funcs=rewards, args=args,
-                          train_dataset=Dataset.from_list([{"prompt": text} for text in prompts]),
-                          processing_class=tokenizer, callbacks=[StepTimes()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": text} for text in prompts]),
+        processing_class=tokenizer,
+        callbacks=[StepTimes()],
+    )
     trainer.train()
     return [later - earlier for earlier, later in zip(ends, ends[1:])]
 
@@ -139,15 +175,19 @@ def main() -> None:
         initial.save_pretrained(workdir / "initial")
         start = held_out_reward(initial, tokenizer, held_out, args.completion, rewards)
         runner_model, runner_steps = run_runner(overrides, workdir)
-        runner_end = held_out_reward(AutoModelForCausalLM.from_pretrained(runner_model), tokenizer, held_out,
-                                     args.completion, rewards)
+        runner_end = held_out_reward(
+            AutoModelForCausalLM.from_pretrained(runner_model), tokenizer, held_out, args.completion, rewards
+        )
         trl_model = AutoModelForCausalLM.from_pretrained(workdir / "initial")
-        trl_steps = run_trl(spec, trl_model, tokenizer, [prompt.shown for prompt in train_set.prompts], rewards,
-                            workdir)
+        trl_steps = run_trl(
+            spec, trl_model, tokenizer, [prompt.shown for prompt in train_set.prompts], rewards, workdir
+        )
         trl_end = held_out_reward(trl_model, tokenizer, held_out, args.completion, rewards)
     runner_s, trl_s = statistics.median(runner_steps[1:]), statistics.median(trl_steps[1:])
-    print(f"{args.steps} steps, 4 prompts x 8 completions of up to {args.completion} tokens a step, reward "
-          f"{args.reward}; held-out reward (greedy, {len(held_out)} prompts, at most {len(rewards)})")
+    print(
+        f"{args.steps} steps, 4 prompts x 8 completions of up to {args.completion} tokens a step, reward "
+        f"{args.reward}; held-out reward (greedy, {len(held_out)} prompts, at most {len(rewards)})"
+    )
     print(f"  runner  {start:.3f} -> {runner_end:.3f}   {runner_s:.2f} s a step")
     print(f"  trl     {start:.3f} -> {trl_end:.3f}   {trl_s:.2f} s a step")
     print(f"TRL's step time / the runner's: {trl_s / runner_s:.2f}")

@@ -18,8 +18,6 @@ sorted order and `examples` of the pairs are drawn with a seeded random sample: 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import argparse
 import ast
 import json
@@ -29,6 +27,7 @@ import sysconfig
 import textwrap
 import tokenize
 from pathlib import Path
+from typing import Optional
 
 # Test suites and test data (some of it deliberately unparsable) are not the library itself.
 SKIPPED_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
@@ -52,8 +51,9 @@ def stdlib_pairs() -> list[tuple[str, str]]:
     pairs = []
     for file in sorted(root.rglob("*.py")):
         relative = file.relative_to(root)
-        if (SKIPPED_PARTS & set(relative.parts[:-1])
-                or not all(part.isidentifier() for part in relative.with_suffix("").parts)):
+        if SKIPPED_PARTS & set(relative.parts[:-1]) or not all(
+            part.isidentifier() for part in relative.with_suffix("").parts
+        ):
             continue
         module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
         try:
@@ -80,14 +80,18 @@ def _functions(tree: ast.Module, lines: list[str], module: str):
     yield from visit(tree, [])
 
 
-def _pair(function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str], module: str,
-          qualname: str) -> Optional[tuple[str, str]]:
+def _pair(
+    function: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str], module: str, qualname: str
+) -> Optional[tuple[str, str]]:
     docstring = ast.get_docstring(function)
     if not docstring or len(function.body) < 2:
         return None  # undocumented, or nothing but the docstring to write
     doc, after = function.body[0], function.body[1]
-    alone = (not lines[doc.lineno - 1][: doc.col_offset].strip() and doc.end_lineno < after.lineno
-             and lines[doc.end_lineno - 1].encode()[doc.end_col_offset :].strip() in (b"",))
+    alone = (
+        not lines[doc.lineno - 1][: doc.col_offset].strip()
+        and doc.end_lineno < after.lineno
+        and lines[doc.end_lineno - 1].encode()[doc.end_col_offset :].strip() in (b"",)
+    )
     if not alone:
         return None  # the docstring shares a line with the signature or the code: no clean cut
     summary = re.sub(r"\s+", " ", docstring.strip().split("\n\n")[0]).strip()
@@ -107,8 +111,10 @@ def main() -> None:
     path = write_instruction_set(args.path, args.examples, args.seed)
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
     lengths = sorted(len(r["prompt"]) + len(r["response"]) for r in rows)
-    print(f"{path}: {len(rows)} examples, characters per example: min {lengths[0]}, median "
-          f"{lengths[len(lengths) // 2]}, max {lengths[-1]}")
+    print(
+        f"{path}: {len(rows)} examples, characters per example: min {lengths[0]}, median "
+        f"{lengths[len(lengths) // 2]}, max {lengths[-1]}"
+    )
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ A config that runs out of memory is reported as such (the estimate said so, or i
 
 from __future__ import annotations
 
-from typing import Optional
-
 import argparse
 import json
 import subprocess
@@ -23,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -34,36 +33,98 @@ GRID: dict[str, list[str]] = {
     "single fp32, 2 x 512": ["strategy=single", "precision=fp32", "train.micro_batch_size=2", "data.seq_len=512"],
     "single bf16, 2 x 512": ["strategy=single", "precision=bf16", "train.micro_batch_size=2", "data.seq_len=512"],
     "single bf16, 4 x 2048": ["strategy=single", "precision=bf16", "train.micro_batch_size=4", "data.seq_len=2048"],
-    "single bf16, SGD momentum, 2 x 1024": ["strategy=single", "precision=bf16", "optim=sgd",
-                                            "train.micro_batch_size=2", "data.seq_len=1024"],
-    "single bf16, 2 x 1024, 4 accumulation steps": ["strategy=single", "precision=bf16", "train.micro_batch_size=2",
-                                                    "data.seq_len=1024", "train.grad_accum_steps=4"],
-    "single pure bf16, 2 x 1024": ["strategy=single", "precision=pure_bf16", "train.micro_batch_size=2",
-                                   "data.seq_len=1024"],
-    "fsdp FULL_SHARD bf16, 1 GPU, 4 x 1024": ["strategy=fsdp", "precision=bf16", "train.micro_batch_size=4",
-                                              "data.seq_len=1024"],
+    "single bf16, SGD momentum, 2 x 1024": [
+        "strategy=single",
+        "precision=bf16",
+        "optim=sgd",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "single bf16, 2 x 1024, 4 accumulation steps": [
+        "strategy=single",
+        "precision=bf16",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+        "train.grad_accum_steps=4",
+    ],
+    "single pure bf16, 2 x 1024": [
+        "strategy=single",
+        "precision=pure_bf16",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "fsdp FULL_SHARD bf16, 1 GPU, 4 x 1024": [
+        "strategy=fsdp",
+        "precision=bf16",
+        "train.micro_batch_size=4",
+        "data.seq_len=1024",
+    ],
     "fsdp bf16 + activation checkpointing, 1 GPU, 8 x 2048": [
-        "strategy=fsdp", "precision=bf16", "strategy.activation_checkpointing=true", "train.micro_batch_size=8",
-        "data.seq_len=2048"],
-    "fsdp bf16 + offload_params, 1 GPU, 2 x 1024": ["strategy=fsdp", "precision=bf16", "strategy.offload_params=true",
-                                                    "train.micro_batch_size=2", "data.seq_len=1024"],
-    "deepspeed ZeRO-2 bf16, 1 GPU, 2 x 1024": ["strategy=deepspeed", "strategy.zero_stage=2", "precision=bf16",
-                                               "train.micro_batch_size=2", "data.seq_len=1024"],
-    "deepspeed ZeRO-3 bf16, 1 GPU, 2 x 1024": ["strategy=deepspeed", "strategy.zero_stage=3", "precision=bf16",
-                                               "train.micro_batch_size=2", "data.seq_len=1024"],
-    "ddp bf16, 2 GPUs, 2 x 1024": ["strategy=ddp", "precision=bf16", "hardware.nproc_per_node=2",
-                                   "train.micro_batch_size=2", "data.seq_len=1024"],
-    "fsdp FULL_SHARD bf16, 2 GPUs, 2 x 1024": ["strategy=fsdp", "precision=bf16", "hardware.nproc_per_node=2",
-                                               "train.micro_batch_size=2", "data.seq_len=1024"],
-    "fsdp SHARD_GRAD_OP bf16, 2 GPUs, 2 x 1024": ["strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP",
-                                                  "precision=bf16", "hardware.nproc_per_node=2",
-                                                  "train.micro_batch_size=2", "data.seq_len=1024"],
-    "deepspeed ZeRO-3 bf16, 2 GPUs, 2 x 1024": ["strategy=deepspeed", "strategy.zero_stage=3", "precision=bf16",
-                                                "hardware.nproc_per_node=2", "train.micro_batch_size=2",
-                                                "data.seq_len=1024"],
+        "strategy=fsdp",
+        "precision=bf16",
+        "strategy.activation_checkpointing=true",
+        "train.micro_batch_size=8",
+        "data.seq_len=2048",
+    ],
+    "fsdp bf16 + offload_params, 1 GPU, 2 x 1024": [
+        "strategy=fsdp",
+        "precision=bf16",
+        "strategy.offload_params=true",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "deepspeed ZeRO-2 bf16, 1 GPU, 2 x 1024": [
+        "strategy=deepspeed",
+        "strategy.zero_stage=2",
+        "precision=bf16",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "deepspeed ZeRO-3 bf16, 1 GPU, 2 x 1024": [
+        "strategy=deepspeed",
+        "strategy.zero_stage=3",
+        "precision=bf16",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "ddp bf16, 2 GPUs, 2 x 1024": [
+        "strategy=ddp",
+        "precision=bf16",
+        "hardware.nproc_per_node=2",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "fsdp FULL_SHARD bf16, 2 GPUs, 2 x 1024": [
+        "strategy=fsdp",
+        "precision=bf16",
+        "hardware.nproc_per_node=2",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "fsdp SHARD_GRAD_OP bf16, 2 GPUs, 2 x 1024": [
+        "strategy=fsdp",
+        "strategy.sharding_strategy=SHARD_GRAD_OP",
+        "precision=bf16",
+        "hardware.nproc_per_node=2",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
+    "deepspeed ZeRO-3 bf16, 2 GPUs, 2 x 1024": [
+        "strategy=deepspeed",
+        "strategy.zero_stage=3",
+        "precision=bf16",
+        "hardware.nproc_per_node=2",
+        "train.micro_batch_size=2",
+        "data.seq_len=1024",
+    ],
 }
-SHORT_RUN = ["train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.save_model=false",
-             "task.fit_check=false"]
+SHORT_RUN = [
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.save_model=false",
+    "task.fit_check=false",
+]
 
 
 def processes(grid_overrides: list[str]) -> int:
@@ -73,15 +134,21 @@ def processes(grid_overrides: list[str]) -> int:
 
 def config_overrides(grid_overrides: list[str], steps: int) -> list[str]:
     """`run`'s overrides for a config of the grid: the model, the config on this machine's GPUs, a short run."""
-    return [*MODEL, "hardware=auto", f"hardware.nproc_per_node={processes(grid_overrides)}", *grid_overrides,
-            *SHORT_RUN, f"train.max_steps={steps}"]
+    return [
+        *MODEL,
+        "hardware=auto",
+        f"hardware.nproc_per_node={processes(grid_overrides)}",
+        *grid_overrides,
+        *SHORT_RUN,
+        f"train.max_steps={steps}",
+    ]
 
 
 def estimated(overrides: list[str]):
     from runner.cli.compose import compose_config
     from runner.config.spec import load_spec, validate
-    from runner.memory.model_shapes import facts_of
     from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
 
     spec = validate(load_spec(compose_config(overrides)))
     result = estimate(spec, facts_of(spec.model))
@@ -92,8 +159,13 @@ def measured(overrides: list[str], timeout: int) -> tuple[Optional[float], str]:
     """Rank 0's peak allocated GiB over a short run, or None and why not."""
     with tempfile.TemporaryDirectory() as workdir:
         try:
-            done = subprocess.run([sys.executable, "-m", "runner", *overrides], cwd=workdir, capture_output=True,
-                                  text=True, timeout=timeout)
+            done = subprocess.run(
+                [sys.executable, "-m", "runner", *overrides],
+                cwd=workdir,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             return None, "timed out"
         summaries = list(Path(workdir).glob("outputs/*/*/summary.json"))
@@ -137,8 +209,10 @@ def main() -> None:
     print()
     print(table)
     if args.out:
-        args.out.write_text(f"Measured on {device} x {gpus}, torch {torch.__version__}, {' '.join(MODEL)}, "
-                            f"{args.steps} steps per config (bench/memory_accuracy.py).\n\n{table}\n")
+        args.out.write_text(
+            f"Measured on {device} x {gpus}, torch {torch.__version__}, {' '.join(MODEL)}, "
+            f"{args.steps} steps per config (bench/memory_accuracy.py).\n\n{table}\n"
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ def main() -> None:
         calibration = root / "calibration"
         calibration.mkdir()
         reached = run(calibration, [])
-        print(f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-              f"calibration: the default job (seq_len 256, micro batch 8), {reached['achieved_tflops']:.4f} TFLOP/s")
+        print(
+            f"{datetime.date.today()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+            f"calibration: the default job (seq_len 256, micro batch 8), {reached['achieved_tflops']:.4f} TFLOP/s"
+        )
         print("| overrides | predicted step | measured step | predicted wall | measured wall | wall error |")
         print("|---|---|---|---|---|---|")
         for overrides in CONFIGS:
@@ -58,8 +60,10 @@ def main() -> None:
             predicted = summary["predicted"]
             step = summary["tokens_seen"] / summary["tokens_per_s"] / summary["steps"]
             error = predicted["wall_time_s"] / summary["wall_time_s"] - 1
-            print(f"| {' '.join(overrides)} | {predicted['step_time_s']:.3f} s | {step:.3f} s | "
-                  f"{predicted['wall_time_s']:.2f} s | {summary['wall_time_s']:.2f} s | {error:+.0%} |")
+            print(
+                f"| {' '.join(overrides)} | {predicted['step_time_s']:.3f} s | {step:.3f} s | "
+                f"{predicted['wall_time_s']:.2f} s | {summary['wall_time_s']:.2f} s | {error:+.0%} |"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

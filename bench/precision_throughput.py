@@ -22,16 +22,27 @@ from pathlib import Path
 
 # Llama-3.2-1B's shapes (1.24B parameters; fp8 converts the blocks' linear layers, all 2048 wide and more).
 MODEL = ["model=llama3_2_1b"]
-RUN = ["data.seq_len=2048", "train.micro_batch_size=4", "train.max_steps=40", "train.log_every=10",
-       "train.eval_every=0", "train.eval_batches=1", "train.save_model=false"]
+RUN = [
+    "data.seq_len=2048",
+    "train.micro_batch_size=4",
+    "train.max_steps=40",
+    "train.log_every=10",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.save_model=false",
+]
 STRATEGIES = {"single": ["strategy=single"], "fsdp": ["strategy=fsdp"]}
-PRECISIONS = {"bf16": ["precision=bf16"], "fp8 tensorwise": ["precision=fp8"],
-              "fp8 rowwise": ["precision=fp8", "precision.fp8.recipe=rowwise"]}
+PRECISIONS = {
+    "bf16": ["precision=bf16"],
+    "fp8 tensorwise": ["precision=fp8"],
+    "fp8 rowwise": ["precision=fp8", "precision.fp8.recipe=rowwise"],
+}
 
 
 def measure(overrides: list[str], workdir: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={workdir}"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", *overrides, f"hydra.run.dir={workdir}"], capture_output=True, text=True
+    )
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1]}
     return steady_state(workdir)
@@ -73,11 +84,16 @@ def main() -> None:
                 for mode, compiling in compile_modes.items():
                     workdir = Path(tmp) / f"{strategy}_{name.replace(' ', '_')}_{mode}"
                     rows[strategy, name, mode] = measure(
-                        [*MODEL, *RUN, *STRATEGIES[strategy], *precision, *compiling, *args], workdir)
-    print(f"{datetime.date.today()} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"overrides: {' '.join(args) or '(none)'}\n")
-    print("| strategy | precision | blocks | tokens/s | vs bf16 eager | MFU | peak memory GiB | compile s | "
-          "fp8 linear layers |")
+                        [*MODEL, *RUN, *STRATEGIES[strategy], *precision, *compiling, *args], workdir
+                    )
+    print(
+        f"{datetime.date.today()} | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"overrides: {' '.join(args) or '(none)'}\n"
+    )
+    print(
+        "| strategy | precision | blocks | tokens/s | vs bf16 eager | MFU | peak memory GiB | compile s | "
+        "fp8 linear layers |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for (strategy, name, mode), row in rows.items():
         if "error" in row:
@@ -85,9 +101,11 @@ def main() -> None:
             continue
         base = rows[strategy, "bf16", "eager"].get("tokens_per_s")
         ratio = f"{row['tokens_per_s'] / base:.2f}x" if base else "-"
-        print(f"| {strategy} | {name} | {mode} | {row['tokens_per_s']:.0f} | {ratio} | {row['mfu']:.1%} | "
-              f"{row['peak_memory_gib']:.1f} | {row['compile_time_s']:.0f} | "
-              f"{row['precision'].get('fp8_linear_layers', 0)} |")
+        print(
+            f"| {strategy} | {name} | {mode} | {row['tokens_per_s']:.0f} | {ratio} | {row['mfu']:.1%} | "
+            f"{row['peak_memory_gib']:.1f} | {row['compile_time_s']:.0f} | "
+            f"{row['precision'].get('fp8_linear_layers', 0)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -54,13 +54,17 @@ FIRST_STEP = {
 def startup_section(spec, repeats: int, threads: int, workdir: Path) -> str:
     """Wall times of the runner's cheap commands, and process start to the end of the first optimizer step."""
     env = child_env(threads)
-    quick = {"run --help": [*run_command(), "--help"], "run --cfg job": [*run_command(), "--cfg", "job"],
-             HYDRA_FLOOR: [sys.executable, "-c", "import hydra, omegaconf"]}
+    quick = {
+        "run --help": [*run_command(), "--help"],
+        "run --cfg job": [*run_command(), "--cfg", "job"],
+        HYDRA_FLOOR: [sys.executable, "-c", "import hydra, omegaconf"],
+    }
     plans = {}
     for name, eval_batches in (("evaluating", spec.train.eval_batches), ("bare", 0)):
         plans[name] = workdir / f"plan_startup_{name}.json"
-        plans[name].write_text(json.dumps(peer_plan(spec, workdir, None, spec.train.micro_batch_size, 1, 1,
-                                                    eval_batches)))
+        plans[name].write_text(
+            json.dumps(peer_plan(spec, workdir, None, spec.train.micro_batch_size, 1, 1, eval_batches))
+        )
     times: dict[str, list[float]] = {name: [] for name in [*quick, *FIRST_STEP]}
     evaluated: dict[str, list[float]] = {}  # each contender's eval loss before its first step
     errors: dict[str, str] = {}
@@ -89,11 +93,21 @@ def startup_section(spec, repeats: int, threads: int, workdir: Path) -> str:
     return startup_table(times, evaluated, errors, repeats, quick, env)
 
 
-def startup_table(times: dict[str, list[float]], evaluated: dict[str, list[float]], errors: dict[str, str],
-                  repeats: int, quick: dict[str, list[str]], env: dict[str, str]) -> str:
-    lines = ["", f"Start-up: wall time in seconds, median of {repeats} runs ({repeats * QUICK_REPEATS} of the quick "
-             "commands)", "",
-             "| what | median s | runs (s) |", "|---|---|---|"]
+def startup_table(
+    times: dict[str, list[float]],
+    evaluated: dict[str, list[float]],
+    errors: dict[str, str],
+    repeats: int,
+    quick: dict[str, list[str]],
+    env: dict[str, str],
+) -> str:
+    lines = [
+        "",
+        f"Start-up: wall time in seconds, median of {repeats} runs ({repeats * QUICK_REPEATS} of the quick commands)",
+        "",
+        "| what | median s | runs (s) |",
+        "|---|---|---|",
+    ]
     for name, values in times.items():
         shown = f"failed: {errors[name]}" if name in errors else f"{median(values):.2f}"
         label = name if name in quick else f"to the first optimizer step: {name}"
@@ -106,30 +120,43 @@ def startup_table(times: dict[str, list[float]], evaluated: dict[str, list[float
         lines.append(f"- `{name}` imports torch: {'yes' if imports_torch(name.split()[1:], env) else 'no'}")
     cfg_job = median(times["run --cfg job"])
     if cfg_job is not None:
-        lines.append(f"- `run --cfg job` under {CFG_JOB_TARGET_S} s: "
-                     f"{'met' if cfg_job < CFG_JOB_TARGET_S else 'MISSED'} ({cfg_job:.2f} s)")
+        lines.append(
+            f"- `run --cfg job` under {CFG_JOB_TARGET_S} s: "
+            f"{'met' if cfg_job < CFG_JOB_TARGET_S else 'MISSED'} ({cfg_job:.2f} s)"
+        )
         floor = median(times[HYDRA_FLOOR])
         if floor is not None:
-            lines.append(f"- a Python process that only imports Hydra and OmegaConf, as every Hydra app does: "
-                         f"{floor:.2f} s")
-    runner_first, hand_first, bare_first = (median(times[name]) for name in
-                                            (RUNNER_FIRST_STEP, HAND_FIRST_STEP, BARE_HAND_FIRST_STEP))
+            lines.append(
+                f"- a Python process that only imports Hydra and OmegaConf, as every Hydra app does: {floor:.2f} s"
+            )
+    runner_first, hand_first, bare_first = (
+        median(times[name]) for name in (RUNNER_FIRST_STEP, HAND_FIRST_STEP, BARE_HAND_FIRST_STEP)
+    )
     if runner_first is not None and hand_first is not None:
         gap = runner_first - hand_first
-        lines.append(f"- the default run's first step within {FIRST_STEP_MARGIN_S:.0f} s of the equivalent "
-                     f"hand-written loop's: {'met' if gap <= FIRST_STEP_MARGIN_S else 'MISSED'} ({gap:+.2f} s)")
+        lines.append(
+            f"- the default run's first step within {FIRST_STEP_MARGIN_S:.0f} s of the equivalent "
+            f"hand-written loop's: {'met' if gap <= FIRST_STEP_MARGIN_S else 'MISSED'} ({gap:+.2f} s)"
+        )
     if runner_first is not None and bare_first is not None:
-        lines.append(f"- the same against the hand-written loop without the evaluation: "
-                     f"{runner_first - bare_first:+.2f} s")
+        lines.append(
+            f"- the same against the hand-written loop without the evaluation: {runner_first - bare_first:+.2f} s"
+        )
     return "\n".join(lines)
 
 
 def imports_torch(arguments: list[str], env: dict[str, str]) -> bool:
     """Whether `run <arguments>` imports torch, from Python's own import log."""
-    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "runner", *arguments], env=env,
-                            capture_output=True, text=True, cwd=ROOT)
-    modules = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
-               if line.startswith("import time:")]
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "runner", *arguments],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    modules = [
+        line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+    ]
     return "torch" in modules
 
 
@@ -154,9 +181,11 @@ BARE = "bare Hydra compose"
 def cfg_job_contenders(overrides: list[str]) -> dict[str, list[str]]:
     """`run --cfg job` (this checkout's, through -m) and the bare compose of the same config, and what any Hydra app
     pays before it composes, for scale."""
-    return {CFG_JOB: [sys.executable, "-m", "runner", "--cfg", "job", *overrides],
-            BARE: [sys.executable, "-c", BARE_COMPOSE, *overrides],
-            HYDRA_FLOOR: [sys.executable, "-c", "import hydra, omegaconf"]}
+    return {
+        CFG_JOB: [sys.executable, "-m", "runner", "--cfg", "job", *overrides],
+        BARE: [sys.executable, "-c", BARE_COMPOSE, *overrides],
+        HYDRA_FLOOR: [sys.executable, "-c", "import hydra, omegaconf"],
+    }
 
 
 def time_cfg_job(repeats: int, overrides: list[str], workdir: Path) -> dict[str, dict[str, list[float]]]:
@@ -170,10 +199,12 @@ def time_cfg_job(repeats: int, overrides: list[str], workdir: Path) -> dict[str,
         result = subprocess.run(contenders[name], env=env, capture_output=True, text=True, cwd=workdir)
         if result.returncode:
             sys.exit(f"{name} failed: {(result.stderr.strip().splitlines() or ['?'])[-1]}")
-    times: dict[str, dict[str, list[float]]] = {"wall": {name: [] for name in names},
-                                                "cpu": {name: [] for name in names}}
+    times: dict[str, dict[str, list[float]]] = {
+        "wall": {name: [] for name in names},
+        "cpu": {name: [] for name in names},
+    }
     for repeat in range(repeats):
-        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             used, began = children_cpu(), time.perf_counter()
             subprocess.run(contenders[name], env=env, capture_output=True, cwd=workdir, check=True)
             times["wall"][name].append(time.perf_counter() - began)
@@ -190,20 +221,31 @@ def cfg_job_report(times: dict[str, dict[str, list[float]]]) -> str:
     """The medians, and the ratio of `run --cfg job` to the bare compose in each repeat: its median and spread, of
     the wall time (the target's) and of the CPU time."""
     repeats = len(times["wall"][CFG_JOB])
-    lines = [f"`run --cfg job` against a bare Hydra compose of the same config: seconds, {repeats} repeats", "",
-             "| what | median wall | min wall | max wall | median CPU |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {statistics.median(wall):.3f} | {min(wall):.3f} | {max(wall):.3f} | "
-              f"{statistics.median(times['cpu'][name]):.3f} |" for name, wall in times["wall"].items()]
+    lines = [
+        f"`run --cfg job` against a bare Hydra compose of the same config: seconds, {repeats} repeats",
+        "",
+        "| what | median wall | min wall | max wall | median CPU |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {name} | {statistics.median(wall):.3f} | {min(wall):.3f} | {max(wall):.3f} | "
+        f"{statistics.median(times['cpu'][name]):.3f} |"
+        for name, wall in times["wall"].items()
+    ]
     lines.append("")
     for kind, measured in times.items():
         ratios = sorted(runner / bare for runner, bare in zip(measured[CFG_JOB], measured[BARE]))
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        lines.append(f"- {kind} time ratio per repeat, `run --cfg job` over the bare compose: median "
-                     f"{statistics.median(ratios):.2f}, quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, range "
-                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}")
+        lines.append(
+            f"- {kind} time ratio per repeat, `run --cfg job` over the bare compose: median "
+            f"{statistics.median(ratios):.2f}, quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, range "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+        )
     ratio = statistics.median(runner / bare for runner, bare in zip(times["wall"][CFG_JOB], times["wall"][BARE]))
-    lines.append(f"- within {CFG_JOB_RATIO_TARGET}x (the median wall time ratio): "
-                 f"{'met' if ratio <= CFG_JOB_RATIO_TARGET else 'MISSED'} ({ratio:.2f})")
+    lines.append(
+        f"- within {CFG_JOB_RATIO_TARGET}x (the median wall time ratio): "
+        f"{'met' if ratio <= CFG_JOB_RATIO_TARGET else 'MISSED'} ({ratio:.2f})"
+    )
     return "\n".join(lines)
 
 

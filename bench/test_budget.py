@@ -79,9 +79,12 @@ def tier(python: Path, name: str, selection: list[str], job_s: float, limit: int
     last = (done.stdout.strip().splitlines() or ["no output"])[-1].strip("= ")
     ratio = seconds / job_s
     met = done.returncode == 0 and ratio <= limit
-    print(f"{name} ({shlex.join(['python', '-m', 'pytest', *selection])}): {seconds:.0f} s, {ratio:.1f} times the "
-          f"default job, limit {limit}: {'met' if ratio <= limit else 'missed'}"
-          f"{'' if done.returncode == 0 else f' (but exit status {done.returncode})'} | {last}", flush=True)
+    print(
+        f"{name} ({shlex.join(['python', '-m', 'pytest', *selection])}): {seconds:.0f} s, {ratio:.1f} times the "
+        f"default job, limit {limit}: {'met' if ratio <= limit else 'missed'}"
+        f"{'' if done.returncode == 0 else f' (but exit status {done.returncode})'} | {last}",
+        flush=True,
+    )
     return {"s": round(seconds, 1), "ratio": round(ratio, 1), "limit": limit, "met": met, "result": last}
 
 
@@ -96,24 +99,43 @@ def record(measurement: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fast-only", action="store_true", help="skip the full suite")
-    parser.add_argument("--python", type=Path, default=Path(sys.executable),
-                        help="the interpreter of the venv to measure (default: this one)")
+    parser.add_argument(
+        "--python",
+        type=Path,
+        default=Path(sys.executable),
+        help="the interpreter of the venv to measure (default: this one)",
+    )
     args = parser.parse_args()
     python = args.python.absolute()  # not resolved: a venv's python is a link out of the venv
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    torch_version = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True,
-                                   text=True).stdout.strip() or "(not importable)"
+    torch_version = (
+        subprocess.run(
+            [str(python), "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+        ).stdout.strip()
+        or "(not importable)"
+    )
     when = datetime.datetime.now()
-    print(f"test budget, {when:%Y-%m-%d %H:%M}, commit {commit}{' (dirty)' if dirty else ''}, "
-          f"{os.cpu_count()} CPUs, torch {torch_version}, {python}", flush=True)
+    print(
+        f"test budget, {when:%Y-%m-%d %H:%M}, commit {commit}{' (dirty)' if dirty else ''}, "
+        f"{os.cpu_count()} CPUs, torch {torch_version}, {python}",
+        flush=True,
+    )
 
     job_s = default_job(python)
-    measurement = {"date": f"{when:%Y-%m-%d %H:%M}", "commit": commit, "dirty": bool(dirty), "cpus": os.cpu_count(),
-                   "torch": torch_version, "how": "bench/test_budget.py", "default_job_s": round(job_s, 1),
-                   "fast": tier(python, "fast tier", ["-m", "not slow"], job_s, FAST_LIMIT)}
+    measurement = {
+        "date": f"{when:%Y-%m-%d %H:%M}",
+        "commit": commit,
+        "dirty": bool(dirty),
+        "cpus": os.cpu_count(),
+        "torch": torch_version,
+        "how": "bench/test_budget.py",
+        "default_job_s": round(job_s, 1),
+        "fast": tier(python, "fast tier", ["-m", "not slow"], job_s, FAST_LIMIT),
+    }
     if not args.fast_only:
         measurement["suite"] = tier(python, "full suite", [], job_s, SUITE_LIMIT)
     record(measurement)

@@ -89,6 +89,6 @@ class NothingToLaunch(BaseException):
 
 
 def did_you_mean(given: str, choices: Iterable[str], prefix: str = "") -> str:
-    """"; did you mean <prefix><the closest choice>?", or nothing when none is close."""
+    """ "; did you mean <prefix><the closest choice>?", or nothing when none is close."""
     close = difflib.get_close_matches(given, list(choices), n=1, cutoff=0.6)
     return f"; did you mean {prefix}{close[0]}?" if close else ""

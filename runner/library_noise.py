@@ -30,8 +30,15 @@ def quiet_loggers() -> None:
     error the run reports; DTensor suggests flattening mesh dimensions whenever a tensor-parallel and FSDP-sharded
     tensor is gathered over both (the gradient norm at each step, a checkpoint's whole weights); lm-eval logs each
     task it builds. Errors still show."""
-    for name in ("torchao", "torch.utils._pytree", "alembic", "matplotlib.font_manager", "huggingface_hub",
-                 "torch.distributed.tensor._redistribute", "lm_eval"):
+    for name in (
+        "torchao",
+        "torch.utils._pytree",
+        "alembic",
+        "matplotlib.font_manager",
+        "huggingface_hub",
+        "torch.distributed.tensor._redistribute",
+        "lm_eval",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
     # datasets logs, as an error, the bad file that it then raises about (runner/data/stream.py names its line).
     logging.getLogger("datasets.packaged_modules").setLevel(logging.CRITICAL)
@@ -76,9 +83,9 @@ def quiet_launcher() -> None:
 # torch's words (torch.multiprocessing.spawn) for the ranks still running once one has failed, and the runner's.
 ENDING_RANKS = {
     "Terminating process %s via signal SIGTERM": "a rank failed; process %s, another rank of this node, is still "
-                                                 "running: ending it (SIGTERM, then SIGKILL after 30 s)",
+    "running: ending it (SIGTERM, then SIGKILL after 30 s)",
     "Unable to shutdown process %s via SIGTERM , forcefully exiting via SIGKILL": "process %s did not end on "
-                                                                                  "SIGTERM: killed (SIGKILL)",
+    "SIGTERM: killed (SIGKILL)",
 }
 
 

@@ -63,12 +63,19 @@ def test_the_installed_mask_functions_take_what_the_probe_gives():
     from transformers import LlamaConfig
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    config = LlamaConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=1, intermediate_size=32,
-                         vocab_size=32, sliding_window=2)
+    config = LlamaConfig(
+        hidden_size=16,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=32,
+        vocab_size=32,
+        sliding_window=2,
+    )
     config._attn_implementation = "eager"
     hidden = torch.zeros(1, 3, 16)
-    arguments = dict(config=config, inputs_embeds=hidden, attention_mask=None, position_ids=torch.arange(3)[None],
-                     **no_mask_cache())
+    arguments = dict(
+        config=config, inputs_embeds=hidden, attention_mask=None, position_ids=torch.arange(3)[None], **no_mask_cache()
+    )
     causal = create_causal_mask(**arguments)
     assert causal.shape == (1, 1, 3, 3) and causal[0, 0, 0, 1] < 0 and causal[0, 0, 2, 0] == 0
     assert create_sliding_window_causal_mask(**arguments).shape == (1, 1, 3, 3)
@@ -105,8 +112,9 @@ def test_checkpointing_is_enabled_by_its_older_name_on_transformers_5_17():
 def test_the_installed_models_checkpoint_each_block():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=2,
-                                         intermediate_size=32, vocab_size=32))
+    model = LlamaForCausalLM(
+        LlamaConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=2, intermediate_size=32, vocab_size=32)
+    )
     checkpoint_activations(model)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
 
@@ -115,8 +123,10 @@ class StageOfTorch2_11:
     def get_bwd_send_ops(self, bwd_chunk_id):
         for grad, grad_recv_stage in zip(self.bwd_cache.pop(bwd_chunk_id), self.grad_send_info):
             if grad is None and grad_recv_stage is not None:
-                raise RuntimeError(f"[1] for chunk {bwd_chunk_id} has gradients {grad} "
-                                   f"and is expecting to send gradients to stage {grad_recv_stage}")
+                raise RuntimeError(
+                    f"[1] for chunk {bwd_chunk_id} has gradients {grad} "
+                    f"and is expecting to send gradients to stage {grad_recv_stage}"
+                )
 
 
 class StageOfTorch2_13:
@@ -136,16 +146,20 @@ def view_ops_flattening_sharded_dims():
     def propagate_shape_and_sharding(placements, shape, rule, mesh_sizes, strict_view=False):
         return placements, placements
 
-    return SimpleNamespace(view_groups=lambda from_size, to_size: (from_size, to_size),
-                           propagate_shape_and_sharding=propagate_shape_and_sharding)
+    return SimpleNamespace(
+        view_groups=lambda from_size, to_size: (from_size, to_size),
+        propagate_shape_and_sharding=propagate_shape_and_sharding,
+    )
 
 
 def view_ops_of_torch_2_11():
     def propagate_shape_and_sharding(placements, shape, rule, mesh_sizes, strict_view=False):
         raise RuntimeError("Attempted to flatten multiple dimensions, with dimension 1 being sharded. ")
 
-    return SimpleNamespace(view_groups=lambda from_size, to_size: (from_size, to_size),
-                           propagate_shape_and_sharding=propagate_shape_and_sharding)
+    return SimpleNamespace(
+        view_groups=lambda from_size, to_size: (from_size, to_size),
+        propagate_shape_and_sharding=propagate_shape_and_sharding,
+    )
 
 
 def test_torch_2_13s_dtensor_flattens_a_sharded_sequence():

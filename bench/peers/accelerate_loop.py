@@ -19,10 +19,16 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 def main() -> None:
     args, plan = arguments()
 
-    fsdp = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-        reshard_after_forward=True,
-    ) if args.strategy == "fsdp" else None
+    fsdp = (
+        FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            reshard_after_forward=True,
+        )
+        if args.strategy == "fsdp"
+        else None
+    )
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), fsdp_plugin=fsdp)
     if args.strategy == "fsdp" and accelerator.distributed_type is not DistributedType.FSDP:
         unsupported(f"accelerate runs FSDP on accelerators only; here it would run {accelerator.distributed_type}")
@@ -30,14 +36,20 @@ def main() -> None:
     model = initial_model(plan)  # the runner's initial weights
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": plan["weight_decay"]},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=plan["lr"], betas=plan["betas"], eps=plan["eps"],
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": plan["weight_decay"]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=plan["lr"],
+        betas=plan["betas"],
+        eps=plan["eps"],
     )
     # The prepared scheduler steps once per process at each optimizer step, so its lengths count all processes.
     schedule = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=plan["warmup_steps"] * accelerator.num_processes,
-        num_training_steps=plan["max_steps"] * accelerator.num_processes, min_lr_rate=plan["min_lr_ratio"],
+        optimizer,
+        num_warmup_steps=plan["warmup_steps"] * accelerator.num_processes,
+        num_training_steps=plan["max_steps"] * accelerator.num_processes,
+        min_lr_rate=plan["min_lr_ratio"],
     )
     rows, eval_rows = token_rows(plan)
     instruction = isinstance(rows, list)  # examples of their own lengths, else text blocks of seq_len tokens

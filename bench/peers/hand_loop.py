@@ -73,21 +73,33 @@ def main() -> None:
         forward_context = contextlib.nullcontext
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": plan["weight_decay"]},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=plan["lr"], betas=plan["betas"], eps=plan["eps"],
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": plan["weight_decay"]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=plan["lr"],
+        betas=plan["betas"],
+        eps=plan["eps"],
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine(plan["warmup_steps"], plan["max_steps"], plan["min_lr_ratio"]))
+        optimizer, warmup_cosine(plan["warmup_steps"], plan["max_steps"], plan["min_lr_ratio"])
+    )
 
     rows, eval_rows = token_rows(plan)
     micro = plan["micro_batch_size"]
     instruction = isinstance(rows, list)  # examples of their own lengths, else text blocks of seq_len tokens
     if instruction:
-        mine = [i for start in range(0, len(rows), plan["global_batch"])
-                for i in range(start + rank * micro, start + (rank + 1) * micro)]
-        loader = DataLoader(rows, batch_size=micro, sampler=mine,
-                            collate_fn=functools.partial(padded, pad_token_id=plan["pad_token_id"]))
+        mine = [
+            i
+            for start in range(0, len(rows), plan["global_batch"])
+            for i in range(start + rank * micro, start + (rank + 1) * micro)
+        ]
+        loader = DataLoader(
+            rows,
+            batch_size=micro,
+            sampler=mine,
+            collate_fn=functools.partial(padded, pad_token_id=plan["pad_token_id"]),
+        )
     else:
         sampler = DistributedSampler(rows, shuffle=False) if distributed else None
         loader = DataLoader(rows, batch_size=micro, sampler=sampler)

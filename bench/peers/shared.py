@@ -24,9 +24,13 @@ def arguments() -> tuple[argparse.Namespace, dict]:
     parser.add_argument("--plan", required=True)
     parser.add_argument("--records", required=True)
     parser.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
-    parser.add_argument("--collator", choices=["padding", "flattening"], default="padding",
-                        help="instruction rows, the Trainer only: its padding collator (DataCollatorForSeq2Seq), or "
-                             "the padding-free DataCollatorWithFlattening")
+    parser.add_argument(
+        "--collator",
+        choices=["padding", "flattening"],
+        default="padding",
+        help="instruction rows, the Trainer only: its padding collator (DataCollatorForSeq2Seq), or "
+        "the padding-free DataCollatorWithFlattening",
+    )
     args = parser.parse_args()
     return args, json.loads(Path(args.plan).read_text())
 
@@ -47,8 +51,7 @@ def initial_model(plan: dict):
 
     torch.manual_seed(plan["seed"])
     with torch.device("cpu"), no_init_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]),
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plan["model_config"]), dtype=torch.float32)
     model.init_weights()
     return model
 
@@ -65,8 +68,14 @@ def token_rows(plan: dict):
 
     if plan["rows"]:
         return torch.load(plan["rows"]), None
-    return runner_rows(plan["text_files"], plan["seq_len"], plan["seed"], plan["global_batch"], plan["max_steps"],
-                       plan["eval_batches"] * plan["micro_batch_size"])
+    return runner_rows(
+        plan["text_files"],
+        plan["seq_len"],
+        plan["seed"],
+        plan["global_batch"],
+        plan["max_steps"],
+        plan["eval_batches"] * plan["micro_batch_size"],
+    )
 
 
 def _runner_global_batches(data, seed: int, global_batch: int):
@@ -79,8 +88,15 @@ def _runner_global_batches(data, seed: int, global_batch: int):
 
     tokenizer = byte_tokenizer()
     train_set, eval_set = token_splits(data, tokenizer, seed)
-    batches = train_batches(train_set, micro_batch_size=global_batch, grad_accum_steps=1, dp_rank=0, dp_size=1,
-                            seed=seed, pad_token_id=tokenizer.pad_token_id)
+    batches = train_batches(
+        train_set,
+        micro_batch_size=global_batch,
+        grad_accum_steps=1,
+        dp_rank=0,
+        dp_size=1,
+        seed=seed,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     return tokenizer, (batch.micro_batches[0] for batch in batches), eval_set
 
 
@@ -92,13 +108,15 @@ def runner_rows(text_files: str, seq_len: int, seed: int, global_batch: int, ste
     from runner.config.data import DataConfig
     from runner.data.batches import eval_batches
 
-    tokenizer, batches, eval_set = _runner_global_batches(DataConfig(files=text_files, seq_len=seq_len), seed,
-                                                          global_batch)
+    tokenizer, batches, eval_set = _runner_global_batches(
+        DataConfig(files=text_files, seq_len=seq_len), seed, global_batch
+    )
     train_rows = torch.cat([next(batches).inputs["input_ids"] for _ in range(steps)])
     if not eval_rows:
         return train_rows, None
-    evaluated = eval_batches(eval_set, micro_batch_size=eval_rows, max_batches=1, dp_rank=0, dp_size=1,
-                             pad_token_id=tokenizer.pad_token_id)
+    evaluated = eval_batches(
+        eval_set, micro_batch_size=eval_rows, max_batches=1, dp_rank=0, dp_size=1, pad_token_id=tokenizer.pad_token_id
+    )
     return train_rows, next(evaluated).inputs["input_ids"]
 
 
@@ -110,7 +128,8 @@ def instruction_rows(files: str, seq_len: int, seed: int, global_batch: int, ste
     from runner.config.data import DataConfig, DataFormat
 
     _, batches, _ = _runner_global_batches(
-        DataConfig(files=files, format=DataFormat.instruction, seq_len=seq_len), seed, global_batch)
+        DataConfig(files=files, format=DataFormat.instruction, seq_len=seq_len), seed, global_batch
+    )
     rows = []
     for _ in range(steps):
         batch = next(batches)
@@ -127,9 +146,11 @@ def padded(rows: list[tuple], pad_token_id: int) -> dict:
     import torch
 
     length = max(len(ids) for ids, _ in rows)
-    batch = {"input_ids": torch.full((len(rows), length), pad_token_id),
-             "attention_mask": torch.zeros((len(rows), length), dtype=torch.long),
-             "labels": torch.full((len(rows), length), IGNORE)}
+    batch = {
+        "input_ids": torch.full((len(rows), length), pad_token_id),
+        "attention_mask": torch.zeros((len(rows), length), dtype=torch.long),
+        "labels": torch.full((len(rows), length), IGNORE),
+    }
     for i, (ids, labels) in enumerate(rows):
         batch["input_ids"][i, : len(ids)] = ids
         batch["attention_mask"][i, : len(ids)] = 1
@@ -153,8 +174,9 @@ def evaluate_first(model, rows, micro_batch_size: int, device, log: "StepLog") -
         return
     model.eval()
     with torch.no_grad():
-        losses = [model(input_ids=batch.to(device), labels=batch.to(device)).loss
-                  for batch in rows.split(micro_batch_size)]
+        losses = [
+            model(input_ids=batch.to(device), labels=batch.to(device)).loss for batch in rows.split(micro_batch_size)
+        ]
     log.record(0, eval_loss=torch.stack(losses).mean().item())  # every row is a whole block: the batches weigh the same
     model.train()
 

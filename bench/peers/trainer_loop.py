@@ -89,15 +89,24 @@ def main() -> None:
             from runner.components.modeling import byte_tokenizer
 
             dataset = InstructionRows(rows)
-            collator = (DataCollatorWithFlattening() if args.collator == "flattening"
-                        else DataCollatorForSeq2Seq(byte_tokenizer(), label_pad_token_id=-100))
+            collator = (
+                DataCollatorWithFlattening()
+                if args.collator == "flattening"
+                else DataCollatorForSeq2Seq(byte_tokenizer(), label_pad_token_id=-100)
+            )
         else:
             dataset, collator = CausalLMRows(rows), None
-        trainer = Trainer(model=model, args=training, train_dataset=dataset, data_collator=collator,
-                          callbacks=[LogTimes(log, rows, plan["global_batch"])])
+        trainer = Trainer(
+            model=model,
+            args=training,
+            train_dataset=dataset,
+            data_collator=collator,
+            callbacks=[LogTimes(log, rows, plan["global_batch"])],
+        )
         if args.strategy == "fsdp" and not trainer.is_fsdp_enabled:
-            unsupported(f"the Trainer runs FSDP on accelerators only; here it would run "
-                        f"{trainer.accelerator.distributed_type}")
+            unsupported(
+                f"the Trainer runs FSDP on accelerators only; here it would run {trainer.accelerator.distributed_type}"
+            )
         trainer.train()
         if trainer.is_world_process_zero():
             log.save()

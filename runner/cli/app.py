@@ -35,6 +35,7 @@ from runner.errors import (
 )
 from runner.files.checkpoint_dirs import complete_checkpoints
 from runner.framework_imports import collector_paused
+from runner.library_noise import name_deepspeed_accelerator, quiet_libraries
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
 from runner.planning.time_plan import TimePlan, plan, requeue_line, sweep_line
 from runner.processes.cluster import (
@@ -47,7 +48,6 @@ from runner.processes.cluster import (
     submits_to_cluster,
 )
 from runner.processes.signals import SweepStop
-from runner.library_noise import name_deepspeed_accelerator, quiet_libraries
 from runner.tools.sweep_report import record_error, write_report
 
 if TYPE_CHECKING:
@@ -83,8 +83,12 @@ def run_job(config: DictConfig) -> float:
         record_error(run_dir, stop)
         raise stopped_sweep(hydra_config, f"job {hydra_config.job.num} {stop}", next_job=hydra_config.job.num + 1)
     except Exception as error:
-        one_line_statuses = {WriteFailed: ExitStatus.WRITE_FAILED, DeviceOutOfMemory: ExitStatus.FAILED,
-                             WorkerFailed: ExitStatus.FAILED, RewardFailed: ExitStatus.FAILED}
+        one_line_statuses = {
+            WriteFailed: ExitStatus.WRITE_FAILED,
+            DeviceOutOfMemory: ExitStatus.FAILED,
+            WorkerFailed: ExitStatus.FAILED,
+            RewardFailed: ExitStatus.FAILED,
+        }
         if type(error) in one_line_statuses and task is None and hydra_config.mode == RunMode.RUN:
             raise EndedInOneLine(str(error), one_line_statuses[type(error)]) from None
         failure = job_failure(error, task, run_dir, sweep_job=hydra_config.mode == RunMode.MULTIRUN)
@@ -130,8 +134,9 @@ def start_job(config: DictConfig, hydra_config: DictConfig, first: bool) -> tupl
     return spec, identity, inputs
 
 
-def run_job_here_or_on_workers(spec: RunSpec, run_dir: Path, identity: RunIdentity, inputs: Any, task: Optional[Task],
-                  log_format: Any) -> float:
+def run_job_here_or_on_workers(
+    spec: RunSpec, run_dir: Path, identity: RunIdentity, inputs: Any, task: Optional[Task], log_format: Any
+) -> float:
     """Runs the job in this process (one process), as this task of a cluster job, or through the elastic launcher
     (several processes); its objective."""
     # The engine (and torch with it) is imported once a job runs: `run --help`, `run --cfg job` and the tasks that
@@ -154,8 +159,10 @@ def job_failure(error: Exception, task: Optional[Task], run_dir: Path, sweep_job
         logging.getLogger("runner").exception("the job failed")
     told_in_one_line = (WorkerFailed, NonFiniteLoss, RewardFailed, WriteFailed, DeviceOutOfMemory)
     if task is not None and not isinstance(error, told_in_one_line):  # `run` says it in one line
-        return WorkerFailed(f"rank {task.rank} failed (SLURM job {task.job_id}): {one_line(error)} (its "
-                            f"traceback: the logs in {run_dir})")
+        return WorkerFailed(
+            f"rank {task.rank} failed (SLURM job {task.job_id}): {one_line(error)} (its "
+            f"traceback: the logs in {run_dir})"
+        )
     return None
 
 
@@ -179,8 +186,9 @@ def resume_requeued(config: DictConfig, task: Task, run_dir: Path) -> None:
     found = complete_checkpoints(run_dir)
     if found and not config.resume:
         config.resume = str(found[-1])
-        logging.getLogger("runner").info("SLURM started job %s again (restart %d): resuming from %s", task.job_id,
-                                         task.restarts, found[-1])
+        logging.getLogger("runner").info(
+            "SLURM started job %s again (restart %d): resuming from %s", task.job_id, task.restarts, found[-1]
+        )
 
 
 @dataclass
@@ -199,8 +207,11 @@ def stop_if_asked(hydra_config: DictConfig, before: str) -> None:
     """Stops the sweep before this job has `before` (started, trained) if a signal asked for it."""
     if SWEEP.stop.requested:
         discard_run_dir(Path(hydra_config.runtime.output_dir))
-        raise stopped_sweep(hydra_config, f"{SWEEP.stop.requested} before job {hydra_config.job.num} {before}",
-                            next_job=hydra_config.job.num)
+        raise stopped_sweep(
+            hydra_config,
+            f"{SWEEP.stop.requested} before job {hydra_config.job.num} {before}",
+            next_job=hydra_config.job.num,
+        )
 
 
 def stopped_sweep(hydra_config: DictConfig, what: str, next_job: int) -> SweepStopped:
@@ -228,8 +239,9 @@ def task_checked(spec: RunSpec) -> Optional[str]:
 hydra_main = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(run_job)
 
 
-def checked(config: DictConfig, prefix: str = "", launcher: Optional[DictConfig] = None,
-            print_spec: bool = False) -> tuple[RunSpec, Optional[str]]:
+def checked(
+    config: DictConfig, prefix: str = "", launcher: Optional[DictConfig] = None, print_spec: bool = False
+) -> tuple[RunSpec, Optional[str]]:
     """The validated spec of a job and, when it launches nothing, what to print instead: the task's answer (the
     estimate), or with `print_spec` the spec itself (`run --cfg job`: the spec's checks, not the task's, which
     would import torch).
@@ -293,7 +305,8 @@ class ValidateSpec(Callback):
         loader = GlobalHydra.instance().config_loader()
         params = [f"{key}={value}" for key, value in (config.hydra.sweeper.get("params") or {}).items()]
         overrides = OverridesParser.create(config_loader=loader).parse_overrides(
-            [*params, *config.hydra.overrides.task])
+            [*params, *config.hydra.overrides.task]
+        )
         basic = config.hydra.sweeper._target_ == f"{BasicSweeper.__module__}.{BasicSweeper.__name__}"
         # The basic sweeper's points are its jobs; another sweeper (Optuna) chooses its own as it goes, from any
         # value of each parameter.
@@ -319,8 +332,10 @@ class ValidateSpec(Callback):
             SWEEP.points = [list(point) for point in points] if basic else []
             SWEEP.stop.install()
         if answered and not basic and not self.print_spec:
-            raise LaunchRefused("task=estimate prints estimates for the basic sweeper's points (-m a,b), not for a "
-                                "sweeper that chooses its own")
+            raise LaunchRefused(
+                "task=estimate prints estimates for the basic sweeper's points (-m a,b), not for a "
+                "sweeper that chooses its own"
+            )
         if answered and len(answered) < len(answers):
             raise LaunchRefused("a sweep is either all task=estimate or all training jobs")
         if answered:
@@ -335,8 +350,9 @@ class ValidateSpec(Callback):
                     print(f"{name}: {said}", flush=True)
 
 
-def print_estimates(answered: dict[str, str], plans: dict[str, Optional[TimePlan]],
-                    launcher: Optional[DictConfig]) -> None:
+def print_estimates(
+    answered: dict[str, str], plans: dict[str, Optional[TimePlan]], launcher: Optional[DictConfig]
+) -> None:
     """Each job's estimate, its cluster time limit's requeues where it passes it, then the sweep's total time
     (`plans`: each job's TimePlan, or None where its task plans no training run)."""
     for name, answer in answered.items():
@@ -361,8 +377,10 @@ def refuse_used_directory(directory: Path, key: str) -> None:
     held = [path for path in (directory / "spec.yaml", directory / "multirun.yaml") if path.exists()]
     held += sorted(directory.glob("*/spec.yaml"))[:1]
     if held:
-        raise LaunchRefused(f"{key}={directory} holds a run already ({held[0]}); choose another directory, or "
-                            f"continue that run with: run resume={held[0].parent}")
+        raise LaunchRefused(
+            f"{key}={directory} holds a run already ({held[0]}); choose another directory, or "
+            f"continue that run with: run resume={held[0].parent}"
+        )
 
 
 def each_value(overrides: list[Override]) -> list[list[str]]:
@@ -380,5 +398,6 @@ def each_value(overrides: list[Override]) -> list[list[str]]:
             given = [str(interval.start), str(interval.end)]
         values.append([f"{key}={value}" for value in given])
     firsts = [options[0] for options in values]
-    return [firsts] + [[*firsts[:i], option, *firsts[i + 1:]] for i, options in enumerate(values)
-                       for option in options[1:]]
+    return [firsts] + [
+        [*firsts[:i], option, *firsts[i + 1 :]] for i, options in enumerate(values) for option in options[1:]
+    ]

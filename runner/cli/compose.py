@@ -67,8 +67,9 @@ def store_schemas() -> None:
             store.store(group=f"schema/{group}", name=name, node=node)
     OmegaConf.register_new_resolver("stdlib", lambda: sysconfig.get_paths()["stdlib"])
     # conf/hydra/launcher/: a SLURM job's GPUs, none for CPUs
-    OmegaConf.register_new_resolver("gpus_per_node",
-                                    lambda accelerator, nproc: nproc if accelerator == "cuda" else None)
+    OmegaConf.register_new_resolver(
+        "gpus_per_node", lambda accelerator, nproc: nproc if accelerator == "cuda" else None
+    )
 
 
 def share_the_store() -> None:
@@ -131,8 +132,9 @@ def checked_recipe(text: str) -> RunSpec:
     import yaml
 
     register()
-    ConfigStore.instance().store(group="recipe", name="_unwritten", node=OmegaConf.create(yaml.safe_load(text)),
-                                 package="_global_")
+    ConfigStore.instance().store(
+        group="recipe", name="_unwritten", node=OmegaConf.create(yaml.safe_load(text)), package="_global_"
+    )
     spec = load_spec(compose_config(["recipe=_unwritten", "task=estimate"]))
     machine = spec.hardware
     if machine.accelerator is not Accelerator.cpu:

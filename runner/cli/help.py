@@ -66,8 +66,9 @@ def key_help(name: str) -> str:
 
     sections = [path.name for path in GROUP_DIRS] + ["train"]
     if name not in sections:
-        raise SpecError(f"no config group {name}: run --help <group> knows {', '.join(sections)}"
-                        f"{did_you_mean(name, sections)}")
+        raise SpecError(
+            f"no config group {name}: run --help <group> knows {', '.join(sections)}{did_you_mean(name, sections)}"
+        )
     lines = textwrap.wrap(f"{name}: {help_of(next(f for f in fields(RunSpec) if f.name == name))}", 116)
     options = sorted((CONF_DIR / name).glob("*.yaml"))
     schemas = SCHEMAS.get(name) or {"base": hints(RunSpec)[name]}
@@ -96,8 +97,9 @@ def key_lines(schema: type, prefix: str, values: dict[str, Any]) -> list[str]:
         value = values.get(f"{prefix}{key}", default)
         lines.append(f"  {prefix}{key}: {'' if is_dataclass(value) else shown(value)}{choices(kind)}")
         lines += [f"      {line}" for line in textwrap.wrap(help_of(field_), 110)]
-        inner = [t for t in (kind, *get_args(kind), *(a for t in get_args(kind) for a in get_args(t)))
-                 if is_dataclass(t)]
+        inner = [
+            t for t in (kind, *get_args(kind), *(a for t in get_args(kind) for a in get_args(t))) if is_dataclass(t)
+        ]
         if inner:
             listed = get_origin(kind) is list
             lines += key_lines(inner[0], f"{prefix}{key}{'[].' if listed else '.'}", values)

@@ -26,6 +26,7 @@ from runner.cli.compose import (
     register,
 )
 from runner.cli.help import help_text, key_help
+from runner.cli.recipes import new_recipe
 from runner.cli.run_dir import resume_arguments, trained_arguments
 from runner.cli.user_errors import USER_ERRORS, one_line
 from runner.config.spec import load_spec
@@ -42,7 +43,6 @@ from runner.errors import (
     WorkerFailed,
     WriteFailed,
 )
-from runner.cli.recipes import new_recipe
 from runner.library_noise import quiet_libraries
 
 
@@ -53,7 +53,7 @@ def main() -> None:
         atexit.register(nothing_left_to_collect)
     recipe_dirs = recipes.search_path(RECIPES_DIR)
     if "--help" in args or "-h" in args:
-        asked = args[args.index("--help" if "--help" in args else "-h") + 1:][:1]
+        asked = args[args.index("--help" if "--help" in args else "-h") + 1 :][:1]
         try:
             print(key_help(asked[0]) if asked else help_text(recipe_dirs))
         except SpecError as error:
@@ -81,8 +81,10 @@ def main() -> None:
         if not str(error).startswith("Unexpected type for root: NoneType"):
             raise
         keys = [arg.split("=", 1)[0] for arg in sys.argv[1:] if "=" in arg and not arg.startswith("-")]
-        refuse(f"a key in {', '.join(keys)} sits in a section this spec leaves unset; select it first "
-               "(for example tracker=wandb before tracker.wandb.project=...)")
+        refuse(
+            f"a key in {', '.join(keys)} sits in a section this spec leaves unset; select it first "
+            "(for example tracker=wandb before tracker.wandb.project=...)"
+        )
     except LaunchRefused as refusal:
         refuse(str(refusal))
     except NothingToLaunch:
@@ -127,7 +129,7 @@ def shown_config(args: list[str]) -> Optional[str]:
 def without_flag(args: list[str]) -> list[str]:
     """The arguments without `--cfg job` and `--resolve`: the job's spec is always shown resolved."""
     at = next(i for i, arg in enumerate(args) if arg in ("--cfg", "-c"))
-    return [arg for arg in args[:at] + args[at + 2:] if arg != "--resolve"]
+    return [arg for arg in args[:at] + args[at + 2 :] if arg != "--resolve"]
 
 
 def refuse(message: str) -> None:
@@ -184,15 +186,19 @@ def prepare_data(recipe_dirs: list[Path], overrides: list[str]) -> None:
 
     spec = validated(compose_config(overrides), Path.cwd(), on_this_machine=False)
     if spec.data.streaming or spec.data.format is DataFormat.prompt:
-        raise SpecError(f"data.{'streaming=true' if spec.data.streaming else 'format=prompt'} tokenizes as the job "
-                        "starts and stores nothing: --prepare-data has nothing to do")
+        raise SpecError(
+            f"data.{'streaming=true' if spec.data.streaming else 'format=prompt'} tokenizes as the job "
+            "starts and stores nothing: --prepare-data has nothing to do"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     train, evaluation = token_splits(spec.data, build_tokenizer(spec.model), spec.seed)
     store = train.store.path.parent
     documents = train.store.meta["documents"]
-    print(f"token store {store}: {size_on_disk(store) / 2**20:,.1f} MiB, {documents:,} documents; "
-          f"{len(train):,} train and {len(evaluation):,} eval rows of up to {spec.data.seq_len} tokens "
-          f"({int(train.tokens.sum()):,} train tokens)")
+    print(
+        f"token store {store}: {size_on_disk(store) / 2**20:,.1f} MiB, {documents:,} documents; "
+        f"{len(train):,} train and {len(evaluation):,} eval rows of up to {spec.data.seq_len} tokens "
+        f"({int(train.tokens.sum()):,} train tokens)"
+    )
 
 
 def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
@@ -207,16 +213,21 @@ def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
     count = int(arguments.pop(0)) if arguments and arguments[0].isdigit() else 3
     spec = validated(compose_config(arguments), Path.cwd(), on_this_machine=False)
     if spec.data.streaming:
-        raise SpecError("--show-data reads the token store, which data.streaming=true does not write; drop "
-                        "data.streaming to see the rows")
+        raise SpecError(
+            "--show-data reads the token store, which data.streaming=true does not write; drop "
+            "data.streaming to see the rows"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     tokenizer = build_tokenizer(spec.model)
     if spec.data.format is DataFormat.prompt:  # task=grpo's: prompts, whose completions are sampled as it trains
         from runner.data.prompts import prompt_splits, read_prompts
         from runner.data.show import shown_prompts
 
-        print(shown_prompts(*prompt_splits(read_prompts(spec.data, tokenizer), spec.data.eval_fraction, spec.seed),
-                            count, tokenizer))
+        print(
+            shown_prompts(
+                *prompt_splits(read_prompts(spec.data, tokenizer), spec.data.eval_fraction, spec.seed), count, tokenizer
+            )
+        )
         return
     train, evaluation = token_splits(spec.data, tokenizer, spec.seed)
     colour = sys.stdout.isatty()
@@ -226,8 +237,10 @@ def show_data(recipe_dirs: list[Path], arguments: list[str]) -> None:
         names = [f"train pair {index}, chosen", f"train pair {index}, rejected"] if pairs else [f"train row {index}"]
         for name, values in zip(names, zip(*rows.values())):
             print(f"--- {name}\n{shown_row(dict(zip(rows, values)), tokenizer, colour)}")
-    print(f"--- {'green' if colour else '[[ ]]'}: trained; {'┃'}: between packed examples\n"
-          f"{counts(train, evaluation, spec.data.seq_len, 'pairs' if pairs else 'rows')}")
+    print(
+        f"--- {'green' if colour else '[[ ]]'}: trained; {'┃'}: between packed examples\n"
+        f"{counts(train, evaluation, spec.data.seq_len, 'pairs' if pairs else 'rows')}"
+    )
 
 
 # The runner's own commands, which answer without composing a job.

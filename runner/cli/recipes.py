@@ -9,13 +9,12 @@ then the directories listed in $RUNNER_RECIPES.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import functools
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -73,7 +72,7 @@ def chosen_options(path: Path) -> list[str]:
     """The `override /group: option` lines of a recipe's defaults list, as `group=option`."""
     options = []
     for entry in load(path).get("defaults", []):
-        for key, value in (entry.items() if isinstance(entry, DictConfig) else []):
+        for key, value in entry.items() if isinstance(entry, DictConfig) else []:
             options.append(f"{key.removeprefix('override ').lstrip('/')}={value}")
     return options
 

@@ -30,8 +30,15 @@ def resume_arguments(args: list[str]) -> list[str]:
         raise SpecError("resume= continues one run; it cannot be part of a sweep (-m)")
     run_dir, checkpoint = _resumed(given[-1])
     others = [arg for arg in args if not arg.startswith("resume=")]
-    return ["--config-dir", str(run_dir.resolve()), "--config-name", "spec", *others,
-            f"resume={checkpoint.resolve()}", f"hydra.run.dir={run_dir.resolve()}"]
+    return [
+        "--config-dir",
+        str(run_dir.resolve()),
+        "--config-name",
+        "spec",
+        *others,
+        f"resume={checkpoint.resolve()}",
+        f"hydra.run.dir={run_dir.resolve()}",
+    ]
 
 
 def trained_arguments(args: list[str]) -> list[str]:
@@ -71,8 +78,9 @@ def spec_file(spec: RunSpec, hydra_config: Any, run_dir: Path) -> str:
     values. A group's section holds only what differs from its option, so that the file composes with another
     option of that group (`task=estimate`, `strategy=fsdp`) as the command line's defaults do."""
     overrides = " ".join(hydra_config.overrides.task)
-    choices = {group: choice for group, choice in chosen_options(hydra_config.runtime.choices).items()
-               if group in SCHEMAS}
+    choices = {
+        group: choice for group, choice in chosen_options(hydra_config.runtime.choices).items() if group in SCHEMAS
+    }
     header = [
         "# The resolved run spec of this job, the runner's only input: its options, then its values (a group's",
         "# section only where it differs from the option). The whole spec: add --cfg job to the command below.",
@@ -98,8 +106,11 @@ def spec_file(spec: RunSpec, hydra_config: Any, run_dir: Path) -> str:
 def chosen_options(choices: Any) -> dict[str, str]:
     """The option of each of the spec's groups that Hydra composed (its own groups and the schemas left out), in
     the defaults list's order."""
-    return {group: choice for group, choice in reversed(choices.items())
-            if not group.startswith(("hydra/", "schema/")) and choice is not None}
+    return {
+        group: choice
+        for group, choice in reversed(choices.items())
+        if not group.startswith(("hydra/", "schema/")) and choice is not None
+    }
 
 
 def option_values(choices: dict[str, str]) -> dict[str, Any]:
@@ -107,8 +118,11 @@ def option_values(choices: dict[str, str]) -> dict[str, Any]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
 
-    composed = GlobalHydra.instance().config_loader().load_configuration(
-        "config", [f"{group}={choice}" for group, choice in choices.items()], RunMode.RUN)
+    composed = (
+        GlobalHydra.instance()
+        .config_loader()
+        .load_configuration("config", [f"{group}={choice}" for group, choice in choices.items()], RunMode.RUN)
+    )
     return {group: OmegaConf.to_container(composed[group], resolve=True, enum_to_str=True) for group in choices}
 
 

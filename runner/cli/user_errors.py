@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import re
 from dataclasses import fields
+from typing import Optional
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
@@ -35,11 +34,16 @@ def unknown_key(cause: OmegaConfBaseException, message: str) -> str:
     chosen = option_of(schema[1]) if schema else None
     if chosen and chosen[0] == prefix:
         group, option = chosen
-        takers = [other for other, options_schema in SCHEMAS[group].items()
-                  if cause.key in {field.name for field in fields(options_schema)}]
+        takers = [
+            other
+            for other, options_schema in SCHEMAS[group].items()
+            if cause.key in {field.name for field in fields(options_schema)}
+        ]
         if takers:
-            return (f"{full_key} is a key of {' and '.join(f'{group}={taker}' for taker in takers)}, not of "
-                    f"{group}={option}")
+            return (
+                f"{full_key} is a key of {' and '.join(f'{group}={taker}' for taker in takers)}, not of "
+                f"{group}={option}"
+            )
     known = list(parent.keys()) if parent is not None and hasattr(parent, "keys") else []
     return f"unknown key {full_key}: {message}{did_you_mean(str(cause.key), known, f'{prefix}.' if prefix else '')}"
 
@@ -48,12 +52,16 @@ def one_line(error: BaseException) -> str:
     """The message a user needs, on one line, without Hydra's and OmegaConf's report layout."""
     if isinstance(error, MissingConfigException) and error.missing_cfg_file in HYDRA_PLUGINS:
         package = HYDRA_PLUGINS[error.missing_cfg_file]
-        return (f"{error.missing_cfg_file} comes with Hydra's {package} plugin, which is not installed: "
-                f"pip install {package}")
+        return (
+            f"{error.missing_cfg_file} comes with Hydra's {package} plugin, which is not installed: "
+            f"pip install {package}"
+        )
     if isinstance(error, MissingConfigException) and error.missing_cfg_file and error.options is not None:
         group, _, option = error.missing_cfg_file.rpartition("/")
-        return (f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"
-                f"{did_you_mean(option, error.options)}")
+        return (
+            f"{group}={option} is not an option; choose one of: {', '.join(sorted(error.options))}"
+            f"{did_you_mean(option, error.options)}"
+        )
     if isinstance(error, OverrideParseException):
         return f"cannot parse the override '{error.override}': {str(error).splitlines()[0]}"
     cause = error.__cause__ if isinstance(error, ConfigCompositionException) and error.__cause__ else error
@@ -62,18 +70,28 @@ def one_line(error: BaseException) -> str:
         if message.startswith("Key ") and " not in " in message:
             return unknown_key(cause, message)
         return f"{cause.full_key}: {message}"
-    swapped = re.match(r"In '([^']+)': ConfigKeyError raised while composing config:\s+Key '(\w+)' not in '(\w+)'",
-                       str(error))
+    swapped = re.match(
+        r"In '([^']+)': ConfigKeyError raised while composing config:\s+Key '(\w+)' not in '(\w+)'", str(error)
+    )
     chosen = option_of(swapped[3]) if swapped else None
     if chosen:
         (config, key), (group, option) = swapped.group(1, 2), chosen
-        return (f"{config}.yaml sets {group}.{key}, which {group}={option} does not take: remove that line from "
-                f"{config}.yaml, or keep the {group} option it was written for")
+        return (
+            f"{config}.yaml sets {group}.{key}, which {group}={option} does not take: remove that line from "
+            f"{config}.yaml, or keep the {group} option it was written for"
+        )
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines[:2]) if lines else type(error).__name__
 
 
 def option_of(schema_name: str) -> Optional[tuple[str, str]]:
     """The group and option whose schema is the class of this name."""
-    return next(((group, option) for group, options in SCHEMAS.items() for option, schema in options.items()
-                 if schema.__name__ == schema_name), None)
+    return next(
+        (
+            (group, option)
+            for group, options in SCHEMAS.items()
+            for option, schema in options.items()
+            if schema.__name__ == schema_name
+        ),
+        None,
+    )

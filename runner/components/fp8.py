@@ -21,15 +21,20 @@ def fp8_layer_names(model: nn.Module, fp8: Float8Config) -> list[str]:
         return any(name == s or name.endswith(f".{s}") for s in fp8.skip)
 
     names = [
-        name for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not skipped(name)
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and not skipped(name)
         and min(module.in_features, module.out_features) >= fp8.min_features
-        and module.in_features % 16 == 0 and module.out_features % 16 == 0
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
     ]
     if not names:  # an fp8 run without a single fp8 matmul would be a bf16 run under another name
-        raise SpecError(f"precision=fp8 finds no linear layer to convert: none has both dimensions >= "
-                        f"precision.fp8.min_features={fp8.min_features} and multiples of 16, outside "
-                        f"precision.fp8.skip; lower precision.fp8.min_features or use precision=bf16")
+        raise SpecError(
+            f"precision=fp8 finds no linear layer to convert: none has both dimensions >= "
+            f"precision.fp8.min_features={fp8.min_features} and multiples of 16, outside "
+            f"precision.fp8.skip; lower precision.fp8.min_features or use precision=bf16"
+        )
     return names
 
 
@@ -76,8 +81,13 @@ def _convert_to_transformer_engine(model: nn.Module, names: list[str]) -> None:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
-        replacement = te.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                params_dtype=linear.weight.dtype, device=linear.weight.device)
+        replacement = te.Linear(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            params_dtype=linear.weight.dtype,
+            device=linear.weight.device,
+        )
         with torch.no_grad():
             replacement.weight.copy_(linear.weight)
             if linear.bias is not None:

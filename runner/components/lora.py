@@ -36,16 +36,25 @@ def targets(adapter: AdapterConfig, model: nn.Module) -> list[str]:
     """The linear layers the adapter adapts; an unknown name is an error naming the ones there are."""
     known = block_linear_names(model)
     for name in adapter.target_modules:
-        require(name in known, f"adapter.target_modules: {name} is not a linear layer of the model's blocks, "
-                               f"which has {', '.join(known)}{did_you_mean(name, known, '')}")
+        require(
+            name in known,
+            f"adapter.target_modules: {name} is not a linear layer of the model's blocks, "
+            f"which has {', '.join(known)}{did_you_mean(name, known, '')}",
+        )
     return list(adapter.target_modules) or known
 
 
 def lora_config(adapter: AdapterConfig, model: nn.Module):
     from peft import LoraConfig
 
-    return LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                      target_modules=targets(adapter, model), bias="none", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=targets(adapter, model),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def nf4_fits(shape: tuple[int, ...], shards: int) -> bool:
@@ -77,9 +86,11 @@ def add_adapter(model: nn.Module, adapter: AdapterConfig, adapter_dtype: torch.d
         in_nf4 = sum(_to_nf4(layer.get_base_layer(), shards) for layer in layers) if adapter.quantized else 0
     total = sum(p.numel() for p in model.parameters())
     base_dtype = str(layers[0].get_base_layer().weight.dtype).removeprefix("torch.")  # there is always a target
-    described = (f"{adapter.kind.value}: rank {adapter.rank}, alpha {adapter.alpha:g} on {len(layers)} linear layers "
-                 f"({', '.join(adapted)}); {trainable:,} of {total:,} parameters train "
-                 f"({100 * trainable / total:.2f}%)")
+    described = (
+        f"{adapter.kind.value}: rank {adapter.rank}, alpha {adapter.alpha:g} on {len(layers)} linear layers "
+        f"({', '.join(adapted)}); {trainable:,} of {total:,} parameters train "
+        f"({100 * trainable / total:.2f}%)"
+    )
     if adapter.quantized:
         return described + f"; the frozen base in {base_dtype}, {in_nf4} of {len(layers)} adapted weights in NF4"
     return described + f"; the frozen base in {base_dtype}"
@@ -117,8 +128,9 @@ def _to_nf4(linear: nn.Module, shards: int) -> bool:
     return True
 
 
-def export(directory: Path, adapter: AdapterConfig, trained: dict[str, torch.Tensor], model: nn.Module,
-           base_path: str) -> None:
+def export(
+    directory: Path, adapter: AdapterConfig, trained: dict[str, torch.Tensor], model: nn.Module, base_path: str
+) -> None:
     """The adapter in peft's format (adapter_config.json, adapter_model.safetensors, fp32), loadable with
     PeftModel.from_pretrained onto the base at `base_path`. `model` holds the adapters (their names, its config)."""
     from peft import get_peft_model_state_dict
@@ -129,12 +141,16 @@ def export(directory: Path, adapter: AdapterConfig, trained: dict[str, torch.Ten
     config.base_model_name_or_path = base_path
     config.save_pretrained(str(directory))
     state = get_peft_model_state_dict(model, state_dict=trained, save_embedding_layers=False)
-    save_file({PEFT_PREFIX + name: tensor.detach().float().contiguous() for name, tensor in state.items()},
-              str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {PEFT_PREFIX + name: tensor.detach().float().contiguous() for name, tensor in state.items()},
+        str(directory / "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
 
 
-def export_merged(directory: Path, adapter: AdapterConfig, trained: dict[str, torch.Tensor], base: nn.Module,
-                  shards: int) -> None:
+def export_merged(
+    directory: Path, adapter: AdapterConfig, trained: dict[str, torch.Tensor], base: nn.Module, shards: int
+) -> None:
     """The base with the adapters merged into its weights, computed in fp32 from the base as training saw it (QLoRA:
     its NF4 weights dequantized) and saved in the base model's own dtype."""
     import torch
@@ -148,7 +164,8 @@ def export_merged(directory: Path, adapter: AdapterConfig, trained: dict[str, to
         warnings.simplefilter("ignore", FutureWarning)
         peft_model = get_peft_model(base.float(), lora_config(adapter, base))
     loaded = peft_model.base_model.model.load_state_dict(
-        {name: tensor.float() for name, tensor in trained.items()}, strict=False)
+        {name: tensor.float() for name, tensor in trained.items()}, strict=False
+    )
     assert not loaded.unexpected_keys, f"adapter tensors the base has no place for: {loaded.unexpected_keys[:3]}"
     peft_model.merge_and_unload().to(saved_dtype).save_pretrained(directory)
 

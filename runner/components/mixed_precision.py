@@ -23,8 +23,10 @@ def cast_weights(model: nn.Module, precision: PrecisionConfig) -> nn.Module:
     """The model in param_dtype: fp32 unless the spec explicitly asks for pure bf16."""
     if precision.param_dtype is Dtype.fp32:
         return model
-    log.warning("precision.param_dtype=bf16: weights, gradients and optimizer states are bf16 and stay bf16; "
-                "updates smaller than 1/256 of a weight are rounded away")
+    log.warning(
+        "precision.param_dtype=bf16: weights, gradients and optimizer states are bf16 and stay bf16; "
+        "updates smaller than 1/256 of a weight are rounded away"
+    )
     return model.to(precision.param_dtype.torch)
 
 
@@ -76,8 +78,15 @@ class PrecisionInEffect:
     fp8: Optional[str] = None
 
     @classmethod
-    def read(cls, model: nn.Module, optimizer: torch.optim.Optimizer, precision: PrecisionConfig, cast_by: str,
-             fp8_layers: int, gradient_reduce: bool) -> PrecisionInEffect:
+    def read(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: PrecisionConfig,
+        cast_by: str,
+        fp8_layers: int,
+        gradient_reduce: bool,
+    ) -> PrecisionInEffect:
         """The optimizer's own parameters are the master weights: DeepSpeed keeps fp32 copies there while its
         model holds low-precision ones (ZeRO-3 lends them to the optimizer only during its step; its state stays
         keyed by them)."""
@@ -98,8 +107,12 @@ class PrecisionInEffect:
             compute=compute,
             compute_linear_layers=sum(isinstance(m, nn.Linear) for m in model.modules()) - fp8_layers,
             fp8_linear_layers=fp8_layers if fp8 else None,
-            fp8=(f"{fp8.backend.value} {fp8.recipe.value}{', emulated' if fp8.emulate else ''}"
-                 f"{', float8 all-gather' if fp8.all_gather else ''}") if fp8 else None,
+            fp8=(
+                f"{fp8.backend.value} {fp8.recipe.value}{', emulated' if fp8.emulate else ''}"
+                f"{', float8 all-gather' if fp8.all_gather else ''}"
+            )
+            if fp8
+            else None,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -115,9 +128,11 @@ class PrecisionInEffect:
         linear = f"{self.compute_linear_layers} {self.compute.value}"
         if self.fp8 is not None:
             linear = f"{self.fp8_linear_layers} fp8 ({self.fp8}), {linear}"
-        return (f"forward {self.forward} | weights {self.model_weights}, master weights {self.master_weights}, "
-                f"optimizer states {self.optimizer_states} | gradient reduce {self.gradient_reduce} | loss scale "
-                f"{self.loss_scale} | linear layers: {linear}")
+        return (
+            f"forward {self.forward} | weights {self.model_weights}, master weights {self.master_weights}, "
+            f"optimizer states {self.optimizer_states} | gradient reduce {self.gradient_reduce} | loss scale "
+            f"{self.loss_scale} | linear layers: {linear}"
+        )
 
 
 def _dtypes(tensors: Iterable[torch.Tensor]) -> str:

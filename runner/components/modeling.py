@@ -44,13 +44,16 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
 
 # The byte tokenizer's chat template: a line a message, `Role: content`, each assistant turn ended by </s>, so that
 # chat and preference data train on the CPU without a template file.
-BYTE_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
-                      "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
-                      "{% if add_generation_prompt %}Assistant: {% endif %}")
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
 
 
-def build_model(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, weights: bool = True,
-                dtype: Optional[torch.dtype] = None) -> nn.Module:
+def build_model(
+    model: ModelConfig, tokenizer: PreTrainedTokenizerBase, weights: bool = True, dtype: Optional[torch.dtype] = None
+) -> nn.Module:
     """The model in fp32 (master weights stay fp32 whatever dtype a checkpoint was saved in), or in `dtype` (a
     frozen base: a checkpoint saved in that dtype stays memory-mapped); on the CPU with its weights, or without
     them on the meta device, reading no weight file."""

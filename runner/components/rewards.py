@@ -17,10 +17,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from runner.errors import RewardFailed, SpecError, require
 from runner.config.fields import setting
+from runner.errors import RewardFailed, SpecError, require
 
 Reward = Callable[..., list[Optional[float]]]
+
 
 @dataclass
 class RewardSpec:
@@ -39,8 +40,10 @@ class RewardSpec:
 def load_reward(spec: RewardSpec) -> Reward:
     """The function a reward names, with its arguments bound; a one-line SpecError if it cannot be had."""
     where, _, name = spec.function.rpartition(":")
-    require(bool(where) and bool(name), f"task.rewards: {spec.function} names no function; write module:function "
-                                        "or path/to/file.py:function")
+    require(
+        bool(where) and bool(name),
+        f"task.rewards: {spec.function} names no function; write module:function or path/to/file.py:function",
+    )
     try:
         if where.endswith(".py"):
             require(Path(where).is_file(), f"task.rewards: {where} is not a file")
@@ -58,8 +61,13 @@ def load_reward(spec: RewardSpec) -> Reward:
     return partial(function, **spec.args) if spec.args else function
 
 
-def rewards_of(functions: list[tuple[str, Reward]], prompts: list[Any], completions: list[Any],
-               completion_ids: list[list[int]], fields: dict[str, list[Any]]) -> list[list[float]]:
+def rewards_of(
+    functions: list[tuple[str, Reward]],
+    prompts: list[Any],
+    completions: list[Any],
+    completion_ids: list[list[int]],
+    fields: dict[str, list[Any]],
+) -> list[list[float]]:
     """Each function's reward of each completion ([functions][completions], NaN where it gave None); RewardFailed
     names a function that raised or answered with the wrong count or kind."""
     scores = []
@@ -70,8 +78,10 @@ def rewards_of(functions: list[tuple[str, Reward]], prompts: list[Any], completi
             raise RewardFailed(f"reward {name} raised {type(error).__name__}: {error}") from error
         if not isinstance(given, (list, tuple)) or len(given) != len(completions):
             count = len(given) if isinstance(given, (list, tuple)) else type(given).__name__
-            raise RewardFailed(f"reward {name} returned {count} values for {len(completions)} completions; it "
-                               "returns one float (or None) per completion")
+            raise RewardFailed(
+                f"reward {name} returned {count} values for {len(completions)} completions; it "
+                "returns one float (or None) per completion"
+            )
         try:
             scores.append([math.nan if value is None else float(value) for value in given])
         except (TypeError, ValueError) as error:
@@ -117,9 +127,12 @@ def same_answer(found: Optional[str], expected: str) -> bool:
 def answer_matches(completions: list[Any], answer: list[str], **_: Any) -> list[Optional[float]]:
     """1.0 where the completion's final answer equals the record's `answer` field's (GSM8K's `#### 42`), else 0.0;
     None for a record without one."""
-    return [None if expected is None else float(same_answer(final_answer(text_of(completion)),
-                                                           final_answer(str(expected)) or str(expected)))
-            for completion, expected in zip(completions, answer)]
+    return [
+        None
+        if expected is None
+        else float(same_answer(final_answer(text_of(completion)), final_answer(str(expected)) or str(expected)))
+        for completion, expected in zip(completions, answer)
+    ]
 
 
 def regex_matches(completions: list[Any], pattern: str, **_: Any) -> list[Optional[float]]:

@@ -17,17 +17,22 @@ from runner.errors import require
 
 def check_wandb_service(config: WandbConfig) -> None:
     if config.mode == "online":
-        require(wandb_key_known(config.api_key),
-                "tracker.wandb.mode=online needs a W&B API key: set WANDB_API_KEY (or run `wandb login`), or log "
-                "with tracker.wandb.mode=offline and `wandb sync` later")
+        require(
+            wandb_key_known(config.api_key),
+            "tracker.wandb.mode=online needs a W&B API key: set WANDB_API_KEY (or run `wandb login`), or log "
+            "with tracker.wandb.mode=offline and `wandb sync` later",
+        )
 
 
 def check_mlflow_service(config: MLflowConfig) -> None:
     uri = config.tracking_uri or ""
     if uri.startswith(("http://", "https://")):
         why = unanswered(f"{uri.rstrip('/')}/health")
-        require(why is None, f"tracker.mlflow.tracking_uri={uri} does not answer ({why}); start the server, or "
-                             "leave tracker.mlflow.tracking_uri unset for a file store in the run directory")
+        require(
+            why is None,
+            f"tracker.mlflow.tracking_uri={uri} does not answer ({why}); start the server, or "
+            "leave tracker.mlflow.tracking_uri unset for a file store in the run directory",
+        )
 
 
 # Each tracker section's service check (TensorBoard writes files in the run directory: nothing to ask).
@@ -80,8 +85,15 @@ class WandbTracker:
         if config.api_key and config.api_key != REDACTED and config.mode == "online":  # a resumed spec hides it
             wandb.login(key=config.api_key, verify=False)
         self._run = wandb.init(
-            dir=str(run_dir), mode=config.mode, project=config.project, entity=config.entity, name=identity.name,
-            group=identity.group, tags=list(config.tags), config=spec, id=stable_id(run_dir),
+            dir=str(run_dir),
+            mode=config.mode,
+            project=config.project,
+            entity=config.entity,
+            name=identity.name,
+            group=identity.group,
+            tags=list(config.tags),
+            config=spec,
+            id=stable_id(run_dir),
             resume="allow" if start_step else None,
             # wandb's metadata records the command line, an api_key typed there included.
             settings=wandb.Settings(silent=True, console="off", x_disable_meta=bool(config.api_key)),
@@ -95,13 +107,15 @@ class WandbTracker:
 
 
 class TensorBoardTracker:
-    def __init__(self, config: TensorBoardConfig, run_dir: Path, identity: RunIdentity, spec: dict,
-                 start_step: int):
+    def __init__(self, config: TensorBoardConfig, run_dir: Path, identity: RunIdentity, spec: dict, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step drops what a killed run logged after the checkpoint it resumes from.
-        self._writer = SummaryWriter(str(run_dir / "tensorboard"), flush_secs=config.flush_secs,
-                                     purge_step=start_step + 1 if start_step else None)
+        self._writer = SummaryWriter(
+            str(run_dir / "tensorboard"),
+            flush_secs=config.flush_secs,
+            purge_step=start_step + 1 if start_step else None,
+        )
         if not start_step:
             self._writer.add_text("spec", "```\n" + json.dumps(spec, indent=2) + "\n```")
 
@@ -153,8 +167,9 @@ def build_trackers(
 ) -> list[Tracker]:
     """The run's trackers; `spec` is the resolved spec as plain data, secrets already redacted."""
     trackers: list[Tracker] = [MetricsFile(run_dir / "metrics.jsonl", start_step)]
-    return trackers + [TRACKERS[section](config, run_dir, identity, spec, start_step)
-                       for section, config in tracker.chosen()]
+    return trackers + [
+        TRACKERS[section](config, run_dir, identity, spec, start_step) for section, config in tracker.chosen()
+    ]
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, List
 
-from runner.errors import require
 from runner.config.fields import setting
+from runner.errors import require
 
 if TYPE_CHECKING:
     pass
@@ -72,8 +72,9 @@ def check(adapter: AdapterConfig) -> None:
     require(adapter.rank >= 1, f"adapter.rank={adapter.rank} must be >= 1")
     require(adapter.alpha > 0, f"adapter.alpha={adapter.alpha} must be > 0")
     require(0 <= adapter.dropout < 1, f"adapter.dropout={adapter.dropout} must be in [0, 1)")
-    require(importlib.util.find_spec("peft") is not None,
-            f"adapter={adapter.kind.value} needs peft: pip install peft")
+    require(importlib.util.find_spec("peft") is not None, f"adapter={adapter.kind.value} needs peft: pip install peft")
     if adapter.quantized:
-        require(importlib.util.find_spec("torchao") is not None,
-                "adapter=qlora stores the base in torchao's NF4: pip install torchao")
+        require(
+            importlib.util.find_spec("torchao") is not None,
+            "adapter=qlora stores the base in torchao's NF4: pip install torchao",
+        )

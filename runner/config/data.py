@@ -10,9 +10,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional
 
+from runner.config.fields import setting
 from runner.errors import require
 from runner.files.paths import absolute_path
-from runner.config.fields import setting
 
 
 class DataFormat(str, Enum):
@@ -126,41 +126,60 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def check(data: DataConfig) -> None:
-    require(bool(data.files) != bool(data.hub_dataset),
-            "set exactly one of data.files (a local file, directory or glob) and data.hub_dataset (a hub name)")
+    require(
+        bool(data.files) != bool(data.hub_dataset),
+        "set exactly one of data.files (a local file, directory or glob) and data.hub_dataset (a hub name)",
+    )
     require(data.seq_len >= 2, f"data.seq_len={data.seq_len} must be at least 2")
     require(0 < data.eval_fraction < 1, f"data.eval_fraction={data.eval_fraction} must be between 0 and 1")
     require(data.num_proc is None or data.num_proc >= 1, f"data.num_proc={data.num_proc} must be at least 1")
     if data.chat_template:
-        require(data.format in (DataFormat.chat, DataFormat.preference, DataFormat.prompt),
-                f"data.chat_template is for data.format=chat, preference and prompt, not {data.format.value}")
+        require(
+            data.format in (DataFormat.chat, DataFormat.preference, DataFormat.prompt),
+            f"data.chat_template is for data.format=chat, preference and prompt, not {data.format.value}",
+        )
         require(os.path.isfile(data.chat_template), f"data.chat_template={data.chat_template} is not a file")
     if data.format is DataFormat.preference:
-        require(not data.packing, "data.packing=true packs examples into rows; preference pairs keep a row for each "
-                                  "response, side by side: set data.packing=false")
-        require(not data.streaming, "data.streaming=true streams documents; preference pairs are read from the token "
-                                    "store: set data.streaming=false")
-    require(not data.prompt_as_chat or data.format is DataFormat.prompt,
-            f"data.prompt_as_chat is for data.format=prompt, not {data.format.value}")
+        require(
+            not data.packing,
+            "data.packing=true packs examples into rows; preference pairs keep a row for each "
+            "response, side by side: set data.packing=false",
+        )
+        require(
+            not data.streaming,
+            "data.streaming=true streams documents; preference pairs are read from the token "
+            "store: set data.streaming=false",
+        )
+    require(
+        not data.prompt_as_chat or data.format is DataFormat.prompt,
+        f"data.prompt_as_chat is for data.format=prompt, not {data.format.value}",
+    )
     if data.format is DataFormat.prompt:
-        require(not data.packing and not data.streaming,
-                "data.format=prompt holds prompts, whose completions task=grpo samples as it trains: set "
-                "data.packing=false and data.streaming=false")
+        require(
+            not data.packing and not data.streaming,
+            "data.format=prompt holds prompts, whose completions task=grpo samples as it trains: set "
+            "data.packing=false and data.streaming=false",
+        )
     if data.files:
         files = resolve_files(data.files)
         require(bool(files), f"data.files={data.files} matches no file; give an existing file, directory or glob")
         kinds = {file_kind(f) for f in files}
         require(len(kinds) == 1, f"data.files={data.files} mixes file kinds ({', '.join(sorted(kinds))}); pick one")
-        require(data.format is not DataFormat.preference or kinds != {"text"},
-                f"data.files={data.files} are text files; preference pairs are records of .json, .jsonl or .parquet "
-                "files")
+        require(
+            data.format is not DataFormat.preference or kinds != {"text"},
+            f"data.files={data.files} are text files; preference pairs are records of .json, .jsonl or .parquet files",
+        )
 
 
 def with_absolute_paths(data: DataConfig, base: Path) -> DataConfig:
     """`data.files`, `data.cache_dir` and `data.chat_template` as absolute paths from `base`: the spec then means the
     same from any directory."""
-    return replace(data, files=absolute_path(data.files, base), cache_dir=absolute_path(data.cache_dir, base),
-                   chat_template=absolute_path(data.chat_template, base))
+    return replace(
+        data,
+        files=absolute_path(data.files, base),
+        cache_dir=absolute_path(data.cache_dir, base),
+        chat_template=absolute_path(data.chat_template, base),
+    )
 
 
 def resolve_files(pattern: str) -> list[str]:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, List
 
+from runner.config.fields import setting
 from runner.config.hardware import Accelerator, HardwareConfig
 from runner.errors import require
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     pass
@@ -90,29 +90,45 @@ class Float8Config:
 
 def check(fp8: Float8Config, machine: HardwareConfig, float8_all_gather: bool) -> None:
     """`float8_all_gather`: whether the strategy's all-gathers can carry float8 weights (FSDP's)."""
-    require(fp8.min_features >= 16, f"precision.fp8.min_features={fp8.min_features} must be >= 16 (fp8 kernels "
-            "need dimensions that are multiples of 16)")
+    require(
+        fp8.min_features >= 16,
+        f"precision.fp8.min_features={fp8.min_features} must be >= 16 (fp8 kernels "
+        "need dimensions that are multiples of 16)",
+    )
     if fp8.all_gather:
         require(float8_all_gather, "precision.fp8.all_gather=true is FSDP's float8 all-gather; it needs strategy=fsdp")
-        require(fp8.recipe is Float8Recipe.tensorwise,
-                f"precision.fp8.all_gather=true needs precision.fp8.recipe=tensorwise, not {fp8.recipe.value}")
+        require(
+            fp8.recipe is Float8Recipe.tensorwise,
+            f"precision.fp8.all_gather=true needs precision.fp8.recipe=tensorwise, not {fp8.recipe.value}",
+        )
     delayed = [key for key in DELAYED_SCALING if getattr(fp8, key) != getattr(Float8Config(), key)]
     if fp8.backend is not Float8Backend.transformer_engine:
-        require(not delayed, f"{', '.join(f'precision.fp8.{key}' for key in delayed)} set Transformer Engine's "
-                             "delayed scaling; torchao scales each tensor from its current amax: use "
-                             "precision.fp8.backend=transformer_engine, or leave them")
-    require(fp8.amax_history_len >= 1 and fp8.margin >= 0,
-            "precision.fp8.amax_history_len must be >= 1 and precision.fp8.margin >= 0")
+        require(
+            not delayed,
+            f"{', '.join(f'precision.fp8.{key}' for key in delayed)} set Transformer Engine's "
+            "delayed scaling; torchao scales each tensor from its current amax: use "
+            "precision.fp8.backend=transformer_engine, or leave them",
+        )
+    require(
+        fp8.amax_history_len >= 1 and fp8.margin >= 0,
+        "precision.fp8.amax_history_len must be >= 1 and precision.fp8.margin >= 0",
+    )
     if fp8.backend is Float8Backend.transformer_engine:
-        require(importlib.util.find_spec("transformer_engine") is not None,
-                "precision.fp8.backend=transformer_engine needs TransformerEngine: pip install "
-                "'transformer-engine[pytorch]' (on a CUDA machine), or use precision.fp8.backend=torchao")
-        require(machine.accelerator is Accelerator.cuda and not fp8.emulate,
-                "precision.fp8.backend=transformer_engine runs on CUDA GPUs only and cannot emulate; "
-                "use precision.fp8.backend=torchao")
+        require(
+            importlib.util.find_spec("transformer_engine") is not None,
+            "precision.fp8.backend=transformer_engine needs TransformerEngine: pip install "
+            "'transformer-engine[pytorch]' (on a CUDA machine), or use precision.fp8.backend=torchao",
+        )
+        require(
+            machine.accelerator is Accelerator.cuda and not fp8.emulate,
+            "precision.fp8.backend=transformer_engine runs on CUDA GPUs only and cannot emulate; "
+            "use precision.fp8.backend=torchao",
+        )
     else:
-        require(importlib.util.find_spec("torchao") is not None,
-                "precision=fp8 needs torchao: pip install torchao (or '.[fp8]' from the runner's checkout)")
+        require(
+            importlib.util.find_spec("torchao") is not None,
+            "precision=fp8 needs torchao: pip install torchao (or '.[fp8]' from the runner's checkout)",
+        )
     if fp8.emulate:
         return
     capability = machine.compute_capability or 0.0
@@ -120,10 +136,12 @@ def check(fp8: Float8Config, machine: HardwareConfig, float8_all_gather: bool) -
         has = f"{machine.device_name} (compute capability {capability or 'unknown: set hardware.compute_capability'})"
     else:
         has = "a CPU"
-    require(machine.accelerator is Accelerator.cuda and capability >= 8.9,
-            f"precision=fp8 needs a GPU with fp8 tensor cores (CUDA compute capability 8.9+: H100, H200, L40S, "
-            f"RTX 4090) and this run has {has}; set precision.fp8.emulate=true to emulate fp8 (same numerics, "
-            "no speed-up)")
+    require(
+        machine.accelerator is Accelerator.cuda and capability >= 8.9,
+        f"precision=fp8 needs a GPU with fp8 tensor cores (CUDA compute capability 8.9+: H100, H200, L40S, "
+        f"RTX 4090) and this run has {has}; set precision.fp8.emulate=true to emulate fp8 (same numerics, "
+        "no speed-up)",
+    )
 
 
 DELAYED_SCALING = ("format", "amax_history_len", "amax_compute_algo", "margin")
@@ -131,5 +149,9 @@ DELAYED_SCALING = ("format", "amax_history_len", "amax_compute_algo", "margin")
 
 def delayed_scaling(fp8: Float8Config) -> dict[str, Any]:
     """The arguments of Transformer Engine's DelayedScaling recipe (its Format by name)."""
-    return {"fp8_format": fp8.format.value.upper(), "amax_history_len": fp8.amax_history_len,
-            "amax_compute_algo": fp8.amax_compute_algo.value, "margin": fp8.margin}
+    return {
+        "fp8_format": fp8.format.value.upper(),
+        "amax_history_len": fp8.amax_history_len,
+        "amax_compute_algo": fp8.amax_compute_algo.value,
+        "margin": fp8.margin,
+    }

@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Optional
 
-from runner.errors import require
 from runner.config.fields import setting
+from runner.errors import require
 
 GIB = 1024**3
 
@@ -148,35 +148,47 @@ def on_this_machine(declared: HardwareConfig) -> HardwareConfig:
     """The hardware the spec declares, checked against this machine and filled in from it."""
     check_declared(declared)
     if declared.accelerator is Accelerator.cuda:
-        require(cuda_device_count() > 0,
-                "hardware asks for CUDA GPUs but this machine has none; use hardware=auto or hardware=cpu")
-    require(0 <= declared.node_rank < declared.nnodes,
-            f"hardware.node_rank={declared.node_rank} must be in [0, hardware.nnodes={declared.nnodes})")
+        require(
+            cuda_device_count() > 0,
+            "hardware asks for CUDA GPUs but this machine has none; use hardware=auto or hardware=cpu",
+        )
+    require(
+        0 <= declared.node_rank < declared.nnodes,
+        f"hardware.node_rank={declared.node_rank} must be in [0, hardware.nnodes={declared.nnodes})",
+    )
     machine = detect(declared)
     if machine.accelerator is Accelerator.cuda:
-        require(machine.nproc_per_node <= cuda_device_count(),
-                f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
-                f"{cuda_device_count()} this machine has")
-        require(machine.start_method is not StartMethod.fork,
-                "hardware.start_method=fork on CUDA GPUs: a forked worker cannot use the CUDA driver that `run` has "
-                "initialised; use hardware.start_method=spawn (or auto)")
+        require(
+            machine.nproc_per_node <= cuda_device_count(),
+            f"hardware.nproc_per_node={machine.nproc_per_node} asks for more GPUs than the "
+            f"{cuda_device_count()} this machine has",
+        )
+        require(
+            machine.start_method is not StartMethod.fork,
+            "hardware.start_method=fork on CUDA GPUs: a forked worker cannot use the CUDA driver that `run` has "
+            "initialised; use hardware.start_method=spawn (or auto)",
+        )
     return machine
 
 
 def check_rendezvous(declared: HardwareConfig) -> None:
     """Nodes that `run` starts itself meet at an endpoint the user gives (a cluster's job meets on its first
     node)."""
-    require(declared.nnodes == 1 or bool(declared.rdzv_endpoint),
-            f"hardware.nnodes={declared.nnodes} needs hardware.rdzv_endpoint=<host of node 0>:<free port>, "
-            "the same on every node")
+    require(
+        declared.nnodes == 1 or bool(declared.rdzv_endpoint),
+        f"hardware.nnodes={declared.nnodes} needs hardware.rdzv_endpoint=<host of node 0>:<free port>, "
+        "the same on every node",
+    )
 
 
 def planned(declared: HardwareConfig) -> HardwareConfig:
     """The CUDA hardware the spec declares, which need not be this machine's (a CPU is always this machine's)."""
     if declared.accelerator is not Accelerator.cuda:
         return on_this_machine(declared)
-    require(declared.nproc_per_node is not None,
-            "task=estimate for CUDA hardware needs hardware.nproc_per_node (or a hardware option such as 2xrtx4090)")
+    require(
+        declared.nproc_per_node is not None,
+        "task=estimate for CUDA hardware needs hardware.nproc_per_node (or a hardware option such as 2xrtx4090)",
+    )
     check_declared(declared)
     return declared
 
@@ -184,20 +196,30 @@ def planned(declared: HardwareConfig) -> HardwareConfig:
 def check_declared(declared: HardwareConfig) -> None:
     """What the spec's values must be wherever the run goes."""
     require(declared.nnodes >= 1, f"hardware.nnodes={declared.nnodes} must be >= 1")
-    require(declared.nproc_per_node is None or declared.nproc_per_node >= 1,
-            f"hardware.nproc_per_node={declared.nproc_per_node} must be >= 1")
+    require(
+        declared.nproc_per_node is None or declared.nproc_per_node >= 1,
+        f"hardware.nproc_per_node={declared.nproc_per_node} must be >= 1",
+    )
     if declared.rdzv_endpoint is not None:
         host, _, port = declared.rdzv_endpoint.rpartition(":")
-        require(bool(host) and port.isdigit() and 0 < int(port) < 65536,
-                f"hardware.rdzv_endpoint={declared.rdzv_endpoint} must be <host of node 0>:<port>, for example "
-                "10.0.0.1:29500")
+        require(
+            bool(host) and port.isdigit() and 0 < int(port) < 65536,
+            f"hardware.rdzv_endpoint={declared.rdzv_endpoint} must be <host of node 0>:<port>, for example "
+            "10.0.0.1:29500",
+        )
     require(declared.rdzv_timeout_s >= 1, f"hardware.rdzv_timeout_s={declared.rdzv_timeout_s} must be >= 1")
     for key in ("device_memory_gib", "host_memory_gib"):
         given = getattr(declared, key)
         require(given is None or given > 0, f"hardware.{key}={given} must be > 0 (or unset: read from the machine)")
-    require(declared.compute_capability is None or declared.compute_capability > 0,
-            f"hardware.compute_capability={declared.compute_capability} must be > 0, for example 8.9")
-    require(declared.cost_per_gpu_hour >= 0,
-            f"hardware.cost_per_gpu_hour={declared.cost_per_gpu_hour} must be >= 0 (0: no cost shown)")
-    require(declared.peak_bf16_tflops >= 0,
-            f"hardware.peak_bf16_tflops={declared.peak_bf16_tflops} must be >= 0 (0: unknown, no MFU shown)")
+    require(
+        declared.compute_capability is None or declared.compute_capability > 0,
+        f"hardware.compute_capability={declared.compute_capability} must be > 0, for example 8.9",
+    )
+    require(
+        declared.cost_per_gpu_hour >= 0,
+        f"hardware.cost_per_gpu_hour={declared.cost_per_gpu_hour} must be >= 0 (0: no cost shown)",
+    )
+    require(
+        declared.peak_bf16_tflops >= 0,
+        f"hardware.peak_bf16_tflops={declared.peak_bf16_tflops} must be >= 0 (0: unknown, no MFU shown)",
+    )

@@ -9,9 +9,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
+from runner.config.fields import setting
 from runner.errors import require
 from runner.files.paths import absolute_path
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     pass
@@ -34,16 +34,24 @@ class ModelConfig:
 
 
 def check(model: ModelConfig) -> None:
-    require(bool(model.pretrained) != bool(model.architecture),
-            "set exactly one of model.pretrained (a name or directory) and model.architecture (random init)")
+    require(
+        bool(model.pretrained) != bool(model.architecture),
+        "set exactly one of model.pretrained (a name or directory) and model.architecture (random init)",
+    )
     if model.pretrained and _looks_like_path(model.pretrained):
-        require(Path(model.pretrained).expanduser().is_dir(),
-                f"model.pretrained={model.pretrained} is not a directory; give a saved model's directory or a hub name")
+        require(
+            Path(model.pretrained).expanduser().is_dir(),
+            f"model.pretrained={model.pretrained} is not a directory; give a saved model's directory or a hub name",
+        )
     if model.architecture:
-        require("model_type" in model.architecture,
-                "model.architecture needs a model_type (for example llama); add model.architecture.model_type=llama")
-        require(model.tokenizer is not None,
-                f"model.tokenizer is needed with model.architecture: set model.tokenizer={BYTES} or a tokenizer's name")
+        require(
+            "model_type" in model.architecture,
+            "model.architecture needs a model_type (for example llama); add model.architecture.model_type=llama",
+        )
+        require(
+            model.tokenizer is not None,
+            f"model.tokenizer is needed with model.architecture: set model.tokenizer={BYTES} or a tokenizer's name",
+        )
     if model.tokenizer and model.tokenizer != BYTES and _looks_like_path(model.tokenizer):
         require(Path(model.tokenizer).expanduser().is_dir(), f"model.tokenizer={model.tokenizer} is not a directory")
 
@@ -55,6 +63,7 @@ def _looks_like_path(name: str, base: Path = Path(".")) -> bool:
 def with_absolute_paths(model: ModelConfig, base: Path) -> ModelConfig:
     """The model's local directories as absolute paths from `base` (hub names as they are): the spec then means
     the same from any directory."""
+
     def absolute(name: Optional[str]) -> Optional[str]:
         if not name or name == BYTES or not _looks_like_path(name, base):
             return name

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, List
 
-from runner.errors import require
 from runner.config.fields import setting
+from runner.errors import require
 
 if TYPE_CHECKING:
     pass
@@ -36,8 +36,10 @@ class AdamWConfig(OptimConfig):
 
     def check(self) -> None:
         _check_shared(self)
-        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-                f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optim.betas={list(self.betas)} must be two numbers in [0, 1)",
+        )
         require(self.eps >= 0, f"optim.eps={self.eps} must be >= 0")
 
     def torch_optimizer(self) -> tuple[str, dict[str, Any]]:

@@ -12,10 +12,10 @@ from enum import Enum
 from typing import TYPE_CHECKING, Optional
 
 from runner.config import float8
+from runner.config.fields import setting
 from runner.config.float8 import Float8Config
 from runner.config.hardware import Accelerator, HardwareConfig
 from runner.errors import require
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     import torch
@@ -67,30 +67,43 @@ class PrecisionConfig:
 
 def check(precision: PrecisionConfig, machine: HardwareConfig, float8_all_gather: bool) -> None:
     """The rules of the precision group on this hardware; a strategy checks its own (runner/strategies/)."""
-    require(precision.param_dtype in (Dtype.fp32, Dtype.bf16),
-            f"precision.param_dtype={precision.param_dtype.value} is not supported: fp16 weights need fp32 master "
-            "copies; use precision=fp16 (fp32 weights, fp16 forward)")
+    require(
+        precision.param_dtype in (Dtype.fp32, Dtype.bf16),
+        f"precision.param_dtype={precision.param_dtype.value} is not supported: fp16 weights need fp32 master "
+        "copies; use precision=fp16 (fp32 weights, fp16 forward)",
+    )
     if precision.param_dtype is Dtype.bf16:
-        require(precision.compute_dtype is Dtype.bf16 and precision.reduce_dtype is Dtype.bf16,
-                "precision.param_dtype=bf16 needs precision.compute_dtype=bf16 and precision.reduce_dtype=bf16 "
-                "(bf16 weights have bf16 gradients); choose precision=pure_bf16")
+        require(
+            precision.compute_dtype is Dtype.bf16 and precision.reduce_dtype is Dtype.bf16,
+            "precision.param_dtype=bf16 needs precision.compute_dtype=bf16 and precision.reduce_dtype=bf16 "
+            "(bf16 weights have bf16 gradients); choose precision=pure_bf16",
+        )
     scale = precision.initial_loss_scale
-    require(scale >= 1 and float(scale).is_integer() and (int(scale) & (int(scale) - 1)) == 0,
-            f"precision.initial_loss_scale={scale:g} must be a power of two (65536 is usual)")
-    require(precision.loss_scale_growth_interval > 0,
-            f"precision.loss_scale_growth_interval={precision.loss_scale_growth_interval} must be a positive integer")
+    require(
+        scale >= 1 and float(scale).is_integer() and (int(scale) & (int(scale) - 1)) == 0,
+        f"precision.initial_loss_scale={scale:g} must be a power of two (65536 is usual)",
+    )
+    require(
+        precision.loss_scale_growth_interval > 0,
+        f"precision.loss_scale_growth_interval={precision.loss_scale_growth_interval} must be a positive integer",
+    )
     capability = machine.compute_capability
     if precision.compute_dtype is Dtype.bf16 and machine.accelerator is Accelerator.cuda and capability:
-        require(capability >= 8.0,
-                f"precision.compute_dtype=bf16 needs a GPU of compute capability 8.0+ (A100, RTX 30xx or newer), "
-                f"and {machine.device_name} has {capability}; use precision=fp16")
+        require(
+            capability >= 8.0,
+            f"precision.compute_dtype=bf16 needs a GPU of compute capability 8.0+ (A100, RTX 30xx or newer), "
+            f"and {machine.device_name} has {capability}; use precision=fp16",
+        )
     if precision.fp8 is None:
         return
-    require(precision.compute_dtype in (Dtype.bf16, Dtype.fp32),
-            f"precision.fp8 runs its other operations in bf16 or fp32, not "
-            f"precision.compute_dtype={precision.compute_dtype.value}")
-    require(precision.param_dtype is Dtype.fp32,
-            "precision.fp8 keeps fp32 master weights; set precision.param_dtype=fp32")
+    require(
+        precision.compute_dtype in (Dtype.bf16, Dtype.fp32),
+        f"precision.fp8 runs its other operations in bf16 or fp32, not "
+        f"precision.compute_dtype={precision.compute_dtype.value}",
+    )
+    require(
+        precision.param_dtype is Dtype.fp32, "precision.fp8 keeps fp32 master weights; set precision.param_dtype=fp32"
+    )
     float8.check(precision.fp8, machine, float8_all_gather)
 
 

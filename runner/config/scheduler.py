@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Optional
 
-from runner.errors import require
 from runner.config.fields import setting
+from runner.errors import require
 
 if TYPE_CHECKING:
     pass
@@ -40,8 +40,10 @@ class SchedulerConfig:
 def check(scheduler: SchedulerConfig, total_steps: int) -> None:
     require(0 <= scheduler.warmup_ratio < 1, f"scheduler.warmup_ratio={scheduler.warmup_ratio} must be in [0, 1)")
     if scheduler.warmup_steps is not None:
-        require(0 <= scheduler.warmup_steps < total_steps,
-                f"scheduler.warmup_steps={scheduler.warmup_steps} must be in [0, train.max_steps={total_steps})")
+        require(
+            0 <= scheduler.warmup_steps < total_steps,
+            f"scheduler.warmup_steps={scheduler.warmup_steps} must be in [0, train.max_steps={total_steps})",
+        )
     require(0 <= scheduler.min_lr_ratio <= 1, f"scheduler.min_lr_ratio={scheduler.min_lr_ratio} must be in [0, 1]")
 
 

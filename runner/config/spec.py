@@ -18,6 +18,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from runner.config import adapter, data, hardware, model, precision, scheduler, tracker, training
 from runner.config.adapter import AdapterConfig
 from runner.config.data import DataConfig
+from runner.config.fields import setting
 from runner.config.hardware import HardwareConfig
 from runner.config.model import ModelConfig
 from runner.config.optim import OptimConfig
@@ -28,7 +29,6 @@ from runner.config.task import TaskConfig
 from runner.config.tracker import TrackerConfig
 from runner.config.training import TrainConfig
 from runner.errors import SpecError, did_you_mean, require
-from runner.config.fields import setting
 
 
 @dataclass
@@ -100,7 +100,7 @@ FROM_OTHER_TOOLS = {
     "experiment": "experiments are recipes here: recipe=<name> (run --recipes lists them)",
     "logger": "loggers are trackers here: tracker=wandb, tensorboard, mlflow or none",
     "trainer": "the Trainer's settings are the hardware, strategy and precision groups (hardware=, strategy=, "
-               "precision=) and train.* (train.max_steps, train.micro_batch_size, ...)",
+    "precision=) and train.* (train.max_steps, train.micro_batch_size, ...)",
     "debug": "for a short debugging run: recipe=cpu_quick, or train.max_steps=<a few>",
     "callbacks": "checkpoints and evaluation are train.checkpoint_every, train.eval_every, train.keep_checkpoints",
     "paths": "a run's directory is hydra.run.dir; data and model paths are data.files, model.pretrained",
@@ -111,8 +111,9 @@ def load_spec(config: DictConfig) -> RunSpec:
     """The typed spec of a composed config (Hydra's own `hydra` node, when present, is left out)."""
     _reject_unknown_keys(config, "")
     sections = {f.name: config[f.name] for f in fields(RunSpec)}
-    return RunSpec(**{name: OmegaConf.to_object(node) if isinstance(node, DictConfig) else node
-                      for name, node in sections.items()})
+    return RunSpec(
+        **{name: OmegaConf.to_object(node) if isinstance(node, DictConfig) else node for name, node in sections.items()}
+    )
 
 
 def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
@@ -125,8 +126,9 @@ def _reject_unknown_keys(node: DictConfig, prefix: str) -> None:
                 if not prefix and key in FROM_OTHER_TOOLS:
                     raise SpecError(f"unknown key {key}: {FROM_OTHER_TOOLS[key]}")
                 has = f"the keys {', '.join(known)}" if known else "no keys"
-                raise SpecError(f"unknown key {prefix}{key}: {schema.__name__} has {has}"
-                                f"{did_you_mean(str(key), known, prefix)}")
+                raise SpecError(
+                    f"unknown key {prefix}{key}: {schema.__name__} has {has}{did_you_mean(str(key), known, prefix)}"
+                )
     for key in node.keys():
         child = node._get_node(key)
         if isinstance(child, DictConfig) and key != "hydra" and not child._is_missing() and not child._is_none():
@@ -137,8 +139,12 @@ def with_absolute_paths(spec: RunSpec, base: Path) -> RunSpec:
     """The spec's local paths (data files, model and tokenizer directories) absolute from `base`, the directory
     `run` was started in, and the task's (a model to evaluate, a prompts file): spec.yaml then reruns from
     anywhere, and a job that changes directory (hydra.job.chdir=true) still finds them."""
-    return replace(spec, data=data.with_absolute_paths(spec.data, base),
-                   model=model.with_absolute_paths(spec.model, base), task=spec.task.with_absolute_paths(base))
+    return replace(
+        spec,
+        data=data.with_absolute_paths(spec.data, base),
+        model=model.with_absolute_paths(spec.model, base),
+        task=spec.task.with_absolute_paths(base),
+    )
 
 
 def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:
@@ -167,9 +173,11 @@ def check_combination(spec: RunSpec) -> None:
     """The rules between the strategy, the precision and the hardware: what a change to any of them must keep."""
     spec.strategy.check(spec)
     precision.check(spec.precision, spec.hardware, spec.strategy.float8_all_gather)
-    require(not (spec.adapter.active and spec.precision.fp8),
-            f"adapter={spec.adapter.kind.value} with precision.fp8: fp8 training of a frozen base is not supported; "
-            "use precision=bf16")
+    require(
+        not (spec.adapter.active and spec.precision.fp8),
+        f"adapter={spec.adapter.kind.value} with precision.fp8: fp8 training of a frozen base is not supported; "
+        "use precision=bf16",
+    )
 
 
 def to_plain(spec: RunSpec, hide_secrets: bool = True) -> dict:

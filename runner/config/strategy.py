@@ -4,6 +4,7 @@ runner/strategies/, one file each behind the Strategy protocol (runner/strategie
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from runner.config.fields import setting
 
 

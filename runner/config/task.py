@@ -12,10 +12,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, ClassVar, Optional, TypeVar
 
+from runner.config.fields import setting
 from runner.config.model import BYTES, ModelConfig
 from runner.errors import SpecError, require
 from runner.files.paths import absolute_path
-from runner.config.fields import setting
 
 Spec = TypeVar("Spec")  # a RunSpec: runner/config/spec.py imports this module, so it cannot be imported here
 
@@ -126,8 +126,9 @@ class InferenceTaskConfig(TaskConfig):
         return not self.estimate_only
 
     def with_absolute_paths(self, base: Path) -> InferenceTaskConfig:
-        return replace(self, trained=absolute_path(self.trained, base),
-                       offload_dir=absolute_path(self.offload_dir, base))
+        return replace(
+            self, trained=absolute_path(self.trained, base), offload_dir=absolute_path(self.offload_dir, base)
+        )
 
     def trained_model_config(self, model: ModelConfig) -> ModelConfig:
         """The model group as `trained` changes it: a saved model's directory replaces it (with its own tokenizer,
@@ -147,13 +148,17 @@ class InferenceTaskConfig(TaskConfig):
             limit = getattr(self.max_memory, device)
             require(limit is None or limit > 0, f"task.max_memory.{device}={limit} must be > 0 (GiB)")
         if self.trained:
-            require(not (trained_model(self.trained).checkpoint and self.device_map is DeviceMap.auto),
-                    "task.device_map=auto reads a saved model's directory; give the run directory (its model/) "
-                    "rather than one of its checkpoints")
+            require(
+                not (trained_model(self.trained).checkpoint and self.device_map is DeviceMap.auto),
+                "task.device_map=auto reads a saved model's directory; give the run directory (its model/) "
+                "rather than one of its checkpoints",
+            )
         if self.device_map is DeviceMap.auto:
-            require(processes == 1,
-                    "task.device_map=auto places one model over this machine's devices from one process; set "
-                    "hardware.nproc_per_node=1 (strategy=single), or leave task.device_map=none")
+            require(
+                processes == 1,
+                "task.device_map=auto places one model over this machine's devices from one process; set "
+                "hardware.nproc_per_node=1 (strategy=single), or leave task.device_map=none",
+            )
 
 
 @dataclass(frozen=True)
@@ -173,28 +178,39 @@ def trained_model(value: str) -> TrainedModel:
     if (path / "meta.json").is_file():
         meta = json.loads((path / "meta.json").read_text())
         layout = meta.get("layout")
-        require(meta.get("adapter", "none") == "none",
-                f"{key} is a checkpoint of an adapter={meta.get('adapter')} run, which holds the adapters only: "
-                "give the run directory, whose model/merged/ is saved with adapter.merge=true")
-        require(layout in ("full", "sharded"),
-                f"{key} is a checkpoint in {layout} layout (DeepSpeed's own): evaluate its run's model/ instead, or "
-                "write FULL or SHARDED checkpoints (strategy=fsdp strategy.state_dict_type)")
-        require((path / "model.safetensors").is_file() or (path / "model").is_dir(),
-                f"{key} is a checkpoint without model.safetensors or model/ (shards)")
+        require(
+            meta.get("adapter", "none") == "none",
+            f"{key} is a checkpoint of an adapter={meta.get('adapter')} run, which holds the adapters only: "
+            "give the run directory, whose model/merged/ is saved with adapter.merge=true",
+        )
+        require(
+            layout in ("full", "sharded"),
+            f"{key} is a checkpoint in {layout} layout (DeepSpeed's own): evaluate its run's model/ instead, or "
+            "write FULL or SHARDED checkpoints (strategy=fsdp strategy.state_dict_type)",
+        )
+        require(
+            (path / "model.safetensors").is_file() or (path / "model").is_dir(),
+            f"{key} is a checkpoint without model.safetensors or model/ (shards)",
+        )
         return TrainedModel(checkpoint=path, run_dir=path.parent.parent)
     if (path / "spec.yaml").is_file():
         if (path / "model" / "adapter_config.json").is_file():
-            require((path / "model" / "merged" / "config.json").is_file(),
-                    f"{key} trained an adapter, saved in peft's format (model/) without the merged model: load it "
-                    "with peft's PeftModel.from_pretrained, or train with adapter.merge=true to evaluate it here")
+            require(
+                (path / "model" / "merged" / "config.json").is_file(),
+                f"{key} trained an adapter, saved in peft's format (model/) without the merged model: load it "
+                "with peft's PeftModel.from_pretrained, or train with adapter.merge=true to evaluate it here",
+            )
             return TrainedModel(model_dir=path / "model" / "merged", run_dir=path)
-        require((path / "model" / "config.json").is_file(),
-                f"{key} is a run directory without a saved model (model/): the run has not finished, or it set "
-                "train.save_model=false; give one of its checkpoints (<run dir>/checkpoints/step_<N>) instead")
+        require(
+            (path / "model" / "config.json").is_file(),
+            f"{key} is a run directory without a saved model (model/): the run has not finished, or it set "
+            "train.save_model=false; give one of its checkpoints (<run dir>/checkpoints/step_<N>) instead",
+        )
         return TrainedModel(model_dir=path / "model", run_dir=path)
     if (path / "config.json").is_file():
         return TrainedModel(model_dir=path)
     if not path.exists():
         raise SpecError(f"{key} does not exist; give a run directory, one of its checkpoints or a model directory")
-    raise SpecError(f"{key} is neither a run directory (spec.yaml), a checkpoint (meta.json) nor a saved model "
-                    "(config.json)")
+    raise SpecError(
+        f"{key} is neither a run directory (spec.yaml), a checkpoint (meta.json) nor a saved model (config.json)"
+    )

@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, List, Optional
 
-from runner.errors import require
 from runner.config.fields import setting
+from runner.errors import require
 
 # Key names (or their _-separated parts) that hold secrets: api_key, hub_token, password; not tokenizer.
 SECRET_KEY = re.compile(r"(^|_)(api_?key|token|secret|password)(_|$)", re.IGNORECASE)
@@ -88,9 +88,11 @@ def check(tracker: TrackerConfig) -> None:
     import importlib.util
 
     for section, config in tracker.chosen():
-        require(importlib.util.find_spec(config.module) is not None,
-                f"tracker={section} needs the {config.package} package: pip install {config.package} "
-                "(or '.[trackers]' from the runner's checkout)")
+        require(
+            importlib.util.find_spec(config.module) is not None,
+            f"tracker={section} needs the {config.package} package: pip install {config.package} "
+            "(or '.[trackers]' from the runner's checkout)",
+        )
         config.check()
 
 

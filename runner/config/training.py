@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from runner.errors import require
 from runner.config.fields import setting
+from runner.errors import require
 
 
 class LossKind(str, Enum):
@@ -119,11 +119,18 @@ def check(train: TrainConfig) -> None:
     require(train.keep_checkpoints >= 1, f"train.keep_checkpoints={train.keep_checkpoints} must be >= 1")
     require(train.eval_every >= 0, f"train.eval_every={train.eval_every} must be >= 0 (0 evaluates only at the end)")
     require(train.stall_report_s >= 0, f"train.stall_report_s={train.stall_report_s} must be >= 0 (0: no reports)")
-    require(train.collective_timeout_s is None or train.collective_timeout_s > 0,
-            f"train.collective_timeout_s={train.collective_timeout_s} must be > 0 seconds, or null: three stall "
-            "reports (train.stall_report_s), and at least 600")
-    require(train.benchmark_every >= 0, f"train.benchmark_every={train.benchmark_every} must be >= 0 (0 scores the "
-            "benchmarks only after the last step)")
-    require(train.benchmark_limit is None or train.benchmark_limit > 0,
-            f"train.benchmark_limit={train.benchmark_limit} must be a positive number of documents, or null for all")
+    require(
+        train.collective_timeout_s is None or train.collective_timeout_s > 0,
+        f"train.collective_timeout_s={train.collective_timeout_s} must be > 0 seconds, or null: three stall "
+        "reports (train.stall_report_s), and at least 600",
+    )
+    require(
+        train.benchmark_every >= 0,
+        f"train.benchmark_every={train.benchmark_every} must be >= 0 (0 scores the "
+        "benchmarks only after the last step)",
+    )
+    require(
+        train.benchmark_limit is None or train.benchmark_limit > 0,
+        f"train.benchmark_limit={train.benchmark_limit} must be a positive number of documents, or null for all",
+    )
     require(train.max_grad_norm >= 0, f"train.max_grad_norm={train.max_grad_norm} must be >= 0 (0 turns clipping off)")

@@ -33,9 +33,12 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         """On the device; from pinned memory (collate's, on CUDA) the copies overlap the host's work."""
-        return replace(self, inputs={k: v.to(device, non_blocking=True) for k, v in self.inputs.items()},
-                       labels=self.labels.to(device, non_blocking=True),
-                       row_values={k: v.to(device, non_blocking=True) for k, v in self.row_values.items()})
+        return replace(
+            self,
+            inputs={k: v.to(device, non_blocking=True) for k, v in self.inputs.items()},
+            labels=self.labels.to(device, non_blocking=True),
+            row_values={k: v.to(device, non_blocking=True) for k, v in self.row_values.items()},
+        )
 
 
 def shifted(labels: torch.Tensor) -> torch.Tensor:
@@ -69,19 +72,24 @@ def batch_tensors(batch: GlobalBatch) -> tuple[dict[str, torch.Tensor], dict[str
         tensors |= {f"{i}/inputs/{name}": value for name, value in micro_batch.inputs.items()}
         tensors |= {f"{i}/values/{name}": value for name, value in micro_batch.row_values.items()}
         tensors[f"{i}/labels"] = micro_batch.labels
-    counts = {"tokens": int(batch.tokens), "label_tokens": int(batch.label_tokens), "rank_counts": batch.rank_counts,
-              "micro_batches": [[micro_batch.tokens, micro_batch.label_tokens] for micro_batch in batch.micro_batches]}
+    counts = {
+        "tokens": int(batch.tokens),
+        "label_tokens": int(batch.label_tokens),
+        "rank_counts": batch.rank_counts,
+        "micro_batches": [[micro_batch.tokens, micro_batch.label_tokens] for micro_batch in batch.micro_batches],
+    }
     return tensors, counts
 
 
 def batch_from_tensors(tensors: dict[str, torch.Tensor], counts: dict[str, Any]) -> GlobalBatch:
     def named(i: int, part: str) -> dict[str, torch.Tensor]:
         prefix = f"{i}/{part}/"
-        return {name[len(prefix):]: value for name, value in tensors.items() if name.startswith(prefix)}
+        return {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
 
-    micro_batches = [MicroBatch(named(i, "inputs"), tensors[f"{i}/labels"], tokens, label_tokens,
-                                row_values=named(i, "values"))
-                     for i, (tokens, label_tokens) in enumerate(counts["micro_batches"])]
+    micro_batches = [
+        MicroBatch(named(i, "inputs"), tensors[f"{i}/labels"], tokens, label_tokens, row_values=named(i, "values"))
+        for i, (tokens, label_tokens) in enumerate(counts["micro_batches"])
+    ]
     return GlobalBatch(micro_batches, counts["tokens"], counts["label_tokens"], rank_counts=counts["rank_counts"])
 
 
@@ -101,8 +109,8 @@ def collate(rows: dict[str, list], pad_token_id: int, pin: bool = False) -> Micr
     def matrix(seqs: list, tail: Any) -> torch.Tensor:  # each row's sequence, then tail(its padding's length)
         out = np.empty((len(seqs), length), dtype=np.int64)
         for row, seq in zip(out, seqs):
-            row[:len(seq)] = seq
-            row[len(seq):] = tail(length - len(seq))
+            row[: len(seq)] = seq
+            row[len(seq) :] = tail(length - len(seq))
         return tensor(out)
 
     inputs = {"input_ids": matrix(rows["input_ids"], lambda _: pad_token_id)}
@@ -110,8 +118,13 @@ def collate(rows: dict[str, list], pad_token_id: int, pin: bool = False) -> Micr
         inputs["position_ids"] = matrix(rows["position_ids"], np.arange)
     elif (lengths < length).any():
         inputs["attention_mask"] = tensor((np.arange(length) < lengths[:, None]).astype(np.int64))
-    return MicroBatch(inputs, matrix(rows["labels"], lambda _: IGNORE), sum(rows["tokens"]),
-                      sum(rows["label_tokens"]), rows.get("store_row"))
+    return MicroBatch(
+        inputs,
+        matrix(rows["labels"], lambda _: IGNORE),
+        sum(rows["tokens"]),
+        sum(rows["label_tokens"]),
+        rows.get("store_row"),
+    )
 
 
 def train_batches(
@@ -144,9 +157,12 @@ def train_batches(
             everyone = order[start : start + global_batch]
             mine = order[start + dp_rank * per_rank : start + (dp_rank + 1) * per_rank]
             yield GlobalBatch(
-                [collate(rows.batch(mine[i : i + micro_batch_size]), pad_token_id, pin)
-                 for i in range(0, per_rank, micro_batch_size)],
-                tokens=int(rows.tokens[everyone].sum()), label_tokens=int(rows.label_tokens[everyone].sum()),
+                [
+                    collate(rows.batch(mine[i : i + micro_batch_size]), pad_token_id, pin)
+                    for i in range(0, per_rank, micro_batch_size)
+                ],
+                tokens=int(rows.tokens[everyone].sum()),
+                label_tokens=int(rows.label_tokens[everyone].sum()),
             )
         epoch, first = epoch + 1, 0
 
@@ -169,15 +185,25 @@ def streamed_batches(
         taken = [next(rows) for _ in range(micro_batch_size * grad_accum_steps)]
         mine = [row for row, _ in taken]
         yield GlobalBatch(
-            [collate(columns(mine[i:i + micro_batch_size]), pad_token_id, pin)
-             for i in range(0, len(mine), micro_batch_size)],
-            tokens=sum(row["tokens"] for row in mine), label_tokens=sum(row["label_tokens"] for row in mine),
-            stream_position=taken[-1][1].as_dict(), rank_counts=True,
+            [
+                collate(columns(mine[i : i + micro_batch_size]), pad_token_id, pin)
+                for i in range(0, len(mine), micro_batch_size)
+            ],
+            tokens=sum(row["tokens"] for row in mine),
+            label_tokens=sum(row["label_tokens"] for row in mine),
+            stream_position=taken[-1][1].as_dict(),
+            rank_counts=True,
         )
 
 
 def eval_batches(
-    rows: RowSet, *, micro_batch_size: int, max_batches: int, dp_rank: int, dp_size: int, pad_token_id: int,
+    rows: RowSet,
+    *,
+    micro_batch_size: int,
+    max_batches: int,
+    dp_rank: int,
+    dp_size: int,
+    pad_token_id: int,
     pin: bool = False,
 ) -> Iterator[MicroBatch]:
     """This rank's share of the first max_batches x micro_batch_size eval rows, in batches of micro_batch_size.

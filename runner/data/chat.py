@@ -30,8 +30,16 @@ if TYPE_CHECKING:
     from runner.config.data import DataConfig
 
 ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "function_call": "assistant", "observation": "tool", "tool": "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
 
 
 @dataclass
@@ -57,17 +65,25 @@ def conversation(record: Any, chat_format: str, source: str, where: str) -> Conv
         raise SpecError(f"{source}: {where} is a JSON {type(record).__name__}, not an object of fields")
     kind = layout(record) if chat_format == "auto" else chat_format
     if kind == "messages":
-        found = Conversation([dict(message) for message in field(record, "messages", list, source, where)],
-                             tools_of(record, source, where))
+        found = Conversation(
+            [dict(message) for message in field(record, "messages", list, source, where)],
+            tools_of(record, source, where),
+        )
     elif kind == "sharegpt":
-        found = Conversation([sharegpt_message(turn, i, source, where) for i, turn in
-                              enumerate(field(record, "conversations", list, source, where))],
-                             tools_of(record, source, where))
+        found = Conversation(
+            [
+                sharegpt_message(turn, i, source, where)
+                for i, turn in enumerate(field(record, "conversations", list, source, where))
+            ],
+            tools_of(record, source, where),
+        )
     elif kind == "alpaca":
         found = Conversation(alpaca_messages(record, source, where))
     else:
-        raise SpecError(f"{source}: {where} has none of the chat layouts' keys (messages, conversations, or "
-                        f"instruction and output; it has: {', '.join(record)}); set data.chat_format")
+        raise SpecError(
+            f"{source}: {where} has none of the chat layouts' keys (messages, conversations, or "
+            f"instruction and output; it has: {', '.join(record)}); set data.chat_format"
+        )
     check(found, source, where)
     return found
 
@@ -75,8 +91,10 @@ def conversation(record: Any, chat_format: str, source: str, where: str) -> Conv
 def field(record: dict[str, Any], key: str, kind: type, source: str, where: str) -> Any:
     value = record.get(key)
     if not isinstance(value, kind):
-        raise SpecError(f"{source}: {where} has {key} = {json.dumps(value, default=str)[:40]}, not a "
-                        f"{'list' if kind is list else 'string'}")
+        raise SpecError(
+            f"{source}: {where} has {key} = {json.dumps(value, default=str)[:40]}, not a "
+            f"{'list' if kind is list else 'string'}"
+        )
     return value
 
 
@@ -95,8 +113,10 @@ def sharegpt_message(turn: Any, index: int, source: str, where: str) -> dict[str
         raise SpecError(f"{source}: {where} turn {index} is not an object with 'from' and 'value'")
     role = SHAREGPT_ROLES.get(turn["from"])
     if role is None:
-        raise SpecError(f"{source}: {where} turn {index} is from '{turn['from']}'; ShareGPT turns are from "
-                        f"{', '.join(SHAREGPT_ROLES)}")
+        raise SpecError(
+            f"{source}: {where} turn {index} is from '{turn['from']}'; ShareGPT turns are from "
+            f"{', '.join(SHAREGPT_ROLES)}"
+        )
     if turn["from"] != "function_call":
         return {"role": role, "content": turn["value"]}
     try:
@@ -115,8 +135,10 @@ def alpaca_messages(record: dict[str, Any], source: str, where: str) -> list[dic
     prompt = field(record, "instruction", str, source, where)
     if record.get("input"):
         prompt += "\n" + record["input"]
-    return messages + [{"role": "user", "content": prompt},
-                       {"role": "assistant", "content": field(record, "output", str, source, where)}]
+    return messages + [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": field(record, "output", str, source, where)},
+    ]
 
 
 def check(found: Conversation, source: str, where: str) -> None:
@@ -135,8 +157,10 @@ def chat_template(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     """data.chat_template's file, else the tokenizer's own template; neither is refused in one line."""
     template = template_or_none(data, tokenizer)
     if not template:
-        raise SpecError("data.format=chat needs a chat template, and the tokenizer has none; give one with "
-                        "data.chat_template=<a Jinja file>")
+        raise SpecError(
+            "data.format=chat needs a chat template, and the tokenizer has none; give one with "
+            "data.chat_template=<a Jinja file>"
+        )
     return template
 
 
@@ -156,8 +180,10 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str, train_on: str):
         if not getattr(tokenizer, "is_fast", False):
-            raise SpecError("data.format=chat maps the template's text to tokens by their offsets, which only "
-                            "fast tokenizers give; use a fast tokenizer (tokenizer.json)")
+            raise SpecError(
+                "data.format=chat maps the template's text to tokens by their offsets, which only "
+                "fast tokenizers give; use a fast tokenizer (tokenizer.json)"
+            )
         self.tokenizer, self.template, self.train_on = tokenizer, template, train_on
         self.end_of_turn = self.turns_end()
 
@@ -165,8 +191,13 @@ class ChatRenderer:
         """The token that ends an assistant turn, where generation stops. A template whose assistant turn ends on
         no token of its own (GLM-4's leaves it to the next message's header) is refused: the model would never
         learn to stop. Found on a short conversation, as TRL's is_chat_template_stop_token_trained does."""
-        probe = Conversation([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                              {"role": "user", "content": "Bye"}])
+        probe = Conversation(
+            [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"},
+            ]
+        )
         try:
             text = self.render(probe, "", "")
             ids, mask = self.masked(text, self.assistant_spans(probe, text, "", ""))
@@ -175,22 +206,26 @@ class ChatRenderer:
         trained = [token for token, bit in zip(ids, mask) if bit and self.tokenizer.decode([token]).strip()]
         ends = set(self.tokenizer.get_added_vocab().values()) | set(self.tokenizer.all_special_ids)
         if trained and trained[-1] not in ends:
-            raise SpecError("the chat template ends an assistant turn on no token of its own, so the model would "
-                            "never learn to stop; give one that does with data.chat_template=<file> (TRL's "
-                            "`_training` templates do)")
+            raise SpecError(
+                "the chat template ends an assistant turn on no token of its own, so the model would "
+                "never learn to stop; give one that does with data.chat_template=<file> (TRL's "
+                "`_training` templates do)"
+            )
         return trained[-1] if trained else self.tokenizer.eos_token_id
 
     def prompt(self, text: str, where: str) -> str:
         """A user's prompt as the template asks the model to answer it: the user turn and the generation prompt."""
-        return self.render(Conversation([{"role": "user", "content": text}]), "task.prompts", where,
-                           add_generation_prompt=True)
+        return self.render(
+            Conversation([{"role": "user", "content": text}]), "task.prompts", where, add_generation_prompt=True
+        )
 
     def render(self, found: Conversation, source: str, where: str, **options: Any) -> str:
         from jinja2 import TemplateError
 
         try:
-            return self.tokenizer.apply_chat_template(found.messages, tools=found.tools, chat_template=self.template,
-                                                      tokenize=False, **options)
+            return self.tokenizer.apply_chat_template(
+                found.messages, tools=found.tools, chat_template=self.template, tokenize=False, **options
+            )
         except TemplateError as error:
             raise SpecError(f"{source}: {where}: the chat template refuses it: {error}") from None
 
@@ -206,8 +241,10 @@ class ChatRenderer:
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         # A token trains when it lies within a turn: the end found from the text may fall inside the next
         # message's first token (a special token that shares its first character with the one `through` ends with).
-        mask = [int(any(span_start <= start and end <= span_end for span_start, span_end in spans))
-                for start, end in encoded["offset_mapping"]]
+        mask = [
+            int(any(span_start <= start and end <= span_end for span_start, span_end in spans))
+            for start, end in encoded["offset_mapping"]
+        ]
         return encoded["input_ids"], mask
 
     def assistant_spans(self, found: Conversation, text: str, source: str, where: str) -> list[tuple[int, int]]:
@@ -217,17 +254,20 @@ class ChatRenderer:
         for i, message in enumerate(found.messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(Conversation(found.messages[:i], found.tools), source, where,
-                                 add_generation_prompt=True)
-            through = self.render(Conversation(found.messages[:i + 1], found.tools), source, where)
+            before = self.render(
+                Conversation(found.messages[:i], found.tools), source, where, add_generation_prompt=True
+            )
+            through = self.render(Conversation(found.messages[: i + 1], found.tools), source, where)
             end = common_prefix(through, text)
             # What `through` has past the common part must be what the template closes every conversation with
             # (an end-of-sequence token): otherwise the template rendered a turn differently once others followed.
             if not text.startswith(before) or not text.endswith(through[end:]):
-                raise SpecError(f"{source}: {where}: the chat template renders an earlier turn differently once later "
-                                "turns follow (as Qwen3's drops earlier reasoning), so the tokens of each turn "
-                                "cannot be told; give a template that keeps earlier turns as they were with "
-                                "data.chat_template=<file> (TRL publishes such `_training` templates)")
+                raise SpecError(
+                    f"{source}: {where}: the chat template renders an earlier turn differently once later "
+                    "turns follow (as Qwen3's drops earlier reasoning), so the tokens of each turn "
+                    "cannot be told; give a template that keeps earlier turns as they were with "
+                    "data.chat_template=<file> (TRL publishes such `_training` templates)"
+                )
             spans.append((len(before), end))
         return spans
 

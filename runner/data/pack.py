@@ -69,13 +69,25 @@ def text_rows(documents: list[np.ndarray], seq_len: int, packing: bool) -> Rows:
     usable = rows * seq_len
     row_starts = np.arange(0, usable, seq_len)
     if not packing:  # a block is one segment whose every token is predicted but the first
-        return Rows(stream[:usable], np.full(rows, seq_len), np.ones(rows, np.int64), np.zeros(rows, np.int64),
-                    np.zeros(rows, np.int64), np.full(rows, seq_len - 1))
+        return Rows(
+            stream[:usable],
+            np.full(rows, seq_len),
+            np.ones(rows, np.int64),
+            np.zeros(rows, np.int64),
+            np.zeros(rows, np.int64),
+            np.full(rows, seq_len - 1),
+        )
     document_starts = np.cumsum([0] + [len(document) for document in documents[:-1]])
     starts = np.union1d(row_starts, document_starts[document_starts < usable])
     segments_per_row = np.bincount(starts // seq_len, minlength=rows)
-    return Rows(stream[:usable], np.full(rows, seq_len), segments_per_row, starts % seq_len,
-                np.ones(len(starts), np.int64), seq_len - segments_per_row)
+    return Rows(
+        stream[:usable],
+        np.full(rows, seq_len),
+        segments_per_row,
+        starts % seq_len,
+        np.ones(len(starts), np.int64),
+        seq_len - segments_per_row,
+    )
 
 
 def example_rows(examples: list[np.ndarray], masks: list[np.ndarray], seq_len: int, packing: bool) -> Rows:

@@ -50,36 +50,47 @@ def pair(record: Any, names: tuple[str, str, str], source: str, where: str) -> P
         raise SpecError(f"{source}: {where} is a JSON {type(record).__name__}, not an object of fields")
     for key in (chosen_key, rejected_key):
         if not record.get(key):
-            raise SpecError(f"{source}: {where} has no {key} response (its fields: {', '.join(record)}); a preference "
-                            "pair needs a prompt, a chosen and a rejected response")
+            raise SpecError(
+                f"{source}: {where} has no {key} response (its fields: {', '.join(record)}); a preference "
+                "pair needs a prompt, a chosen and a rejected response"
+            )
     chosen, rejected = record[chosen_key], record[rejected_key]
     if isinstance(record.get("conversations"), list) and isinstance(chosen, dict):  # LLaMA-Factory's ranking data
-        found = Pair([sharegpt_message(turn, i, source, where) for i, turn in enumerate(record["conversations"])],
-                     [sharegpt_message(chosen, 0, source, f"{where} {chosen_key}")],
-                     [sharegpt_message(rejected, 0, source, f"{where} {rejected_key}")],
-                     tools_of(record, source, where))
+        found = Pair(
+            [sharegpt_message(turn, i, source, where) for i, turn in enumerate(record["conversations"])],
+            [sharegpt_message(chosen, 0, source, f"{where} {chosen_key}")],
+            [sharegpt_message(rejected, 0, source, f"{where} {rejected_key}")],
+            tools_of(record, source, where),
+        )
     elif prompt_key in record:
         found = Pair(record[prompt_key], chosen, rejected, tools_of(record, source, where))
     elif isinstance(chosen, list) and isinstance(rejected, list):  # TRL's implicit prompt
         if chosen[:-1] != rejected[:-1]:
-            raise SpecError(f"{source}: {where} has no {prompt_key}, and its {chosen_key} and {rejected_key} "
-                            "conversations differ before their last turn, so the prompt they share cannot be told")
+            raise SpecError(
+                f"{source}: {where} has no {prompt_key}, and its {chosen_key} and {rejected_key} "
+                "conversations differ before their last turn, so the prompt they share cannot be told"
+            )
         found = Pair(chosen[:-1], chosen[-1:], rejected[-1:], tools_of(record, source, where))
     else:
-        raise SpecError(f"{source}: {where} has no {prompt_key} (its fields: {', '.join(record)}); name the prompt's "
-                        "field with data.prompt_field")
+        raise SpecError(
+            f"{source}: {where} has no {prompt_key} (its fields: {', '.join(record)}); name the prompt's "
+            "field with data.prompt_field"
+        )
     kinds = {type(part) for part in (found.prompt, found.chosen, found.rejected)}
     if kinds not in ({str}, {list}):
-        raise SpecError(f"{source}: {where} mixes text and conversations in its prompt and responses; give all "
-                        "three as text or all as messages")
+        raise SpecError(
+            f"{source}: {where} mixes text and conversations in its prompt and responses; give all "
+            "three as text or all as messages"
+        )
     if found.chosen == found.rejected:
         raise SpecError(f"{source}: {where} has the same chosen and rejected response: there is nothing to prefer")
     if found.conversational:
         for response in (found.chosen, found.rejected):
             check(Conversation(found.prompt + response, found.tools), source, where)
             if response[-1].get("role") != "assistant":
-                raise SpecError(f"{source}: {where}: a response ends with a {response[-1].get('role')} turn, not the "
-                                "assistant's")
+                raise SpecError(
+                    f"{source}: {where}: a response ends with a {response[-1].get('role')} turn, not the assistant's"
+                )
     elif not found.prompt.strip():
         raise SpecError(f"{source}: {where} has an empty {prompt_key}")
     return found
@@ -88,8 +99,9 @@ def pair(record: Any, names: tuple[str, str, str], source: str, where: str) -> P
 class PairEncoder:
     """A pair's two sequences, the chosen and the rejected, each with the mask of its response's tokens."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: Optional[str],
-                 ids: Callable[[list[str]], list[list[int]]]):
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, template: Optional[str], ids: Callable[[list[str]], list[list[int]]]
+    ):
         self.tokenizer, self.template, self.ids = tokenizer, template, ids
         self.renderer: Optional[ChatRenderer] = None
 
@@ -97,15 +109,21 @@ class PairEncoder:
         if not found.conversational:
             eos = self.tokenizer.eos_token_id
             prompt, chosen, rejected = self.ids([found.prompt, found.chosen, found.rejected])
-            return [(prompt + response + [eos], [0] * len(prompt) + [1] * (len(response) + 1))
-                    for response in (chosen, rejected)]
+            return [
+                (prompt + response + [eos], [0] * len(prompt) + [1] * (len(response) + 1))
+                for response in (chosen, rejected)
+            ]
         if self.renderer is None:
             if not self.template:
-                raise SpecError(f"{source}: {where} is a conversation, which needs a chat template, and the tokenizer "
-                                "has none; give one with data.chat_template=<a Jinja file>")
+                raise SpecError(
+                    f"{source}: {where} is a conversation, which needs a chat template, and the tokenizer "
+                    "has none; give one with data.chat_template=<a Jinja file>"
+                )
             self.renderer = ChatRenderer(self.tokenizer, self.template, "last_assistant")
-        return [self.renderer(Conversation(found.prompt + response, found.tools), source, where)
-                for response in (found.chosen, found.rejected)]
+        return [
+            self.renderer(Conversation(found.prompt + response, found.tools), source, where)
+            for response in (found.chosen, found.rejected)
+        ]
 
 
 def prompts_fit(masks: list[Any], seq_len: int) -> list[bool]:
@@ -129,5 +147,7 @@ class PairSet:
     def batch(self, indices: Any) -> dict[str, list]:
         """The pairs' rows, each with its index in the store (`store_row`)."""
         first = [2 * int(i) for i in indices]
-        return columns([{**self.rows[i], "store_row": self.rows.start + i} for i in first] +
-                       [{**self.rows[i + 1], "store_row": self.rows.start + i + 1} for i in first])
+        return columns(
+            [{**self.rows[i], "store_row": self.rows.start + i} for i in first]
+            + [{**self.rows[i + 1], "store_row": self.rows.start + i + 1} for i in first]
+        )

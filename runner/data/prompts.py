@@ -70,9 +70,12 @@ def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Prompt
         if not (isinstance(shown, list) or data.prompt_as_chat):
             return str(shown)
         if renderer is None:
-            require(bool(template), f"{source}: {where} is a conversation (or data.prompt_as_chat=true), which needs a "
-                                    "chat template, and the tokenizer has none; give one with "
-                                    "data.chat_template=<a Jinja file>")
+            require(
+                bool(template),
+                f"{source}: {where} is a conversation (or data.prompt_as_chat=true), which needs a "
+                "chat template, and the tokenizer has none; give one with "
+                "data.chat_template=<a Jinja file>",
+            )
             renderer = ChatRenderer(tokenizer, template, "all")
         if isinstance(shown, list):
             return renderer.render(Conversation(shown), source, where, add_generation_prompt=True)
@@ -82,14 +85,19 @@ def read_prompts(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Prompt
     for item in work_items(data):
         if item.kind == "text":  # a prompt per line
             for path in item.paths:
-                lines = [(f"{path} line {number}", line) for number, line in
-                         enumerate(read_text(path, source).splitlines(), 1) if line.strip()]
+                lines = [
+                    (f"{path} line {number}", line)
+                    for number, line in enumerate(read_text(path, source).splitlines(), 1)
+                    if line.strip()
+                ]
                 texts = [rendered(line, where) for where, line in lines]
                 prompts += [Prompt(ids, line, {}, where) for (where, line), ids in zip(lines, encoder.ids(texts))]
             continue
         for record, where in read_records(item, source):
-            require(isinstance(record, dict) and data.prompt_field in record,
-                    f"{source}: {where} has no field {data.prompt_field!r} (data.prompt_field), which holds the prompt")
+            require(
+                isinstance(record, dict) and data.prompt_field in record,
+                f"{source}: {where} has no field {data.prompt_field!r} (data.prompt_field), which holds the prompt",
+            )
             shown = record[data.prompt_field]
             [ids] = encoder.ids([rendered(shown, where)])
             require(bool(ids), f"{source}: {where} has an empty prompt")
@@ -108,12 +116,22 @@ def prompt_splits(prompts: PromptSet, eval_fraction: float, seed: int) -> tuple[
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
     held = max(1, round(eval_fraction * len(prompts)))
     evals, train = sorted(order[:held]), sorted(order[held:])
-    return (PromptSet([prompts.prompts[i] for i in train], prompts.stop_token),
-            PromptSet([prompts.prompts[i] for i in evals], prompts.stop_token))
+    return (
+        PromptSet([prompts.prompts[i] for i in train], prompts.stop_token),
+        PromptSet([prompts.prompts[i] for i in evals], prompts.stop_token),
+    )
 
 
-def prompt_steps(prompts: PromptSet, *, per_step: int, dp_rank: int, dp_size: int, seed: int,
-                 start_step: int = 0, steps_per_draw: int = 1) -> Iterator[PromptBatch]:
+def prompt_steps(
+    prompts: PromptSet,
+    *,
+    per_step: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    start_step: int = 0,
+    steps_per_draw: int = 1,
+) -> Iterator[PromptBatch]:
     """For each step after start_step, this rank's share of the step's `per_step` prompts; each draw of prompts
     serves `steps_per_draw` steps in a row (the later ones train again on the first's completions)."""
     import torch
@@ -125,7 +143,7 @@ def prompt_steps(prompts: PromptSet, *, per_step: int, dp_rank: int, dp_size: in
     while True:
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
         for start in range(first * per_step, draws_per_epoch * per_step, per_step):
-            mine = order[start + dp_rank * share:start + (dp_rank + 1) * share]
+            mine = order[start + dp_rank * share : start + (dp_rank + 1) * share]
             drawn = PromptBatch([prompts.prompts[i] for i in mine], dp_rank * share, prompts.stop_token)
             for _ in range(steps_per_draw - repeats):
                 yield drawn
@@ -133,12 +151,13 @@ def prompt_steps(prompts: PromptSet, *, per_step: int, dp_rank: int, dp_size: in
         epoch, first = epoch + 1, 0
 
 
-def eval_prompt_batches(prompts: PromptSet, *, batch_size: int, max_batches: int, dp_rank: int,
-                        dp_size: int) -> Iterator[PromptBatch]:
+def eval_prompt_batches(
+    prompts: PromptSet, *, batch_size: int, max_batches: int, dp_rank: int, dp_size: int
+) -> Iterator[PromptBatch]:
     """This rank's share of the first max_batches x batch_size eval prompts (rounded down to a multiple of the
     ranks, at least one each), in batches of batch_size."""
     count = max(dp_size, min(len(prompts), max_batches * batch_size) // dp_size * dp_size)
     share = count // dp_size
     first = dp_rank * share
     for start in range(first, first + share, batch_size):
-        yield PromptBatch(prompts.prompts[start:min(start + batch_size, first + share)], start, prompts.stop_token)
+        yield PromptBatch(prompts.prompts[start : min(start + batch_size, first + share)], start, prompts.stop_token)

@@ -108,14 +108,16 @@ def read_item(item: WorkItem, fields: tuple[str, ...], source: str) -> list[tupl
 def read_records(item: WorkItem, source: str) -> list[tuple[Any, str]]:
     """The item's records (not of text files), each with where it was read: a file and its line, record or row."""
     if item.kind == "hub":
-        rows = HUB_ROWS[item.paths[0]][item.start:item.end]
+        rows = HUB_ROWS[item.paths[0]][item.start : item.end]
         return [(dict(zip(rows, row)), f"row {item.start + i}") for i, row in enumerate(zip(*rows.values()))]
     [path] = item.paths
     if item.kind == "parquet":
         import pyarrow.parquet as pq
 
-        return [(record, f"{path} row {i}")
-                for i, record in enumerate(pq.ParquetFile(path).read_row_group(item.start).to_pylist())]
+        return [
+            (record, f"{path} row {i}")
+            for i, record in enumerate(pq.ParquetFile(path).read_row_group(item.start).to_pylist())
+        ]
     if item.kind == "json":
         return [(record, f"{path} record {i}") for i, record in enumerate(load_json(path, source))]
     with open(path, "rb") as file:
@@ -165,8 +167,10 @@ def read_text(path: str, source: str) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise SpecError(f"{source}: {path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}); "
-                        "convert it to UTF-8 or leave it out") from None
+        raise SpecError(
+            f"{source}: {path} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start}); "
+            "convert it to UTF-8 or leave it out"
+        ) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
 
 

@@ -43,8 +43,9 @@ class RowWriter:
         if not (self.path / "trained.bin").stat().st_size:  # text: every token trains
             (self.path / "trained.bin").unlink()
         for name, parts in self.parts.items():
-            np.save(self.path / f"{name}.npy",
-                    np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64))
+            np.save(
+                self.path / f"{name}.npy", np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+            )
 
 
 class RowStore:
@@ -70,13 +71,24 @@ class RowStore:
     def row(self, index: int) -> dict[str, Any]:
         first, last = self.segment_offsets[index], self.segment_offsets[index + 1]
         tokens = slice(self.row_offsets[index], self.row_offsets[index + 1])
-        return row_inputs(self.tokens[tokens], None if self.trained is None else self.trained[tokens],
-                          self.segment_starts[first:last], self.segment_ignored[first:last],
-                          int(self.label_tokens[index]), self.packed)
+        return row_inputs(
+            self.tokens[tokens],
+            None if self.trained is None else self.trained[tokens],
+            self.segment_starts[first:last],
+            self.segment_ignored[first:last],
+            int(self.label_tokens[index]),
+            self.packed,
+        )
 
 
-def row_inputs(tokens: np.ndarray, trained: Optional[np.ndarray], segment_starts: Any, segment_ignored: Any,
-               label_tokens: int, packed: bool) -> dict[str, Any]:
+def row_inputs(
+    tokens: np.ndarray,
+    trained: Optional[np.ndarray],
+    segment_starts: Any,
+    segment_ignored: Any,
+    label_tokens: int,
+    packed: bool,
+) -> dict[str, Any]:
     """A row's input_ids, labels and (packed) position_ids, from its tokens, their mask and its segments, with its
     counts."""
     import numpy as np
@@ -88,7 +100,7 @@ def row_inputs(tokens: np.ndarray, trained: Optional[np.ndarray], segment_starts
     starts = [*segment_starts, len(ids)]
     positions = np.empty_like(ids)
     for start, end, ignored in zip(starts, starts[1:], segment_ignored):
-        labels[start:start + ignored] = IGNORE
+        labels[start : start + ignored] = IGNORE
         positions[start:end] = np.arange(end - start)
     row = {"input_ids": ids.tolist(), "labels": labels.tolist(), "tokens": len(ids), "label_tokens": label_tokens}
     if packed:
@@ -112,9 +124,14 @@ class HeldRows:
     def row(self, index: int) -> dict[str, Any]:
         first, last = self.segment_offsets[index], self.segment_offsets[index + 1]
         tokens = slice(self.row_offsets[index], self.row_offsets[index + 1])
-        return row_inputs(self.rows.tokens[tokens], None if self.rows.trained is None else self.rows.trained[tokens],
-                          self.rows.segment_starts[first:last], self.rows.segment_ignored[first:last],
-                          int(self.rows.label_tokens[index]), self.packed)
+        return row_inputs(
+            self.rows.tokens[tokens],
+            None if self.rows.trained is None else self.rows.trained[tokens],
+            self.rows.segment_starts[first:last],
+            self.rows.segment_ignored[first:last],
+            int(self.rows.label_tokens[index]),
+            self.packed,
+        )
 
 
 def columns(rows: list[dict[str, Any]]) -> dict[str, list]:

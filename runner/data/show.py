@@ -43,8 +43,10 @@ def counts(train: RowSet, evaluation: RowSet, seq_len: int, unit: str = "rows") 
     """The splits' sizes in `unit` (rows, or preference pairs), their tokens and the trained share."""
     tokens, trained = int(train.tokens.sum()), int(train.label_tokens.sum())
     meta = train.store.meta
-    line = (f"{len(train):,} train and {len(evaluation):,} eval {unit} of up to {seq_len} tokens; {tokens:,} train "
-            f"tokens, {trained:,} of them trained ({trained / max(tokens, 1):.0%})")
+    line = (
+        f"{len(train):,} train and {len(evaluation):,} eval {unit} of up to {seq_len} tokens; {tokens:,} train "
+        f"tokens, {trained:,} of them trained ({trained / max(tokens, 1):.0%})"
+    )
     if "cut" in meta:
         line += f"; {meta['cut']:,} of {meta['documents']:,} examples longer than data.seq_len={seq_len}, cut"
     if meta.get("dropped_pairs"):
@@ -63,6 +65,8 @@ def shown_prompts(train: PromptSet, evaluation: PromptSet, count: int, tokenizer
         if prompt.fields:
             lines.append(f"    fields: {json.dumps(prompt.fields, ensure_ascii=False)[:500]}")
     longest = max(len(prompt.ids) for prompt in train.prompts)
-    lines.append(f"--- {len(train):,} train and {len(evaluation):,} eval prompts, the longest {longest} tokens; "
-                 f"completions end at {tokenizer.decode([train.stop_token])!r}")
+    lines.append(
+        f"--- {len(train):,} train and {len(evaluation):,} eval prompts, the longest {longest} tokens; "
+        f"completions end at {tokenizer.decode([train.stop_token])!r}"
+    )
     return "\n".join(lines)

@@ -46,9 +46,13 @@ def prepared_rows(data: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: in
     documents = root / "documents"
     if not (documents / "meta.json").exists():
         check_room(data, tokenizer, root)
-    ensure(documents, lambda partial: {**tokenize_documents(data, tokenizer, num_proc(data), partial,
-                                                            source_bytes(data)),
-                                       "dtype": token_dtype(tokenizer).__name__})
+    ensure(
+        documents,
+        lambda partial: {
+            **tokenize_documents(data, tokenizer, num_proc(data), partial, source_bytes(data)),
+            "dtype": token_dtype(tokenizer).__name__,
+        },
+    )
     rows = root / f"rows-{rows_key(data, seed)}"
     ensure(rows, lambda partial: write_rows(Documents(documents), data, seed, partial))
     return RowStore(rows)
@@ -64,8 +68,10 @@ def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) ->
     records = len(documents) // per_record
     if records < 2:
         source = f"data.hub_dataset={data.hub_dataset}" if data.hub_dataset else f"data.files={data.files}"
-        raise SpecError(f"{source} holds {records} {'pair' if per_record == 2 else 'document'}(s); training and "
-                        "evaluation need at least 2")
+        raise SpecError(
+            f"{source} holds {records} {'pair' if per_record == 2 else 'document'}(s); training and "
+            "evaluation need at least 2"
+        )
     evals = max(1, round(records * data.eval_fraction))
     order = np.random.default_rng(seed).permutation(records)
     record_lengths = documents.lengths.reshape(records, per_record).sum(1)
@@ -78,20 +84,29 @@ def write_rows(documents: Documents, data: DataConfig, seed: int, into: Path) ->
             if data.format is DataFormat.preference:
                 fit = prompts_fit(masks, data.seq_len)
                 if not all(fit) and not data.drop_long_prompts:
-                    raise SpecError(f"{error_source(data)}: {record_where(data, int(group[fit.index(False)]))}: its "
-                                    f"prompt fills data.seq_len={data.seq_len}, leaving no room for a response; raise "
-                                    "data.seq_len, shorten the prompt, or leave such pairs out with "
-                                    "data.drop_long_prompts=true")
+                    raise SpecError(
+                        f"{error_source(data)}: {record_where(data, int(group[fit.index(False)]))}: its "
+                        f"prompt fills data.seq_len={data.seq_len}, leaving no room for a response; raise "
+                        "data.seq_len, shorten the prompt, or leave such pairs out with "
+                        "data.drop_long_prompts=true"
+                    )
                 dropped += fit.count(False)
-                tokens, masks = [part for i, part in enumerate(tokens) if fit[i // 2]], \
-                    [part for i, part in enumerate(masks) if fit[i // 2]]
+                tokens, masks = (
+                    [part for i, part in enumerate(tokens) if fit[i // 2]],
+                    [part for i, part in enumerate(masks) if fit[i // 2]],
+                )
             if data.train_on.value == "last_assistant" and data.format.value == "chat":
                 check_something_trains(data, group, masks)
             writer.add(group_rows(data, tokens, masks))
     writer.close()
     eval_rows = rows_before[1]
-    meta = {"dtype": documents.dtype.name, "packing": data.packing, "eval_rows": eval_rows, "rows": writer.rows,
-            "documents": len(documents)}
+    meta = {
+        "dtype": documents.dtype.name,
+        "packing": data.packing,
+        "eval_rows": eval_rows,
+        "rows": writer.rows,
+        "documents": len(documents),
+    }
     if documents.trained is not None:  # examples: how many seq_len cuts
         meta["cut"] = int((documents.lengths > data.seq_len).sum())
     if per_record == 2:
@@ -103,11 +118,13 @@ def check_something_trains(data: DataConfig, indices: Any, masks: list[Any]) -> 
     """Under data.train_on=last_assistant, refuses a conversation whose last assistant turn starts past
     data.seq_len, which would train nothing, naming its file and line."""
     for index, mask in zip(indices, masks):
-        if not mask[1:data.seq_len].any():
-            raise SpecError(f"{error_source(data)}: {record_where(data, int(index))}: "
-                            "its last assistant turn starts past "
-                            f"data.seq_len={data.seq_len}, so under data.train_on=last_assistant it trains nothing; "
-                            "raise data.seq_len, shorten the conversation or train on every assistant turn")
+        if not mask[1 : data.seq_len].any():
+            raise SpecError(
+                f"{error_source(data)}: {record_where(data, int(index))}: "
+                "its last assistant turn starts past "
+                f"data.seq_len={data.seq_len}, so under data.train_on=last_assistant it trains nothing; "
+                "raise data.seq_len, shorten the conversation or train on every assistant turn"
+            )
 
 
 def check_room(data: DataConfig, tokenizer: PreTrainedTokenizerBase, root: Path) -> None:
@@ -118,9 +135,11 @@ def check_room(data: DataConfig, tokenizer: PreTrainedTokenizerBase, root: Path)
     existing = next(directory for directory in (root, *root.parents) if directory.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
-        raise SpecError(f"the token store of {text / 1e9:,.1f} GB of text needs up to "
-                        f"{needed / 1e9:,.1f} GB in {cache_dir(data)}, which has {free / 1e9:,.1f} GB free; free "
-                        "space there or set data.cache_dir to a larger disk")
+        raise SpecError(
+            f"the token store of {text / 1e9:,.1f} GB of text needs up to "
+            f"{needed / 1e9:,.1f} GB in {cache_dir(data)}, which has {free / 1e9:,.1f} GB free; free "
+            "space there or set data.cache_dir to a larger disk"
+        )
 
 
 def num_proc(data: DataConfig) -> int:
@@ -144,4 +163,3 @@ def read_hub(data: DataConfig) -> Any:
     except Exception as error:  # datasets raises many kinds for unreachable or unknown datasets
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SpecError(f"data.hub_dataset={data.hub_dataset} could not be read: {first_line}") from None
-

@@ -53,25 +53,43 @@ def cache_dir(data: DataConfig) -> Path:
 
 def documents_key(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> str:
     if data.hub_dataset:
-        source: Any = {"hub": data.hub_dataset, "split": data.hub_split,
-                       "fingerprint": HUB_ROWS[data.hub_dataset]._fingerprint}
+        source: Any = {
+            "hub": data.hub_dataset,
+            "split": data.hub_split,
+            "fingerprint": HUB_ROWS[data.hub_dataset]._fingerprint,
+        }
     else:
-        source = [(path, found.st_size, found.st_mtime_ns) for path in resolve_files(data.files)
-                  for found in [os.stat(path)]]
+        source = [
+            (path, found.st_size, found.st_mtime_ns) for path in resolve_files(data.files) for found in [os.stat(path)]
+        ]
     if data.format.value == "chat":  # what renders the conversations and masks them
         fields: Any = [data.chat_format.value, chat_template(data, tokenizer), data.train_on.value]
     elif data.format.value == "preference":
         fields = [data.prompt_field, data.chosen_field, data.rejected_field, template_or_none(data, tokenizer)]
     else:
         fields = [data.prompt_field, data.response_field] if data.format.value == "instruction" else [data.text_field]
-    return digest({"version": STORE_VERSION, "source": source, "tokenizer": tokenizer_identity(tokenizer),
-                   "format": data.format.value, "fields": fields})
+    return digest(
+        {
+            "version": STORE_VERSION,
+            "source": source,
+            "tokenizer": tokenizer_identity(tokenizer),
+            "format": data.format.value,
+            "fields": fields,
+        }
+    )
 
 
 def rows_key(data: DataConfig, seed: int) -> str:
-    return digest({"version": ROWS_VERSION, "seq_len": data.seq_len, "packing": data.packing,
-                   "eval_fraction": data.eval_fraction, "seed": seed,
-                   **({"drop_long_prompts": True} if data.drop_long_prompts else {})})
+    return digest(
+        {
+            "version": ROWS_VERSION,
+            "seq_len": data.seq_len,
+            "packing": data.packing,
+            "eval_fraction": data.eval_fraction,
+            "seed": seed,
+            **({"drop_long_prompts": True} if data.drop_long_prompts else {}),
+        }
+    )
 
 
 def digest(value: Any) -> str:
@@ -137,16 +155,22 @@ def turn(final: Path) -> Iterator[None]:
             started = progressed = time.monotonic()
             written = partial_size(final)
             while True:
-                log.warning("waiting for %s, which is writing the token store %s (%.0f s so far)", holder, final,
-                            time.monotonic() - started)
+                log.warning(
+                    "waiting for %s, which is writing the token store %s (%.0f s so far)",
+                    holder,
+                    final,
+                    time.monotonic() - started,
+                )
                 if locked_within(lock, WAIT_REPORT_S):
                     break
                 if partial_size(final) != written:
                     written, progressed = partial_size(final), time.monotonic()
                 elif time.monotonic() - progressed > STALL_S:
                     held = time.monotonic() - started
-                    raise WorkerFailed(f"{holder} has held the token store {final} for {held:.0f} s, writing nothing "
-                                       f"for the last {STALL_S} s; if it is stuck, end it (its lock goes with it)")
+                    raise WorkerFailed(
+                        f"{holder} has held the token store {final} for {held:.0f} s, writing nothing "
+                        f"for the last {STALL_S} s; if it is stuck, end it (its lock goes with it)"
+                    )
         lock.seek(0)
         lock.truncate()
         lock.write(f"process {os.getpid()} on {os.uname().nodename}")
@@ -203,5 +227,12 @@ class Documents:
         import numpy as np
 
         with open(path, "rb") as file:
-            return [np.frombuffer(os.pread(file.fileno(), int(self.lengths[i]) * dtype.itemsize,
-                                           int(self.offsets[i]) * dtype.itemsize), dtype=dtype) for i in indices]
+            return [
+                np.frombuffer(
+                    os.pread(
+                        file.fileno(), int(self.lengths[i]) * dtype.itemsize, int(self.offsets[i]) * dtype.itemsize
+                    ),
+                    dtype=dtype,
+                )
+                for i in indices
+            ]

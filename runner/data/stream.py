@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from runner.config.data import DataConfig
 
+
 @dataclass(frozen=True)
 class StreamPosition:
     """Where a rank's stream goes on: the `rows`-th row (in the chunk's order) of the chunk that starts at training
@@ -114,8 +115,9 @@ def hub_unreachable() -> Optional[str]:
     if datasets.config.HF_HUB_OFFLINE or proxies.get(endpoint.scheme) or proxies.get("all") or not endpoint.hostname:
         return None
     try:
-        socket.create_connection((endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)),
-                                 timeout=HUB_WAIT_S).close()
+        socket.create_connection(
+            (endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)), timeout=HUB_WAIT_S
+        ).close()
     except OSError as error:
         return f"{endpoint.hostname} cannot be reached ({error.strerror or f'no answer within {HUB_WAIT_S:g} s'})"
     return None
@@ -159,15 +161,21 @@ class StreamedRows:
         self.every = held_out_every(data)
 
     def documents(self, held_out: bool) -> Iterator[tuple[Any, str]]:
-        return (document for index, document in enumerate(shard(self.data, self.rank, self.size))
-                if (index % self.every == 0) == held_out)
+        return (
+            document
+            for index, document in enumerate(shard(self.data, self.rank, self.size))
+            if (index % self.every == 0) == held_out
+        )
 
     def rows_of(self, documents: list[tuple[Any, str]]) -> HeldRows:
         encoded = self.encoder.encode_records(documents)
         ends = encoded.lengths.cumsum()
-        split = [encoded.tokens[end - length:end] for end, length in zip(ends, encoded.lengths)]
-        masks = None if encoded.trained is None else \
-            [encoded.trained[end - length:end] for end, length in zip(ends, encoded.lengths)]
+        split = [encoded.tokens[end - length : end] for end, length in zip(ends, encoded.lengths)]
+        masks = (
+            None
+            if encoded.trained is None
+            else [encoded.trained[end - length : end] for end, length in zip(ends, encoded.lengths)]
+        )
         return HeldRows(group_rows(self.data, split, masks), self.data.packing)
 
     def eval_rows(self, count: int) -> RowList:
@@ -177,9 +185,11 @@ class StreamedRows:
         while len(rows) < count:
             chunk = next(chunks, None)
             if chunk is None:
-                raise SpecError(f"rank {self.rank}'s shard of {source_name(self.data)} holds {len(rows)} eval rows, "
-                                f"fewer than its share of {count}; lower train.eval_batches or raise "
-                                "data.eval_fraction")
+                raise SpecError(
+                    f"rank {self.rank}'s shard of {source_name(self.data)} holds {len(rows)} eval rows, "
+                    f"fewer than its share of {count}; lower train.eval_batches or raise "
+                    "data.eval_fraction"
+                )
             held = self.rows_of(chunk)
             rows.extend(held.row(i) for i in range(min(len(held), count - len(rows))))
         return rows
@@ -215,8 +225,10 @@ class StreamedRows:
                 yield epoch, first, rows, order
                 first += len(group)
             if not rows_in_epoch and not resumed_mid_epoch:
-                raise WorkerFailed(f"rank {self.rank}'s shard of {source_name(self.data)} holds no training row of "
-                                   f"data.seq_len={self.data.seq_len} tokens")
+                raise WorkerFailed(
+                    f"rank {self.rank}'s shard of {source_name(self.data)} holds no training row of "
+                    f"data.seq_len={self.data.seq_len} tokens"
+                )
 
     def rows(self, start: StreamPosition) -> Iterator[tuple[dict[str, Any], StreamPosition]]:
         """Each row from `start` on, with the position after it; the next chunk is tokenized while this one trains."""

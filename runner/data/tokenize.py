@@ -53,10 +53,16 @@ class Encoder:
 
         self.fields = fields(data)
         self.chat_format = data.chat_format.value
-        self.chat = ChatRenderer(tokenizer, chat_template(data, tokenizer), data.train_on.value) \
-            if data.format is DataFormat.chat else None
-        self.pairs = PairEncoder(tokenizer, template_or_none(data, tokenizer), self.ids) \
-            if data.format is DataFormat.preference else None
+        self.chat = (
+            ChatRenderer(tokenizer, chat_template(data, tokenizer), data.train_on.value)
+            if data.format is DataFormat.chat
+            else None
+        )
+        self.pairs = (
+            PairEncoder(tokenizer, template_or_none(data, tokenizer), self.ids)
+            if data.format is DataFormat.preference
+            else None
+        )
         self.pair_fields = (data.prompt_field, data.chosen_field, data.rejected_field)
         self.source = error_source(data)
         self.tokenizer = tokenizer
@@ -73,11 +79,16 @@ class Encoder:
             return self.encode([values(record, self.fields, self.source, where) for record, where in records], size)
         size = size or sum(len(json.dumps(record, default=str)) for record, _ in records)
         if self.pairs is not None:
-            encoded = [sequence for record, where in records for sequence in
-                       self.pairs(pair(record, self.pair_fields, self.source, where), self.source, where)]
+            encoded = [
+                sequence
+                for record, where in records
+                for sequence in self.pairs(pair(record, self.pair_fields, self.source, where), self.source, where)
+            ]
         else:
-            encoded = [self.chat(conversation(record, self.chat_format, self.source, where), self.source, where)
-                       for record, where in records]
+            encoded = [
+                self.chat(conversation(record, self.chat_format, self.source, where), self.source, where)
+                for record, where in records
+            ]
         return self.encoded([ids for ids, _ in encoded], [mask for _, mask in encoded], size)
 
     def encode(self, documents: list[tuple[str, ...]], size: int = 0) -> Encoded:
@@ -87,9 +98,11 @@ class Encoder:
         size = size or sum(len(text.encode()) for document in documents for text in document)
         if len(columns) == 2:
             prompts, responses = columns
-            return self.encoded([prompt + response + [eos] for prompt, response in zip(prompts, responses)],
-                                [[0] * len(prompt) + [1] * (len(response) + 1)
-                                 for prompt, response in zip(prompts, responses)], size)
+            return self.encoded(
+                [prompt + response + [eos] for prompt, response in zip(prompts, responses)],
+                [[0] * len(prompt) + [1] * (len(response) + 1) for prompt, response in zip(prompts, responses)],
+                size,
+            )
         return self.encoded([ids + [eos] for ids in columns[0]], None, size)
 
     def encoded(self, sequences: list[list[int]], masks: Optional[list[list[int]]], size: int) -> Encoded:
@@ -97,10 +110,14 @@ class Encoder:
 
         lengths = np.array([len(ids) for ids in sequences], dtype=np.int64)
         count = int(lengths.sum())
-        tokens = np.concatenate([np.array(ids, dtype=self.dtype) for ids in sequences]) if sequences else \
-            np.zeros(0, self.dtype)
-        trained = None if masks is None else \
-            np.fromiter((bit for mask in masks for bit in mask), dtype=np.uint8, count=count)
+        tokens = (
+            np.concatenate([np.array(ids, dtype=self.dtype) for ids in sequences])
+            if sequences
+            else np.zeros(0, self.dtype)
+        )
+        trained = (
+            None if masks is None else np.fromiter((bit for mask in masks for bit in mask), dtype=np.uint8, count=count)
+        )
         return Encoded(tokens, lengths, trained, size)
 
     def ids(self, texts: list[str]) -> list[list[int]]:
@@ -155,8 +172,12 @@ def encoded_items(data: DataConfig, encoder: Encoder, num_proc: int) -> Iterator
     from concurrent.futures import ProcessPoolExecutor, TimeoutError
     from concurrent.futures.process import BrokenProcessPool
 
-    pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"), initializer=start_worker,
-                               initargs=(os.getpid(), pickle.dumps((encoder, HUB_ROWS))))
+    pool = ProcessPoolExecutor(
+        num_proc,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=start_worker,
+        initargs=(os.getpid(), pickle.dumps((encoder, HUB_ROWS))),
+    )
     pending: deque = deque()
     try:
         for item in items:
@@ -166,8 +187,9 @@ def encoded_items(data: DataConfig, encoder: Encoder, num_proc: int) -> Iterator
         while pending:
             yield pending.popleft().result(timeout=STALL_S)
     except BrokenProcessPool:
-        raise WorkerFailed(f"a tokenizing process died (killed, or out of memory?); try fewer data.num_proc than "
-                           f"{num_proc}") from None
+        raise WorkerFailed(
+            f"a tokenizing process died (killed, or out of memory?); try fewer data.num_proc than {num_proc}"
+        ) from None
     except TimeoutError:
         raise WorkerFailed(f"tokenizing stalled: no work item finished in {STALL_S} s") from None
     finally:
@@ -180,8 +202,9 @@ def encoded_items(data: DataConfig, encoder: Encoder, num_proc: int) -> Iterator
             process.join()
 
 
-def tokenize_documents(data: DataConfig, tokenizer: PreTrainedTokenizerBase, num_proc: int, into: Path,
-                       total_bytes: int) -> dict[str, int]:
+def tokenize_documents(
+    data: DataConfig, tokenizer: PreTrainedTokenizerBase, num_proc: int, into: Path, total_bytes: int
+) -> dict[str, int]:
     """Writes the documents' tokens to `into` (tokens.bin, lengths.npy; examples: trained.bin, each token's mask);
     returns their counts."""
     import numpy as np
@@ -217,8 +240,9 @@ class Progress:
     def __init__(self, total_bytes: int, num_proc: int):
         self.total, self.done, self.tokens = total_bytes, 0, 0
         self.started = self.logged = time.monotonic()
-        log.info("tokenizing %s on %d process(es), once: later runs read the token store", amount(total_bytes),
-                 num_proc)
+        log.info(
+            "tokenizing %s on %d process(es), once: later runs read the token store", amount(total_bytes), num_proc
+        )
         self.bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -238,14 +262,17 @@ class Progress:
         seconds = max(time.monotonic() - self.started, 1e-6)
         speed = self.done / seconds
         left = (self.total - self.done) / speed if speed and self.total > self.done else 0
-        return (f"{amount(self.done)} of {amount(self.total)}, {speed / 1e6:.1f} MB/s, {self.tokens:,} tokens, "
-                f"{left:.0f} s left")
+        return (
+            f"{amount(self.done)} of {amount(self.total)}, {speed / 1e6:.1f} MB/s, {self.tokens:,} tokens, "
+            f"{left:.0f} s left"
+        )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        log.info("tokenized %s (%s tokens) in %.1f s", amount(self.done), f"{self.tokens:,}",
-                 time.monotonic() - self.started)
+        log.info(
+            "tokenized %s (%s tokens) in %.1f s", amount(self.done), f"{self.tokens:,}", time.monotonic() - self.started
+        )
 
 
 def amount(size: int) -> str:

@@ -85,10 +85,17 @@ def own_attention(model: nn.Module) -> Iterator[None]:
         model.set_attn_implementation(swapped)
 
 
-def per_example_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                          attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                          scaling: Optional[float] = None, position_ids: Optional[torch.Tensor] = None,
-                          **kwargs) -> tuple[torch.Tensor, None]:
+def per_example_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface: query (batch, heads, seq, dim), key and value (batch, kv heads,
     seq, dim); the output (batch, seq, heads, dim)."""
     import torch
@@ -99,10 +106,21 @@ def per_example_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     rows = []
     for row in range(query.shape[0]):
         starts = (position_ids[row] == 0).nonzero().flatten().tolist() + [query.shape[2]]
-        rows.append(torch.cat([
-            F.scaled_dot_product_attention(query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
-                                           value[row : row + 1, :, start:end], dropout_p=dropout, is_causal=True,
-                                           scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-            for start, end in zip(starts, starts[1:])
-        ], dim=2))
+        rows.append(
+            torch.cat(
+                [
+                    F.scaled_dot_product_attention(
+                        query[row : row + 1, :, start:end],
+                        key[row : row + 1, :, start:end],
+                        value[row : row + 1, :, start:end],
+                        dropout_p=dropout,
+                        is_causal=True,
+                        scale=scaling,
+                        enable_gqa=query.shape[1] != key.shape[1],
+                    )
+                    for start, end in zip(starts, starts[1:])
+                ],
+                dim=2,
+            )
+        )
     return torch.cat(rows).transpose(1, 2).contiguous(), None

@@ -72,8 +72,13 @@ class Checkpointed(Protocol):
     global_batch_size: int
 
 
-def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional[GlobalBatch],
-         best: Optional[dict[str, Any]] = None) -> Path:
+def save(
+    job: Checkpointed,
+    step: int,
+    progress: dict[str, Any],
+    batch: Optional[GlobalBatch],
+    best: Optional[dict[str, Any]] = None,
+) -> Path:
     """Writes the checkpoint of `step` (a collective: every rank calls it) and keeps the last K, and the best one.
     Of the step's `batch`, a streamed rank's position in its stream, and rows the next step trains again. `best`:
     the metric and value that make this checkpoint the best so far."""
@@ -84,8 +89,13 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional
         shutil.rmtree(partial, ignore_errors=True)
     barrier()
     # Every rank writes into the directory (on several nodes, a shared filesystem makes it one directory).
-    with written_whole(partial, f"the checkpoint of step {step}", job.run_dir, lambda: disk_need(job.spec).checkpoint,
-                       shared=job.ranks.world_size > 1):
+    with written_whole(
+        partial,
+        f"the checkpoint of step {step}",
+        job.run_dir,
+        lambda: disk_need(job.spec).checkpoint,
+        shared=job.ranks.world_size > 1,
+    ):
         partial.mkdir(parents=True, exist_ok=True)
         job.stepper.save(partial, rank)
         save_tensors(partial / f"rng-rank{rank}.safetensors", _rng_state())
@@ -96,17 +106,20 @@ def save(job: Checkpointed, step: int, progress: dict[str, Any], batch: Optional
             save_tensors(partial / f"rows-rank{rank}.safetensors", tensors)
             write_json(partial / f"rows-rank{rank}.json", counts)
         if rank == 0:
-            write_json(partial / "meta.json", {
-                "step": step,
-                "world_size": job.ranks.world_size,
-                "mesh": list(job.dims.shape),
-                "layout": job.spec.strategy.checkpoint_layout.value,
-                "strategy": job.spec.strategy.name,
-                "adapter": job.spec.adapter.kind.value,
-                "global_batch": job.global_batch_size,
-                "scheduler": job.scheduler.state_dict(),
-                **progress,
-            })
+            write_json(
+                partial / "meta.json",
+                {
+                    "step": step,
+                    "world_size": job.ranks.world_size,
+                    "mesh": list(job.dims.shape),
+                    "layout": job.spec.strategy.checkpoint_layout.value,
+                    "strategy": job.spec.strategy.name,
+                    "adapter": job.spec.adapter.kind.value,
+                    "global_batch": job.global_batch_size,
+                    "scheduler": job.scheduler.state_dict(),
+                    **progress,
+                },
+            )
     barrier()
     if rank == 0:
         move_into_place(partial, final)  # replacing an incomplete one of the same step, left by a killed run
@@ -156,34 +169,48 @@ def check_resumable(spec: RunSpec) -> None:
     require(meta_file.is_file(), f"resume={spec.resume} is not a complete checkpoint")
     written = json.loads(meta_file.read_text())
     layout, strategy = CheckpointLayout(written["layout"]), spec.strategy
-    require(not (Path(spec.resume) / "model-rank0.safetensors").is_file(),
-            f"the checkpoint {spec.resume} holds SHARDED files of an earlier runner (model-rank<N>.safetensors), "
-            "which this one does not read; continue it with the runner that wrote it")
+    require(
+        not (Path(spec.resume) / "model-rank0.safetensors").is_file(),
+        f"the checkpoint {spec.resume} holds SHARDED files of an earlier runner (model-rank<N>.safetensors), "
+        "which this one does not read; continue it with the runner that wrote it",
+    )
     if not layout.portable:
-        require(written["world_size"] == spec.hardware.world_size,
-                f"the checkpoint {spec.resume} holds {written['world_size']} ranks' shards ({layout.value}) and this "
-                f"run has {spec.hardware.world_size} processes; resume on {written['world_size']}, or write FULL "
-                "or SHARDED checkpoints (strategy.state_dict_type), which resume on any number")
-    require(written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
-            f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "
-            f"strategy={strategy.name}; only FULL and SHARDED checkpoints move between strategies, to those that "
-            "read them")
+        require(
+            written["world_size"] == spec.hardware.world_size,
+            f"the checkpoint {spec.resume} holds {written['world_size']} ranks' shards ({layout.value}) and this "
+            f"run has {spec.hardware.world_size} processes; resume on {written['world_size']}, or write FULL "
+            "or SHARDED checkpoints (strategy.state_dict_type), which resume on any number",
+        )
+    require(
+        written["strategy"] == strategy.name or strategy.checkpoint_layout.reads(layout),
+        f"the checkpoint {spec.resume} was written by strategy={written['strategy']}, this run uses "
+        f"strategy={strategy.name}; only FULL and SHARDED checkpoints move between strategies, to those that "
+        "read them",
+    )
     streamed = (Path(spec.resume) / "stream-rank0.json").exists()
-    require(streamed == spec.data.streaming,
-            f"the checkpoint {spec.resume} was written by a run {'with' if streamed else 'without'} data.streaming, "
-            f"this run has data.streaming={str(spec.data.streaming).lower()}; resume as it was written")
+    require(
+        streamed == spec.data.streaming,
+        f"the checkpoint {spec.resume} was written by a run {'with' if streamed else 'without'} data.streaming, "
+        f"this run has data.streaming={str(spec.data.streaming).lower()}; resume as it was written",
+    )
     if streamed:
-        require(written["world_size"] == spec.hardware.world_size,
-                f"the checkpoint {spec.resume} holds the stream positions of {written['world_size']} ranks, each "
-                f"reading its own shard, and this run has {spec.hardware.world_size} processes; resume on "
-                f"{written['world_size']}")
+        require(
+            written["world_size"] == spec.hardware.world_size,
+            f"the checkpoint {spec.resume} holds the stream positions of {written['world_size']} ranks, each "
+            f"reading its own shard, and this run has {spec.hardware.world_size} processes; resume on "
+            f"{written['world_size']}",
+        )
     adapter = written.get("adapter", "none")
-    require(adapter == spec.adapter.kind.value,
-            f"the checkpoint {spec.resume} was written with adapter={adapter}, this run has "
-            f"adapter={spec.adapter.kind.value}; resume with adapter={adapter}")
-    require(written["step"] < spec.train.max_steps,
-            f"the checkpoint {spec.resume} is at step {written['step']}, the end of train.max_steps="
-            f"{spec.train.max_steps}; raise train.max_steps to train further")
+    require(
+        adapter == spec.adapter.kind.value,
+        f"the checkpoint {spec.resume} was written with adapter={adapter}, this run has "
+        f"adapter={spec.adapter.kind.value}; resume with adapter={adapter}",
+    )
+    require(
+        written["step"] < spec.train.max_steps,
+        f"the checkpoint {spec.resume} is at step {written['step']}, the end of train.max_steps="
+        f"{spec.train.max_steps}; raise train.max_steps to train further",
+    )
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

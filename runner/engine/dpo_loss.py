@@ -43,8 +43,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo")
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
 
 
 class Reference(Protocol):
@@ -155,15 +161,17 @@ class PreferenceLoss:
     def step_batch(self, job: PreparedJob, drawn: GlobalBatch, step: int) -> GlobalBatch:
         return drawn
 
-    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The mean over the global batch's pairs: each micro batch adds its pairs' losses over their number."""
         losses, metrics = self.pair_losses(job, micro_batch, whole)
         pairs = job.global_batch_size
         return losses.sum() / pairs, {name: value.sum() / pairs for name, value in metrics.items()}
 
-    def pair_losses(self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss,
-                    reference: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def pair_losses(
+        self, job: PreparedJob, micro_batch: MicroBatch, whole: WholeLoss, reference: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Each pair's loss, and each pair's metrics (detached). Under a sequence split, the loss of the whole rows'
         log-probs, on every rank of the group. `reference`: the reference's log-probs of these rows, when known."""
         import torch
@@ -174,15 +182,16 @@ class PreferenceLoss:
                 reference = self.reference.logps(job, micro_batch, whole)
         targets = micro_batch.labels if micro_batch.labels_shifted else shifted(micro_batch.labels)
         tokens = whole((targets != IGNORE).sum(1).to(logps.device))
-        return preference_losses(logps, reference, tokens, self.kind, self.beta, self.label_smoothing,
-                                 self.simpo_gamma)
+        return preference_losses(logps, reference, tokens, self.kind, self.beta, self.label_smoothing, self.simpo_gamma)
 
     def line(self, job: PreparedJob) -> str:
         smoothing = f", label smoothing {self.label_smoothing:g}" if self.label_smoothing else ""
         gamma = f", gamma {self.simpo_gamma:g}" if self.kind == "simpo" else ""
         reference = self.reference.line() if self.reference is not None else "none"
-        return (f"{self.kind} preference loss, beta {self.beta:g}{smoothing}{gamma}; reference model: {reference}; "
-                f"log-probs {loss_line(job.spec.train, unwrapped(job.model).config)}")
+        return (
+            f"{self.kind} preference loss, beta {self.beta:g}{smoothing}{gamma}; reference model: {reference}; "
+            f"log-probs {loss_line(job.spec.train, unwrapped(job.model).config)}"
+        )
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
         """The mean loss and metrics over every rank's eval pairs, as `eval_loss` and `eval_<metric>`."""
@@ -192,8 +201,7 @@ class PreferenceLoss:
         pairs = 0
         with torch.no_grad():
             for index, micro_batch in enumerate(job.eval_batches()):
-                with split_sequences(job.sequence_split, micro_batch.to(job.device)) as (sliced, whole), \
-                        job.autocast():
+                with split_sequences(job.sequence_split, micro_batch.to(job.device)) as (sliced, whole), job.autocast():
                     if self.reference is not None and index == len(self.eval_reference):
                         self.eval_reference.append(self.reference.logps(job, sliced, whole))
                     reference = self.eval_reference[index] if self.reference is not None else None
@@ -201,8 +209,10 @@ class PreferenceLoss:
                 sums += torch.stack([losses.sum(), *(metrics[name].sum() for name in METRICS)]).double()
                 pairs += len(losses)
         total, *metric_sums, counted = all_ranks_sums([*sums.tolist(), pairs], job.counted)
-        return {"eval_loss": total / counted,
-                **{f"eval_{name}": value / counted for name, value in zip(METRICS, metric_sums)}}
+        return {
+            "eval_loss": total / counted,
+            **{f"eval_{name}": value / counted for name, value in zip(METRICS, metric_sums)},
+        }
 
 
 def row_logps(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
@@ -210,9 +220,15 @@ def row_logps(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
     return -model(**micro_batch.inputs, **loss_arguments(micro_batch), per_row=True)
 
 
-def preference_losses(logps: torch.Tensor, reference: Optional[torch.Tensor], tokens: torch.Tensor, kind: str,
-                      beta: float, label_smoothing: float = 0.0, simpo_gamma: float = 0.0
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def preference_losses(
+    logps: torch.Tensor,
+    reference: Optional[torch.Tensor],
+    tokens: torch.Tensor,
+    kind: str,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Each pair's loss from its rows' summed log-probabilities (the chosen rows, then the rejected rows), the
     reference's (None: simpo, which has none) and the rows' trained tokens; each pair's metrics, detached."""
     import torch.nn.functional as F

@@ -46,8 +46,9 @@ SCALES = ("group", "batch", "none")
 LEVELS = ("token", "sequence")
 
 
-def group_advantages(rewards: torch.Tensor, generations: int, scale: str,
-                     batch_std: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def group_advantages(
+    rewards: torch.Tensor, generations: int, scale: str, batch_std: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each completion's advantage from the rewards of its group (consecutive runs of `generations`), and each
     group's std (unbiased, as TRL's), repeated for its completions. A completion no reward scored (NaN) is left
     out of its group's figures and gets no advantage. `batch_std`: the whole global batch's, which scale=batch
@@ -77,8 +78,14 @@ class PolicyLoss:
     max_completion_length: int = 256
     temperature: float = 1.0  # the sampling temperature, which the log-probs' logits are divided by
 
-    def token_losses(self, logps: torch.Tensor, old_logps: Optional[torch.Tensor], ref_logps: Optional[torch.Tensor],
-                     advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def token_losses(
+        self,
+        logps: torch.Tensor,
+        old_logps: Optional[torch.Tensor],
+        ref_logps: Optional[torch.Tensor],
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Each token's loss [rows, positions] (0 off the completions) from the policy's log-probs of the sampled
         tokens, the sampling policy's (None: the policy's own, detached: one optimizer step per rollout), the
         reference's (beta > 0) and each row's advantage; per-token metrics (detached, 0 off the completions)."""
@@ -162,13 +169,15 @@ class GroupPolicyLoss:
         self.sampling_s = time.perf_counter() - started if self.rows is not rows else 0.0
         return replace(self.rows, trained_again=step % self.iterations != 0)
 
-    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = micro_batch.row_values
         mask = completion_mask(micro_batch)
         logps = token_logps(job.model, micro_batch, self.settings.temperature)
-        losses, token_metrics = self.settings.token_losses(logps, values.get("old_logps"), values.get("ref_logps"),
-                                                           values["advantages"], mask)
+        losses, token_metrics = self.settings.token_losses(
+            logps, values.get("old_logps"), values.get("ref_logps"), values["advantages"], mask
+        )
         rows, tokens = job.global_batch_size, batch.label_tokens
         metrics = {name: value.sum() / tokens for name, value in token_metrics.items()}
         if "sample_logps" in values:  # the sampler's log-probs against the trained policy's at sampling (TRL's name)
@@ -188,5 +197,7 @@ class GroupPolicyLoss:
         settings = self.settings
         kl = f", KL to the reference x {settings.beta:g}" if settings.beta else ""
         clip = f"[{1 - settings.epsilon:g}, {1 + settings.epsilon_high:g}]"
-        return (f"{settings.kind} policy loss ({settings.level}-level ratios clipped to {clip}{kl}); log-probs "
-                f"{loss_line(job.spec.train, unwrapped(job.model).config)}")
+        return (
+            f"{settings.kind} policy loss ({settings.level}-level ratios clipped to {clip}{kl}); log-probs "
+            f"{loss_line(job.spec.train, unwrapped(job.model).config)}"
+        )

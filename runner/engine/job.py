@@ -51,8 +51,9 @@ class Objective(Protocol):
         completions the policy samples for the drawn prompts, scored."""
         ...
 
-    def loss(self, job: PreparedJob, micro_batch: batches.MicroBatch, batch: batches.GlobalBatch,
-             whole: WholeLoss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, job: PreparedJob, micro_batch: batches.MicroBatch, batch: batches.GlobalBatch, whole: WholeLoss
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro batch's share of the global batch's loss, to differentiate, and its shares of the global
         batch's metrics (means over the global batch, once every rank's shares are summed). Under a sequence
         split, `micro_batch` is this rank's slices of the rows, and `whole` makes a sum over them the rows' own."""
@@ -176,10 +177,15 @@ def load_data(spec: RunSpec) -> LoadedData:
 
 
 def prepare_job(
-    spec: RunSpec, run_dir: Path, ranks: Ranks = Ranks(), identity: Optional[RunIdentity] = None,
-    loaded: Optional[LoadedData] = None, objective: Optional[Callable[[PreparedJob], Objective]] = None,
+    spec: RunSpec,
+    run_dir: Path,
+    ranks: Ranks = Ranks(),
+    identity: Optional[RunIdentity] = None,
+    loaded: Optional[LoadedData] = None,
+    objective: Optional[Callable[[PreparedJob], Objective]] = None,
     benchmarks: Optional[Callable[[PreparedJob], dict[str, float]]] = None,
-    benchmark_tokens: Optional[Callable[[PreTrainedTokenizerBase], int]] = None, keep_best: Optional[KeepBest] = None,
+    benchmark_tokens: Optional[Callable[[PreTrainedTokenizerBase], int]] = None,
+    keep_best: Optional[KeepBest] = None,
 ) -> PreparedJob:
     """The job whole, ready for its first step. `loaded`: what load_data returned for this spec in this process,
     when it has been called already; `objective`: the task's own, built from the job (None: the next-token loss);
@@ -231,8 +237,14 @@ def prepare_job(
     return job
 
 
-def batch_sources(spec: RunSpec, tokenizer: PreTrainedTokenizerBase, train_set: Optional[RowSet],
-                  eval_set: Optional[RowSet], ranks: Ranks, device: torch.device):
+def batch_sources(
+    spec: RunSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    train_set: Optional[RowSet],
+    eval_set: Optional[RowSet],
+    ranks: Ranks,
+    device: torch.device,
+):
     """This rank's train batches (a function of the step and stream position it starts from), its eval batches,
     and the eval sequences of all ranks together. The data-parallel ranks split each global batch (single has
     one); the ranks of a tensor-parallel group run the same rows. The next global batch is built on a thread
@@ -247,12 +259,25 @@ def batch_sources(spec: RunSpec, tokenizer: PreTrainedTokenizerBase, train_set: 
         per_step = train.micro_batch_size * dp_size * train.grad_accum_steps // spec.task.rows_per_prompt
 
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[prompts.PromptBatch]:
-            return prompts.prompt_steps(train_set, per_step=per_step, dp_rank=dp_rank, dp_size=dp_size,
-                                        seed=spec.seed, start_step=start_step, steps_per_draw=spec.task.steps_per_draw)
+            return prompts.prompt_steps(
+                train_set,
+                per_step=per_step,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+                seed=spec.seed,
+                start_step=start_step,
+                steps_per_draw=spec.task.steps_per_draw,
+            )
 
         def eval_prompts() -> Iterator[prompts.PromptBatch]:
-            return prompts.eval_prompt_batches(eval_set, batch_size=train.micro_batch_size,
-                                               max_batches=train.eval_batches, dp_rank=dp_rank, dp_size=dp_size)
+            return prompts.eval_prompt_batches(
+                eval_set,
+                batch_size=train.micro_batch_size,
+                max_batches=train.eval_batches,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+            )
+
         return train_batches, eval_prompts, len(eval_set)
     if spec.data.streaming:
         stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
@@ -260,20 +285,46 @@ def batch_sources(spec: RunSpec, tokenizer: PreTrainedTokenizerBase, train_set: 
         eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
 
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
-            return ahead(batches.streamed_batches(stream, micro_batch_size=train.micro_batch_size,
-                                                  grad_accum_steps=train.grad_accum_steps, pad_token_id=pad,
-                                                  position=position, pin=pin))
+            return ahead(
+                batches.streamed_batches(
+                    stream,
+                    micro_batch_size=train.micro_batch_size,
+                    grad_accum_steps=train.grad_accum_steps,
+                    pad_token_id=pad,
+                    position=position,
+                    pin=pin,
+                )
+            )
+
         eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
     else:
+
         def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
-            return ahead(batches.train_batches(train_set, micro_batch_size=train.micro_batch_size,
-                                               grad_accum_steps=train.grad_accum_steps, dp_rank=dp_rank,
-                                               dp_size=dp_size, seed=spec.seed, pad_token_id=pad,
-                                               start_step=start_step, pin=pin))
+            return ahead(
+                batches.train_batches(
+                    train_set,
+                    micro_batch_size=train.micro_batch_size,
+                    grad_accum_steps=train.grad_accum_steps,
+                    dp_rank=dp_rank,
+                    dp_size=dp_size,
+                    seed=spec.seed,
+                    pad_token_id=pad,
+                    start_step=start_step,
+                    pin=pin,
+                )
+            )
+
         eval_rank, eval_size, eval_sequences = dp_rank, dp_size, len(eval_set)
 
     def eval_batches() -> Iterator[batches.MicroBatch]:
-        return batches.eval_batches(eval_set, micro_batch_size=train.micro_batch_size,
-                                    max_batches=train.eval_batches, dp_rank=eval_rank, dp_size=eval_size,
-                                    pad_token_id=pad, pin=pin)
+        return batches.eval_batches(
+            eval_set,
+            micro_batch_size=train.micro_batch_size,
+            max_batches=train.eval_batches,
+            dp_rank=eval_rank,
+            dp_size=eval_size,
+            pad_token_id=pad,
+            pin=pin,
+        )
+
     return train_batches, eval_batches, eval_sequences

@@ -74,8 +74,7 @@ def train(job: PreparedJob) -> dict[str, Any]:
         stop.restore()
 
 
-def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop, watch: StallWatch
-           ) -> dict[str, Any]:
+def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop, watch: StallWatch) -> dict[str, Any]:
     cfg = job.spec.train
     window, planned = _start(job)
     progress = _starting_progress(job, watch)
@@ -110,13 +109,24 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         progress.train_time, progress.tokens_seen = progress.train_time + seconds, progress.tokens_seen + reading.tokens
         window.add(reading, seconds)
         # The mean tokens/s of the training steps so far, as the done line gives it.
-        shown = {"loss": f"{reading.loss / reading.steps:.4f}",
-                 "tokens_per_s": f"{progress.tokens_seen / progress.train_time:,.0f}"}
+        shown = {
+            "loss": f"{reading.loss / reading.steps:.4f}",
+            "tokens_per_s": f"{progress.tokens_seen / progress.train_time:,.0f}",
+        }
         bar.advance(**shown)
 
         if logging_step:
-            train_loss = _log(job, step, window.close(job.scheduler.get_last_lr()[0], reading.grad_norm,
-                                                      result.outcome.loss_scale, progress.tokens_seen, job.device))
+            train_loss = _log(
+                job,
+                step,
+                window.close(
+                    job.scheduler.get_last_lr()[0],
+                    reading.grad_norm,
+                    result.outcome.loss_scale,
+                    progress.tokens_seen,
+                    job.device,
+                ),
+            )
         fresh = _evaluated(job, step, evaluating, benchmarking, progress, watch)
         evaluated, best = {**evaluated, **fresh}, _best_so_far(job, step, fresh, progress)
         if checkpointing or stopping or best:
@@ -125,8 +135,11 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
             log.info("step %d/%d | checkpoint %s", step, cfg.max_steps, saved)
         if stopping:
             vote.close()
-            raise Stopped(f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "
-                          f"continue with: run resume={job.run_dir}", signal=stop.requested)
+            raise Stopped(
+                f"stopped by {stop.requested or 'a signal'} after step {step}, checkpoint {saved}; "
+                f"continue with: run resume={job.run_dir}",
+                signal=stop.requested,
+            )
         read_at, compiled_before = time.perf_counter(), compiled
 
     vote.close()
@@ -135,8 +148,9 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
     return _finish(job, progress, train_loss, evaluated, started, planned)
 
 
-def _evaluated(job: PreparedJob, step: int, evaluating: bool, benchmarking: bool, progress: Progress,
-               watch: StallWatch) -> dict[str, float]:
+def _evaluated(
+    job: PreparedJob, step: int, evaluating: bool, benchmarking: bool, progress: Progress, watch: StallWatch
+) -> dict[str, float]:
     """The metrics of this step's evaluation and the benchmarks' scores, where the step has them."""
     fresh: dict[str, float] = {}
     if evaluating:
@@ -148,15 +162,19 @@ def _evaluated(job: PreparedJob, step: int, evaluating: bool, benchmarking: bool
     return fresh
 
 
-def _best_so_far(job: PreparedJob, step: int, fresh: dict[str, float], progress: Progress
-                 ) -> Optional[dict[str, Any]]:
+def _best_so_far(job: PreparedJob, step: int, fresh: dict[str, float], progress: Progress) -> Optional[dict[str, Any]]:
     """train.keep_best's metric and value where this step's is the best so far (its checkpoint is then kept)."""
     keep = job.keep_best
     if keep is None or keep.metric not in fresh or not keep.better(fresh[keep.metric], progress.best_value):
         return None
     progress.best_value, progress.best_step = fresh[keep.metric], step
-    log.info("step %d/%d | best %s so far: %.4f; its checkpoint is kept", step, job.spec.train.max_steps,
-             keep.metric, progress.best_value)
+    log.info(
+        "step %d/%d | best %s so far: %.4f; its checkpoint is kept",
+        step,
+        job.spec.train.max_steps,
+        keep.metric,
+        progress.best_value,
+    )
     return {"metric": keep.metric, "value": progress.best_value, "step": step}
 
 
@@ -170,11 +188,18 @@ def _starting_progress(job: PreparedJob, watch: StallWatch) -> Progress:
     log.info("resuming from step %d of %s", job.start_step, job.spec.resume)
     written = job.progress.get("global_batch", job.global_batch_size)  # older checkpoints do not say
     if written != job.global_batch_size:
-        log.warning("resuming with a global batch of %d (micro batch %d x %d data-parallel ranks x %d "
-                    "accumulation steps) where the checkpoint's run had %d: the steps from here train on other "
-                    "batches than that run's own; set train.micro_batch_size or train.grad_accum_steps to give "
-                    "%d again for the same losses", job.global_batch_size, cfg.micro_batch_size, job.dp_size,
-                    cfg.grad_accum_steps, written, written)
+        log.warning(
+            "resuming with a global batch of %d (micro batch %d x %d data-parallel ranks x %d "
+            "accumulation steps) where the checkpoint's run had %d: the steps from here train on other "
+            "batches than that run's own; set train.micro_batch_size or train.grad_accum_steps to give "
+            "%d again for the same losses",
+            job.global_batch_size,
+            cfg.micro_batch_size,
+            job.dp_size,
+            cfg.grad_accum_steps,
+            written,
+            written,
+        )
     return Progress(**{f.name: job.progress.get(f.name, f.default) for f in fields(Progress)})
 
 
@@ -185,15 +210,21 @@ def _advance_schedule(job: PreparedJob, outcome: StepOutcome, step: int, progres
         job.scheduler.step()
         return
     progress.skipped_steps += 1
-    log.warning("step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
-                step, job.spec.train.max_steps, outcome.loss_scale)
+    log.warning(
+        "step %d/%d | gradients overflowed fp16; update skipped, loss scale lowered to %g",
+        step,
+        job.spec.train.max_steps,
+        outcome.loss_scale,
+    )
 
 
 def _stop_if_non_finite(job: PreparedJob, reading: Reading) -> None:
     if reading.first_non_finite is not None:
         last_good = complete_checkpoints(job.run_dir)
-        raise NonFiniteLoss(f"the loss is {reading.loss} at step {reading.first_non_finite}; the last good "
-                            f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}")
+        raise NonFiniteLoss(
+            f"the loss is {reading.loss} at step {reading.first_non_finite}; the last good "
+            f"checkpoint is {last_good[-1] if last_good else 'none (train.checkpoint_every=0)'}"
+        )
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -212,8 +243,14 @@ def _step_batch(job: PreparedJob, drawn: GlobalBatch, step: int, progress: Progr
         saved = checkpoints_dir(job.run_dir) / f"step_{last_step:08d}"
         if last_step and not due(last_step, cfg.checkpoint_every, cfg.max_steps):
             saved = checkpoint.save(job, last_step, asdict(progress), None)
-        kept = (f"the checkpoint of step {last_step}, {saved}, holds the run so far; fix the reward, then continue "
-                f"with: run resume={job.run_dir}") if last_step else "no step had been trained"
+        kept = (
+            (
+                f"the checkpoint of step {last_step}, {saved}, holds the run so far; fix the reward, then continue "
+                f"with: run resume={job.run_dir}"
+            )
+            if last_step
+            else "no step had been trained"
+        )
         raise RewardFailed(f"{failure} in step {step}; {kept}") from None
 
 
@@ -222,8 +259,12 @@ def _compile_seconds_logged(job: PreparedJob, step: int, compiled_before: float)
     cfg = job.spec.train
     compiled = compile_seconds() if cfg.compile else 0.0
     if compiled > compiled_before:
-        log.info("step %d/%d | torch.compile: %.1f s, left out of the step times", step, cfg.max_steps,
-                 compiled - compiled_before)
+        log.info(
+            "step %d/%d | torch.compile: %.1f s, left out of the step times",
+            step,
+            cfg.max_steps,
+            compiled - compiled_before,
+        )
     return compiled
 
 
@@ -243,8 +284,16 @@ def _log(job: PreparedJob, step: int, record: dict[str, Any]) -> float:
     for tracker in list(job.trackers):
         _tracked(job, tracker, lambda: tracker.log(record, step))
     shown = "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)
-    log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s%s", step, job.spec.train.max_steps,
-             record["loss"], record["lr"], record["grad_norm"], f"{record['tokens_per_s']:,.0f}", shown)
+    log.info(
+        "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s%s",
+        step,
+        job.spec.train.max_steps,
+        record["loss"],
+        record["lr"],
+        record["grad_norm"],
+        f"{record['tokens_per_s']:,.0f}",
+        shown,
+    )
     return record["loss"]
 
 
@@ -256,13 +305,22 @@ def _tracked(job: PreparedJob, tracker: Tracker, call: Callable[[], None]) -> No
     except Exception as error:
         if not refused_write(error):
             raise
-        log.warning("%s stopped recording: %s; training goes on without it", type(tracker).__name__,
-                    " ".join(str(error).split())[:200])
+        log.warning(
+            "%s stopped recording: %s; training goes on without it",
+            type(tracker).__name__,
+            " ".join(str(error).split())[:200],
+        )
         job.trackers.remove(tracker)
 
 
-def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: dict[str, float],
-            started: float, planned: Optional[TimePlan]) -> dict[str, Any]:
+def _finish(
+    job: PreparedJob,
+    progress: Progress,
+    train_loss: float,
+    evaluated: dict[str, float],
+    started: float,
+    planned: Optional[TimePlan],
+) -> dict[str, Any]:
     """The model saved, summary.json written, the trackers finished; the summary, with the last evaluation's
     metrics (task=dpo's rewards), the FLOP rate reached (which later runs' plans read) and what was predicted."""
     eval_loss = evaluated["eval_loss"]
@@ -295,20 +353,32 @@ def _finish(job: PreparedJob, progress: Progress, train_loss: float, evaluated: 
         _tracked(job, tracker, tracker.finish)
     log.info(
         "done: train loss %.4f | eval loss %.4f (from %.4f) | %s tokens/s (mean of the training steps) | "
-        "peak memory %.2f GiB | %.0f s%s", train_loss, eval_loss, progress.first_eval_loss,
-        f"{summary['tokens_per_s']:,.0f}", summary["peak_memory_gib"], summary["wall_time_s"],
+        "peak memory %.2f GiB | %.0f s%s",
+        train_loss,
+        eval_loss,
+        progress.first_eval_loss,
+        f"{summary['tokens_per_s']:,.0f}",
+        summary["peak_memory_gib"],
+        summary["wall_time_s"],
         f" (torch.compile: {summary['compile_time_s']:.0f} s of it)" if job.spec.train.compile else "",
     )
     log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
     adapter_only = job.spec.adapter.active and not job.spec.adapter.merge
     if model_dir and adapter_only:
-        log.info("use it: PeftModel.from_pretrained(<the base>, %s) (peft); adapter.merge=true also saves the merged "
-                 "model, which task=evaluate and task=generate read", model_dir)
+        log.info(
+            "use it: PeftModel.from_pretrained(<the base>, %s) (peft); adapter.merge=true also saves the merged "
+            "model, which task=evaluate and task=generate read",
+            model_dir,
+        )
     elif model_dir and job.spec.data.format.value == "prompt":  # (its spec's data are prompts, not rows to evaluate)
         log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line>", model_dir)
     elif model_dir:
-        log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
-                 "run task=evaluate task.trained=%s", job.run_dir, job.run_dir)
+        log.info(
+            "use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
+            "run task=evaluate task.trained=%s",
+            job.run_dir,
+            job.run_dir,
+        )
     return summary
 
 
@@ -317,10 +387,15 @@ def _best(job: PreparedJob, progress: Progress) -> Optional[dict[str, Any]]:
     kept = checkpoint.best_checkpoint(job.run_dir) if job.keep_best is not None else None
     if kept is None:
         return None
-    log.info("best checkpoint: %s (%s %.4f at step %d)", kept, job.keep_best.metric, progress.best_value,
-             progress.best_step)
-    return {"metric": job.keep_best.metric, "value": progress.best_value, "step": progress.best_step,
-            "checkpoint": str(kept)}
+    log.info(
+        "best checkpoint: %s (%s %.4f at step %d)", kept, job.keep_best.metric, progress.best_value, progress.best_step
+    )
+    return {
+        "metric": job.keep_best.metric,
+        "value": progress.best_value,
+        "step": progress.best_step,
+        "checkpoint": str(kept),
+    }
 
 
 def _rate_reached(job: PreparedJob, progress: Progress) -> dict[str, Any]:
@@ -330,9 +405,14 @@ def _rate_reached(job: PreparedJob, progress: Progress) -> dict[str, Any]:
     step_s = progress.train_time / spec.train.max_steps
     achieved = per_step / step_s
     peak = spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size
-    return {"flops_per_token": flops_per_token(spec), "flops_per_step": per_step, "step_time_s": step_s,
-            "achieved_tflops": achieved / 1e12, "mfu": achieved / peak if peak else None,
-            "identity": hardware_identity(spec)}
+    return {
+        "flops_per_token": flops_per_token(spec),
+        "flops_per_step": per_step,
+        "step_time_s": step_s,
+        "achieved_tflops": achieved / 1e12,
+        "mfu": achieved / peak if peak else None,
+        "identity": hardware_identity(spec),
+    }
 
 
 def save_model(job: PreparedJob) -> Optional[Path]:
@@ -357,8 +437,11 @@ def save_adapter(job: PreparedJob, state: Optional[dict[str, Any]], directory: P
     """The adapter in peft's format; the base beside it (base/) when it was initialised here rather than loaded
     from model.pretrained; with adapter.merge, the merged model (merged/)."""
     spec, model = job.spec, unwrapped(job.model)
-    trained = state if state is not None else {
-        name: parameter.detach() for name, parameter in model.named_parameters() if parameter.requires_grad}
+    trained = (
+        state
+        if state is not None
+        else {name: parameter.detach() for name, parameter in model.named_parameters() if parameter.requires_grad}
+    )
     needs_base = spec.adapter.merge or not spec.model.pretrained
     base = frozen_base(spec, job.tokenizer) if needs_base else None
     if not spec.model.pretrained:

@@ -11,7 +11,7 @@ model's own forward and its logits.
 
 from __future__ import annotations
 
-from typing import Any, Optional, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.training import LossKind, loss_kind_in_effect
 from runner.data.batches import shifted
@@ -35,8 +35,16 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
     kind = loss_kind_in_effect(requested, model.config.model_type, model.config.vocab_size)
     own_forward = model.forward
 
-    def forward(*args, loss_labels: Optional[torch.Tensor] = None, per_row: bool = False, per_token: bool = False,
-                labels_shifted: bool = False, label_count: Optional[int] = None, temperature: float = 1.0, **kwargs):
+    def forward(
+        *args,
+        loss_labels: Optional[torch.Tensor] = None,
+        per_row: bool = False,
+        per_token: bool = False,
+        labels_shifted: bool = False,
+        label_count: Optional[int] = None,
+        temperature: float = 1.0,
+        **kwargs,
+    ):
         if loss_labels is None:
             return own_forward(*args, **kwargs)
         each = "token" if per_token else "row" if per_row else None
@@ -44,8 +52,16 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
             logits = own_forward(*args, use_cache=False, **kwargs).logits
             return summed_cross_entropy(tempered(logits, temperature), loss_labels, each, labels_shifted)
         hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
-        return chunked_summed_cross_entropy(hidden, model.get_output_embeddings(), loss_labels, chunk_tokens, each,
-                                            labels_shifted, label_count, temperature)
+        return chunked_summed_cross_entropy(
+            hidden,
+            model.get_output_embeddings(),
+            loss_labels,
+            chunk_tokens,
+            each,
+            labels_shifted,
+            label_count,
+            temperature,
+        )
 
     model.forward = forward
     return kind
@@ -55,12 +71,16 @@ def loss_arguments(micro_batch: MicroBatch) -> dict[str, Any]:
     """What the forward takes to return a micro batch's summed loss: its labels and, where the host knows it (whole
     rows, not a split's slices), how many of them are predicted, so that the chunked loss picks them out without
     waiting for the device."""
-    return {"loss_labels": micro_batch.labels, "labels_shifted": micro_batch.labels_shifted,
-            "label_count": None if micro_batch.labels_shifted else micro_batch.label_tokens}
+    return {
+        "loss_labels": micro_batch.labels,
+        "labels_shifted": micro_batch.labels_shifted,
+        "label_count": None if micro_batch.labels_shifted else micro_batch.label_tokens,
+    }
 
 
-def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, hidden: torch.Tensor,
-                            labels: torch.Tensor) -> torch.Tensor:
+def summed_loss_from_hidden(
+    kind: LossKind, chunk_tokens: int, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
     """The same summed loss from the final hidden states and the LM head, as a pipeline's last stage computes it
     (runner/parallel/pipeline/stages.py)."""
     if kind is LossKind.full:
@@ -68,24 +88,33 @@ def summed_loss_from_hidden(kind: LossKind, chunk_tokens: int, head: nn.Module, 
     return chunked_summed_cross_entropy(hidden, head, labels, chunk_tokens)
 
 
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, each: Optional[str] = None,
-                         labels_shifted: bool = False) -> torch.Tensor:
+def summed_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, each: Optional[str] = None, labels_shifted: bool = False
+) -> torch.Tensor:
     """Summed next-token cross entropy over the whole batch's logits (`each`: "row", each row's; "token", each
     position's). The labels are shifted (the last position gets IGNORE) rather than the logits, whose slice would be
     a copy of the largest activation; `labels_shifted`: they were, before context parallelism split the sequences."""
     import torch.nn.functional as F
 
     targets = labels if labels_shifted else shifted(labels)
-    losses = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE,
-                             reduction="none" if each else "sum")
+    losses = F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="none" if each else "sum"
+    )
     if each is None:
         return losses
     return losses.view(targets.shape).sum(1) if each == "row" else losses.view(targets.shape)
 
 
-def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor,
-                                 chunk_tokens: int, each: Optional[str] = None, labels_shifted: bool = False,
-                                 label_count: Optional[int] = None, temperature: float = 1.0) -> torch.Tensor:
+def chunked_summed_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    each: Optional[str] = None,
+    labels_shifted: bool = False,
+    label_count: Optional[int] = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
     """The same sum from the last hidden states: the head runs chunk by chunk on the `label_count` positions that
     predict a label (where the count is not given, on every position, the others' targets IGNORE); under autograd
     each chunk keeps only its input, and backward recomputes its logits one chunk at a time. The count comes from
@@ -104,23 +133,30 @@ def chunked_summed_cross_entropy(hidden: torch.Tensor, head: nn.Module, labels: 
     # Where each chunk's losses go: each position's slot, each row's, or one sum.
     slots = positions if each == "token" else positions // labels.shape[1]
     total = torch.zeros(labels.numel() if each == "token" else labels.shape[0] if each else (), device=hidden.device)
-    for hidden_chunk, target_chunk, slot_chunk in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens),
-                                                     slots.split(chunk_tokens)):
+    for hidden_chunk, target_chunk, slot_chunk in zip(
+        hidden.split(chunk_tokens), targets.split(chunk_tokens), slots.split(chunk_tokens)
+    ):
         if torch.is_grad_enabled():
-            losses = checkpoint(_chunk_loss, head, hidden_chunk, target_chunk, bool(each), temperature,
-                                use_reentrant=False)
+            losses = checkpoint(
+                _chunk_loss, head, hidden_chunk, target_chunk, bool(each), temperature, use_reentrant=False
+            )
         else:
             losses = _chunk_loss(head, hidden_chunk, target_chunk, bool(each), temperature)
         total = total.index_add(0, slot_chunk, losses) if each else total + losses
     return total.view(labels.shape) if each == "token" else total
 
 
-def _chunk_loss(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool,
-                temperature: float = 1.0) -> torch.Tensor:
+def _chunk_loss(
+    head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, per_token: bool, temperature: float = 1.0
+) -> torch.Tensor:
     import torch.nn.functional as F
 
-    return F.cross_entropy(tempered(head(hidden).float(), temperature), targets, ignore_index=IGNORE,
-                           reduction="none" if per_token else "sum")
+    return F.cross_entropy(
+        tempered(head(hidden).float(), temperature),
+        targets,
+        ignore_index=IGNORE,
+        reduction="none" if per_token else "sum",
+    )
 
 
 def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -131,7 +167,10 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def loss_line(train: TrainConfig, model_config: PretrainedConfig) -> str:
     """How the forward computes its loss, for the run's overview: chunked or from the full logits, compiled or not."""
     kind = loss_kind_in_effect(train.loss, model_config.model_type, model_config.vocab_size)
-    how = (f"chunked ({train.loss_chunk_tokens:,} label tokens a chunk; no whole-batch logits)"
-           if kind is LossKind.chunked else "full logits")
+    how = (
+        f"chunked ({train.loss_chunk_tokens:,} label tokens a chunk; no whole-batch logits)"
+        if kind is LossKind.chunked
+        else "full logits"
+    )
     compiled = "; transformer blocks compiled (train.compile)" if train.compile else ""
     return f"{how} (train.loss={train.loss.value}){compiled}"

@@ -34,8 +34,9 @@ class MetricsWindow:
         for name, value in reading.metrics.items():
             self.metrics[name] = self.metrics.get(name, 0.0) + value
 
-    def close(self, lr: float, grad_norm: float, loss_scale: Optional[float], tokens_seen: int,
-              device: torch.device) -> dict[str, Any]:
+    def close(
+        self, lr: float, grad_norm: float, loss_scale: Optional[float], tokens_seen: int, device: torch.device
+    ) -> dict[str, Any]:
         """The window's record, as metrics.jsonl and the trackers log it; the next window starts empty."""
         record = {
             "loss": self.loss / self.steps,

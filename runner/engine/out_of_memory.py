@@ -8,8 +8,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from runner.memory.out_of_memory_report import write_record
 from runner.memory.breakdown import readable
+from runner.memory.out_of_memory_report import write_record
 
 if TYPE_CHECKING:
     from runner.engine.job import PreparedJob
@@ -17,15 +17,21 @@ if TYPE_CHECKING:
 # The CPU allocator's words: host RAM runs out as a RuntimeError, a GPU's as torch.OutOfMemoryError.
 CPU_ALLOCATOR = "can't allocate memory"
 # Where in a step the error came from, by the frames it passed through (the innermost that matches).
-PHASES = (("torch/autograd/", "backward"), ("torch/_tensor.py", "backward"), ("torch/optim/", "optimizer step"),
-          ("deepspeed/runtime/zero/", "optimizer step"), ("runner/generation/", "generation"))
+PHASES = (
+    ("torch/autograd/", "backward"),
+    ("torch/_tensor.py", "backward"),
+    ("torch/optim/", "optimizer step"),
+    ("deepspeed/runtime/zero/", "optimizer step"),
+    ("runner/generation/", "generation"),
+)
 
 
 def out_of_memory(error: BaseException) -> bool:
     import torch
 
-    return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(error, RuntimeError) and CPU_ALLOCATOR in str(error)))
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(error, RuntimeError) and CPU_ALLOCATOR in str(error)
+    )
 
 
 def phase_of(error: BaseException) -> str:
@@ -48,8 +54,10 @@ def record_out_of_memory(error: BaseException, job: PreparedJob, doing: str) -> 
     summary = ""
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        held = (f"{readable(torch.cuda.memory_allocated(device))} allocated and "
-                f"{readable(torch.cuda.memory_reserved(device))} reserved of the device's {readable(total)}")
+        held = (
+            f"{readable(torch.cuda.memory_allocated(device))} allocated and "
+            f"{readable(torch.cuda.memory_reserved(device))} reserved of the device's {readable(total)}"
+        )
         if job.ranks.rank == 0:
             (job.run_dir / "memory_summary.txt").write_text(torch.cuda.memory_summary(device))
             summary = f"; the allocator's summary: {job.run_dir / 'memory_summary.txt'}"

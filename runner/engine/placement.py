@@ -87,8 +87,14 @@ class Placed:
         """The dtypes really in use (forward, weights, master weights, optimizer states), read from the tensors."""
         low = self.spec.precision.compute_dtype is not Dtype.fp32
         cast_by = (self.spec.strategy.forward_cast or "autocast") if low else ""
-        return PrecisionInEffect.read(self.model, self.optimizer, self.spec.precision, cast_by, len(self.fp8_layers),
-                                      gradient_reduce=self.ranks.world_size > 1)
+        return PrecisionInEffect.read(
+            self.model,
+            self.optimizer,
+            self.spec.precision,
+            cast_by,
+            len(self.fp8_layers),
+            gradient_reduce=self.ranks.world_size > 1,
+        )
 
 
 def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase) -> Placed:
@@ -100,11 +106,13 @@ def place(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrain
     if on_layout.stages:
         from runner.parallel.pipeline.schedule import build_pipeline
 
-        pipeline = build_pipeline(on_layout.stages, on_layout.stage_ids, spec, dims, ranks.rank, device,
-                                  tokenizer.pad_token_id)
+        pipeline = build_pipeline(
+            on_layout.stages, on_layout.stage_ids, spec, dims, ranks.rank, device, tokenizer.pad_token_id
+        )
     model, stepper = spec.strategy.stepper(model, optimizer, spec, device, stages=pipeline)
-    return Placed(model, optimizer, stepper, spec, device, ranks, on_layout.fp8_layers, pipeline,
-                  on_layout.sequence_split)
+    return Placed(
+        model, optimizer, stepper, spec, device, ranks, on_layout.fp8_layers, pipeline, on_layout.sequence_split
+    )
 
 
 @dataclass
@@ -118,9 +126,15 @@ class ModelOnLayout:
     sequence_split: Optional[SequenceSplit] = None
 
 
-def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: PreTrainedTokenizerBase,
-                 training: bool, weights: Optional[dict[str, torch.Tensor]] = None,
-                 frozen: bool = False) -> ModelOnLayout:
+def placed_model(
+    spec: RunSpec,
+    ranks: Ranks,
+    device: torch.device,
+    tokenizer: PreTrainedTokenizerBase,
+    training: bool,
+    weights: Optional[dict[str, torch.Tensor]] = None,
+    frozen: bool = False,
+) -> ModelOnLayout:
     """The model wrapped or sharded by its strategy on the spec's layout, and its fp8 layers. `weights`: a whole
     state dict to load (a checkpoint's model). For inference (not `training`), no activation checkpointing, and a
     whole replica on this rank's device unless the strategy shards inference too; `frozen` (task=dpo's reference),
@@ -163,8 +177,13 @@ def placed_model(spec: RunSpec, ranks: Ranks, device: torch.device, tokenizer: P
     return on_layout
 
 
-def built_model(spec: RunSpec, ranks: Ranks, tokenizer: PreTrainedTokenizerBase, training: bool,
-                weights: Optional[dict[str, torch.Tensor]]) -> tuple[nn.Module, LossKind, list[str]]:
+def built_model(
+    spec: RunSpec,
+    ranks: Ranks,
+    tokenizer: PreTrainedTokenizerBase,
+    training: bool,
+    weights: Optional[dict[str, torch.Tensor]],
+) -> tuple[nn.Module, LossKind, list[str]]:
     """The model as its precision and adapter have it, before any layout: fp32 master weights built on the CPU (on
     the meta device on the ranks that receive rank 0's), the loss it computes, and its fp8 layers."""
     import torch
@@ -180,8 +199,9 @@ def built_model(spec: RunSpec, ranks: Ranks, tokenizer: PreTrainedTokenizerBase,
         model.load_state_dict(weights)
     loss_kind = with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
     if adapted:
-        log.info("adapter %s", add_adapter(model, spec.adapter, spec.precision.param_dtype.torch,
-                                           spec.hardware.world_size))
+        log.info(
+            "adapter %s", add_adapter(model, spec.adapter, spec.precision.param_dtype.torch, spec.hardware.world_size)
+        )
     fp8_layers = convert_to_fp8(model, spec.precision.fp8) if spec.precision.fp8 else []
     if fp8_layers:
         log.info("fp8: %d linear layers converted: %s", len(fp8_layers), summarize_names(fp8_layers))
@@ -190,8 +210,9 @@ def built_model(spec: RunSpec, ranks: Ranks, tokenizer: PreTrainedTokenizerBase,
     return model, loss_kind, fp8_layers
 
 
-def attention_of(model: nn.Module, spec: RunSpec, device: torch.device, training: bool,
-                 frozen: bool) -> Optional[SequenceSplit]:
+def attention_of(
+    model: nn.Module, spec: RunSpec, device: torch.device, training: bool, frozen: bool
+) -> Optional[SequenceSplit]:
     """The attention the model runs on its rows (within packed examples, or causally without a mask), and under
     context parallelism how its group splits every sequence."""
     dims = spec.layout

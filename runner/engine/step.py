@@ -35,15 +35,19 @@ class NextTokenLoss:
     def step_batch(self, job: PreparedJob, drawn: GlobalBatch, step: int) -> GlobalBatch:
         return drawn
 
-    def loss(self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
-             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, job: PreparedJob, micro_batch: MicroBatch, batch: GlobalBatch, whole: WholeLoss
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return whole(job.model(**micro_batch.inputs, **loss_arguments(micro_batch)) / batch.label_tokens), {}
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
         if job.pipeline:
             return {"eval_loss": job.pipeline.mean_loss(job.eval_batches(), job.autocast, job.counted).loss}
-        return {"eval_loss": mean_loss(job.model, job.eval_batches(), job.device, job.autocast, job.counted,
-                                       job.sequence_split).loss}
+        return {
+            "eval_loss": mean_loss(
+                job.model, job.eval_batches(), job.device, job.autocast, job.counted, job.sequence_split
+            ).loss
+        }
 
     def line(self, job: PreparedJob) -> str:
         return f"next-token cross entropy, {loss_line(job.spec.train, unwrapped(job.model).config)}"
@@ -78,8 +82,10 @@ def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
     step_loss = torch.zeros((), device=job.device)
     metrics: dict[str, torch.Tensor] = {}
     for i, whole_micro_batch in enumerate(micro_batches):
-        with job.stepper.micro_batch(last=i == len(micro_batches) - 1), \
-                split_sequences(job.sequence_split, whole_micro_batch) as (micro_batch, whole_loss):
+        with (
+            job.stepper.micro_batch(last=i == len(micro_batches) - 1),
+            split_sequences(job.sequence_split, whole_micro_batch) as (micro_batch, whole_loss),
+        ):
             with job.autocast():
                 loss, shares = objective_of(job).loss(job, micro_batch, batch, whole_loss)
             job.stepper.backward(loss * job.dp_size)
@@ -111,14 +117,20 @@ def benchmark(job: PreparedJob, step: int, tokens_seen: float) -> dict[str, floa
     for tracker in job.trackers:
         tracker.log({**scores, "tokens_seen": tokens_seen}, step)
     shown = " | ".join(f"{name.removeprefix('bench/')} {value:.4f}" for name, value in scores.items())
-    log.info("step %d/%d | benchmarks: %s | %.1f s", step, job.spec.train.max_steps, shown,
-             time.perf_counter() - started)
+    log.info(
+        "step %d/%d | benchmarks: %s | %.1f s", step, job.spec.train.max_steps, shown, time.perf_counter() - started
+    )
     return scores
 
 
-def mean_loss(model: nn.Module, batches: Iterable[MicroBatch], device: torch.device,
-              autocast: Callable[[], ContextManager], counted: bool = True,
-              sequence_split: Optional[SequenceSplit] = None) -> MeanLoss:
+def mean_loss(
+    model: nn.Module,
+    batches: Iterable[MicroBatch],
+    device: torch.device,
+    autocast: Callable[[], ContextManager],
+    counted: bool = True,
+    sequence_split: Optional[SequenceSplit] = None,
+) -> MeanLoss:
     """The model's mean next-token loss over this rank's batches and every other data-parallel rank's, without
     gradients (`counted`: whether this rank's batches count, or its tensor- or context-parallel group's first
     rank's)."""

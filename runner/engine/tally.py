@@ -39,8 +39,14 @@ class DeviceTally:
     _device_tokens: Optional[torch.Tensor] = None  # a streamed run's, summed across ranks on the device
     _first_non_finite: Optional[torch.Tensor] = None
 
-    def add(self, step: int, loss: torch.Tensor, metrics: dict[str, torch.Tensor], grad_norm: Number,
-            tokens: Union[int, torch.Tensor]) -> None:
+    def add(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        metrics: dict[str, torch.Tensor],
+        grad_norm: Number,
+        tokens: Union[int, torch.Tensor],
+    ) -> None:
         import torch
 
         if isinstance(tokens, torch.Tensor):
@@ -73,19 +79,29 @@ class DeviceTally:
         norm = self._grad_norm
         host_norm = not isinstance(norm, torch.Tensor)
         zero = torch.zeros(1, dtype=torch.float64, device=self.device)
-        whole = torch.cat([sums, self._first_non_finite.view(1),
-                           zero if host_norm else norm.detach().to(self.device, torch.float64).view(1),
-                           zero if self._device_tokens is None else self._device_tokens.to(torch.float64).view(1)])
+        whole = torch.cat(
+            [
+                sums,
+                self._first_non_finite.view(1),
+                zero if host_norm else norm.detach().to(self.device, torch.float64).view(1),
+                zero if self._device_tokens is None else self._device_tokens.to(torch.float64).view(1),
+            ]
+        )
         grouped = process_group_up()
         if grouped:
-            dist.all_reduce(whole[:len(sums)])  # a contiguous view: summed in place
+            dist.all_reduce(whole[: len(sums)])  # a contiguous view: summed in place
         values = whole.tolist()
-        first_bad, device_norm, device_tokens = values[len(sums):]
+        first_bad, device_norm, device_tokens = values[len(sums) :]
         if grouped and not math.isfinite(values[0]):
             first_bad = _first_over_ranks(first_bad, self.device)
-        reading = Reading(self.steps, values[0], dict(zip(names, values[1:len(sums)])),
-                          self._host_tokens + int(device_tokens), float(norm) if host_norm else device_norm,
-                          int(first_bad) or None)
+        reading = Reading(
+            self.steps,
+            values[0],
+            dict(zip(names, values[1 : len(sums)])),
+            self._host_tokens + int(device_tokens),
+            float(norm) if host_norm else device_norm,
+            int(first_bad) or None,
+        )
         self.steps, self._loss, self._metrics, self._first_non_finite = 0, None, {}, None
         self._host_tokens, self._device_tokens = 0, None
         return reading

@@ -14,8 +14,11 @@ from runner.files.checkpoint_dirs import complete_checkpoints
 
 # How the libraries that write tensors say that the filesystem refused a write: safetensors ("I/O error: No space
 # left on device (os error 28)"), torch.save ("file write failed"); Python's own raise OSError.
-REFUSED_WRITE = re.compile(r"No space left on device|os error 28|Disk quota exceeded|Read-only file system|"
-                           r"file write failed|Input/output error", re.IGNORECASE)
+REFUSED_WRITE = re.compile(
+    r"No space left on device|os error 28|Disk quota exceeded|Read-only file system|"
+    r"file write failed|Input/output error",
+    re.IGNORECASE,
+)
 # torch.save's writer when the filesystem refuses the rest of a file: it keeps no reason.
 CUT_SHORT = re.compile(r"unexpected pos|iostream error")
 # A filesystem with less room than this is full: the write that failed on it failed for want of room.
@@ -32,13 +35,16 @@ def _causes(error: BaseException) -> list[BaseException]:
 
 
 def refused_write(error: BaseException) -> bool:
-    return any(isinstance(cause, OSError) or REFUSED_WRITE.search(str(cause)) or CUT_SHORT.search(str(cause))
-               for cause in _causes(error))
+    return any(
+        isinstance(cause, OSError) or REFUSED_WRITE.search(str(cause)) or CUT_SHORT.search(str(cause))
+        for cause in _causes(error)
+    )
 
 
 @contextlib.contextmanager
-def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], int], trained: bool = False,
-                  shared: bool = False):
+def written_whole(
+    partial: Path, what: str, run_dir: Path, needed: Callable[[], int], trained: bool = False, shared: bool = False
+):
     """Writes `what` into `partial`: a write the filesystem refuses removes what was written of it and ends the run
     in one line (WriteFailed) with the path, the bytes it needs (`needed()`) and those free, the last complete
     checkpoint and the command that continues (`trained`: the training is done, the last checkpoint holds it).
@@ -52,8 +58,9 @@ def written_whole(partial: Path, what: str, run_dir: Path, needed: Callable[[], 
         if not (refused_write(error) or free_bytes(partial) < FULL_BELOW or removed_by_peer):
             raise
         shutil.rmtree(partial, ignore_errors=True)
-        raise WriteFailed(write_failed_line(error, partial, what, run_dir, needed(), trained,
-                                            removed_by_peer)) from None
+        raise WriteFailed(
+            write_failed_line(error, partial, what, run_dir, needed(), trained, removed_by_peer)
+        ) from None
 
 
 def _refusal(error: BaseException, short_of_room: bool) -> str:
@@ -75,8 +82,15 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(existing_parent(path)).free
 
 
-def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: Path, needed: int,
-                      trained: bool = False, removed_by_peer: bool = False) -> str:
+def write_failed_line(
+    error: BaseException,
+    partial: Path,
+    what: str,
+    run_dir: Path,
+    needed: int,
+    trained: bool = False,
+    removed_by_peer: bool = False,
+) -> str:
     failures = getattr(error, "failures", None)  # CheckpointException: each rank's (exception, traceback)
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]
@@ -89,11 +103,18 @@ def write_failed_line(error: BaseException, partial: Path, what: str, run_dir: P
     elif told is not None:
         reason, path = told.strerror, told.filename or partial
     found = complete_checkpoints(run_dir)
-    last, then = ((f"the last complete checkpoint, {found[-1]}, is intact", f"continue with: run resume={run_dir}")
-                  if found else ("no checkpoint was complete yet", "run it again"))
+    last, then = (
+        (f"the last complete checkpoint, {found[-1]}, is intact", f"continue with: run resume={run_dir}")
+        if found
+        else ("no checkpoint was complete yet", "run it again")
+    )
     if trained and found:  # the trained weights are in that checkpoint, which the inference tasks read
-        last, then = (f"the training is done and its last checkpoint, {found[-1]}, holds it",
-                      f"task=evaluate and task=generate read it (task.trained={found[-1]})")
-    return (f"writing {what} failed: {reason} ({path}); it needs about {needed / 2**20:,.1f} MiB and "
-            f"{free / 2**20:,.1f} MiB are free on {where}; {last}. Make room (or keep fewer checkpoints: "
-            f"train.keep_checkpoints=1), then {then}")
+        last, then = (
+            f"the training is done and its last checkpoint, {found[-1]}, holds it",
+            f"task=evaluate and task=generate read it (task.trained={found[-1]})",
+        )
+    return (
+        f"writing {what} failed: {reason} ({path}); it needs about {needed / 2**20:,.1f} MiB and "
+        f"{free / 2**20:,.1f} MiB are free on {where}; {last}. Make room (or keep fewer checkpoints: "
+        f"train.keep_checkpoints=1), then {then}"
+    )

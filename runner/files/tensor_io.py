@@ -22,8 +22,9 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     save_file({name: cpu_copy(t) for name, t in tensors.items()}, path)
 
 
-def read_tensors(path: Path, wanted: Optional[set[str]] = None,
-                 name_of: Callable[[str], str] = lambda key: key) -> dict[str, torch.Tensor]:
+def read_tensors(
+    path: Path, wanted: Optional[set[str]] = None, name_of: Callable[[str], str] = lambda key: key
+) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, or those whose key's `name_of` is in `wanted`, read alone from the file,
     each straight into memory of the process's own: safetensors' readers give views of the file's memory mapping,
     and a tensor the run keeps (an optimizer's state) would keep a rotated-out checkpoint's space on disk taken. Each
@@ -48,9 +49,23 @@ def read_tensors(path: Path, wanted: Optional[set[str]] = None,
 
 
 # The safetensors format's dtype names, as torch names them.
-SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                      "I32": "int32", "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16",
-                      "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 def write_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
@@ -68,8 +83,11 @@ def read_shards(directory: Path, state: dict[str, torch.Tensor]) -> None:
     import torch.distributed.checkpoint as dcp
 
     with _quiet_about_one_process():
-        dcp.load(_named_once(state), storage_reader=dcp.HuggingFaceStorageReader(str(directory)),
-                 no_dist=not process_group_up())
+        dcp.load(
+            _named_once(state),
+            storage_reader=dcp.HuggingFaceStorageReader(str(directory)),
+            no_dist=not process_group_up(),
+        )
 
 
 def read_model_shards(model: nn.Module, directory: Path) -> None:
@@ -118,5 +136,6 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     if not isinstance(tensor, DTensor):
         return inner
-    return DTensor.from_local(inner, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
-                             stride=tensor.stride())
+    return DTensor.from_local(
+        inner, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )

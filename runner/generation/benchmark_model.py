@@ -39,8 +39,16 @@ DEFAULT_GENERATED = 256
 
 
 class PlacedModelLM(TemplateLM):
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device,
-                 autocast: Callable[[], ContextManager], max_length: int, batch_size: int, shard: Shard):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        autocast: Callable[[], ContextManager],
+        max_length: int,
+        batch_size: int,
+        shard: Shard,
+    ):
         super().__init__()
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
         self.max_length, self.batch_size, self.counted = max_length, batch_size, shard.counted
@@ -63,23 +71,26 @@ class PlacedModelLM(TemplateLM):
         chosen = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         return self.tokenizer.encode(string, **chosen)
 
-    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], **kwargs: Any
-                              ) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """Each continuation's summed log-probability given its context, and whether it is the greedy one."""
         import torch
 
-        pairs = self.evened([(context, continuation) for _, context, continuation in requests],
-                            filler=([self.prefix_token_id], [self.eot_token_id]))
+        pairs = self.evened(
+            [(context, continuation) for _, context, continuation in requests],
+            filler=([self.prefix_token_id], [self.eot_token_id]),
+        )
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         answers: dict[int, tuple[float, bool]] = {}
         with torch.no_grad():
             for start in range(0, len(order), self.batch_size):
-                chosen = order[start:start + self.batch_size]
-                rows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1):][:-1] for i in chosen]
+                chosen = order[start : start + self.batch_size]
+                rows = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :][:-1] for i in chosen]
                 logps = self.forward_logps(rows)
                 for i, row, row_logps in zip(chosen, rows, logps):
                     continuation = pairs[i][1]
-                    ends = row_logps[len(row) - len(continuation):len(row)]
+                    ends = row_logps[len(row) - len(continuation) : len(row)]
                     targets = torch.tensor(continuation, device=ends.device)
                     picked = ends.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
                     answers[i] = (float(picked.sum()), bool((ends.argmax(-1) == targets).all()))
@@ -93,7 +104,7 @@ class PlacedModelLM(TemplateLM):
         ids = torch.zeros((len(rows), length), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, row in enumerate(rows):
-            ids[i, :len(row)], mask[i, :len(row)] = torch.tensor(row), 1
+            ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
         with self.autocast():
             logits = self.model(input_ids=ids.to(self._device), attention_mask=mask.to(self._device)).logits
         return torch.log_softmax(logits.float(), dim=-1)
@@ -117,24 +128,26 @@ class PlacedModelLM(TemplateLM):
         asked = self.evened([request.args for request in requests], filler=("", {"max_gen_toks": 1}))
         texts = []
         for start in range(0, len(asked), self.batch_size):
-            batch = asked[start:start + self.batch_size]
+            batch = asked[start : start + self.batch_size]
             limit = max(kwargs.get("max_gen_toks", DEFAULT_GENERATED) for _, kwargs in batch)
             stops = [_until(kwargs.get("until")) for _, kwargs in batch]
-            decoding = Decoding(max_new_tokens=limit, eos_token_id=self.eot_token_id,
-                                pad_token_id=self.tokenizer.pad_token_id or 0)
+            decoding = Decoding(
+                max_new_tokens=limit, eos_token_id=self.eot_token_id, pad_token_id=self.tokenizer.pad_token_id or 0
+            )
             contexts = [self.tok_encode(context) or [self.prefix_token_id] for context, _ in batch]
 
             def stopped(row: int, tokens: list[int]) -> bool:
                 return any(stop in self.tokenizer.decode(tokens) for stop in stops[row])
 
-            new_tokens = sample(self.model, contexts, [None] * len(contexts), decoding, self._device, self.autocast,
-                                stopped).tokens
+            new_tokens = sample(
+                self.model, contexts, [None] * len(contexts), decoding, self._device, self.autocast, stopped
+            ).tokens
             for row_stops, tokens in zip(stops, new_tokens):
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 for stop in row_stops:
                     text = text.split(stop)[0]
                 texts.append(text)
-        return texts[:len(requests)]
+        return texts[: len(requests)]
 
     def evened(self, items: list[Any], filler: Any) -> list[Any]:
         """The items, padded with `filler` to as many as the rank with the most has."""

@@ -38,9 +38,16 @@ class Benchmarks:
     limit: Optional[int]  # documents per task; None: all
     higher_is_better: dict[str, bool]  # by flattened metric name
 
-    def scores(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, device: torch.device,
-               autocast: Callable[[], ContextManager], max_length: int, batch_size: int, shard: Shard
-               ) -> dict[str, float]:
+    def scores(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        device: torch.device,
+        autocast: Callable[[], ContextManager],
+        max_length: int,
+        batch_size: int,
+        shard: Shard,
+    ) -> dict[str, float]:
         """Every benchmark's scores of the model as it is now, the same on every rank (a collective: all call it)."""
         import torch
         from lm_eval import evaluator
@@ -94,15 +101,18 @@ def _loaded(names: tuple[str, ...], key: str, limit: Optional[int]) -> Benchmark
     registry = TaskManager() if any(isinstance(s, str) for s in sources) else TaskManager(include_defaults=False)
     tasks: dict[str, dict[str, Any]] = {"tasks": {}, "groups": {}, "group_map": {}}
     for name, found in zip(names, sources):
-        require(not isinstance(found, str) or found in registry.all_tasks,
-                f"{key}: {name} is neither a task YAML file nor a task lm-eval knows (the runner's own: "
-                f"{', '.join(sorted(p.stem for p in SHIPPED.glob('*.yaml')))})")
+        require(
+            not isinstance(found, str) or found in registry.all_tasks,
+            f"{key}: {name} is neither a task YAML file nor a task lm-eval knows (the runner's own: "
+            f"{', '.join(sorted(p.stem for p in SHIPPED.glob('*.yaml')))})",
+        )
         try:
             with contextlib.redirect_stderr(io.StringIO()):
                 loaded = registry.load([found if isinstance(found, str) else task_config(found)])
         except Exception as error:
-            raise SpecError(f"{key}: lm-eval cannot load {name}: {type(error).__name__}: "
-                            f"{' '.join(str(error).split())[:300]}") from None
+            raise SpecError(
+                f"{key}: lm-eval cannot load {name}: {type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            ) from None
         for part, named in tasks.items():
             named.update(loaded.get(part, {}))
     return Benchmarks(tasks, limit, higher_is_better(tasks))
@@ -157,15 +167,21 @@ def check_lengths(benchmarks: Benchmarks, tokenizer: PreTrainedTokenizerBase, se
         for instance, length in request_lengths(task, benchmarks.limit, tokenizer):
             if instance.request_type != "loglikelihood_rolling" and length > longest:  # rolling: in windows
                 longest, document = length, instance.doc_id
-        require(longest <= seq_len, f"{key}: {name}'s document {document} takes {longest} tokens, more than "
-                f"data.seq_len={seq_len}; raise data.seq_len, or limit the documents (train.benchmark_limit)")
+        require(
+            longest <= seq_len,
+            f"{key}: {name}'s document {document} takes {longest} tokens, more than "
+            f"data.seq_len={seq_len}; raise data.seq_len, or limit the documents (train.benchmark_limit)",
+        )
 
 
 def forward_tokens(benchmarks: Benchmarks, tokenizer: PreTrainedTokenizerBase) -> int:
     """The tokens one scoring of the benchmarks passes forward, every generation at its longest: what the time plan
     counts."""
-    return sum(length for task in benchmarks.tasks["tasks"].values()
-               for _, length in request_lengths(task, benchmarks.limit, tokenizer))
+    return sum(
+        length
+        for task in benchmarks.tasks["tasks"].values()
+        for _, length in request_lengths(task, benchmarks.limit, tokenizer)
+    )
 
 
 def request_lengths(task: Any, limit: Optional[int], tokenizer: PreTrainedTokenizerBase) -> Iterator[tuple[Any, int]]:

@@ -27,8 +27,8 @@ import torch
 from runner.components.modeling import build_model
 from runner.config.model import ModelConfig
 from runner.errors import require
-from runner.memory.device_map import DISK, Device, automatic_device_map, device_of
 from runner.memory.breakdown import readable
+from runner.memory.device_map import DISK, Device, automatic_device_map, device_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,10 +39,16 @@ if TYPE_CHECKING:
 OFFLOAD_WARNING = "Some parameters are on the meta device because they were offloaded"
 
 
-def place_for_inference(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, max_memory: dict[Device, int],
-                        offload_dir: Path, weights_dir: Optional[Path] = None, dtype: torch.dtype = torch.float32,
-                        seed: int = 0, device_map: Optional[dict[str, Device]] = None,
-                        ) -> tuple[nn.Module, dict[str, Device]]:
+def place_for_inference(
+    model: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_memory: dict[Device, int],
+    offload_dir: Path,
+    weights_dir: Optional[Path] = None,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    device_map: Optional[dict[str, Device]] = None,
+) -> tuple[nn.Module, dict[str, Device]]:
     """The model in eval mode with its layers on the devices that `max_memory` allows (see the module's docstring),
     and the device map used. Weights come from `weights_dir` (a save_pretrained directory), else
     `model.pretrained`, else random init from `model.architecture` with torch.manual_seed(seed). An explicit
@@ -70,19 +76,29 @@ def check_tied_weights_together(meta_model: nn.Module, device_map: dict[str, Dev
 
     for tied in find_tied_parameters(meta_model):
         devices = {device_of(name, device_map) for name in tied}
-        require(len(devices) == 1, f"the device map splits the tied weights {' and '.join(tied)} between "
-                                   f"{' and '.join(map(str, devices))}: put their modules on one device")
+        require(
+            len(devices) == 1,
+            f"the device map splits the tied weights {' and '.join(tied)} between "
+            f"{' and '.join(map(str, devices))}: put their modules on one device",
+        )
 
 
 def load_placed(pretrained: str, device_map: dict[str, Device], offload_dir: Path, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, device_map=device_map,
-                                                offload_folder=str(offload_dir))
+    return AutoModelForCausalLM.from_pretrained(
+        pretrained, dtype=dtype, device_map=device_map, offload_folder=str(offload_dir)
+    )
 
 
-def initialize_placed(model: ModelConfig, tokenizer: PreTrainedTokenizerBase, device_map: dict[str, Device],
-                      offload_dir: Path, dtype: torch.dtype, seed: int) -> nn.Module:
+def initialize_placed(
+    model: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    device_map: dict[str, Device],
+    offload_dir: Path,
+    dtype: torch.dtype,
+    seed: int,
+) -> nn.Module:
     from accelerate import dispatch_model
 
     torch.manual_seed(seed)
@@ -114,8 +130,12 @@ def offload_warning_silenced() -> Iterator[None]:
         logger.removeFilter(drop_offload_warning)
 
 
-def placement_lines(model: nn.Module, device_map: dict[str, Device], offload_dir: Optional[Path] = None,
-                    max_memory: Optional[dict[Device, int]] = None) -> list[str]:
+def placement_lines(
+    model: nn.Module,
+    device_map: dict[str, Device],
+    offload_dir: Optional[Path] = None,
+    max_memory: Optional[dict[Device, int]] = None,
+) -> list[str]:
     """One line per device, GPUs first, then the CPU, then the disk: the modules it holds (runs of numbered layers
     as ranges) and their weights' size, e.g. 'cpu: model.embed_tokens, layers 0-7 (2.31 GiB)'."""
     module_order = {name: position for position, (name, _) in enumerate(model.named_modules())}
@@ -176,8 +196,9 @@ def describe_modules(model: nn.Module, names: list[str]) -> str:
             layers[prefix] = []
             items.append(prefix)
         layers[prefix].extend(range(len(model.get_submodule(name))) if index is None else [index])
-    return ", ".join(f"{item.rsplit('.', 1)[-1]} {index_ranges(layers[item])}" if item in layers else item
-                     for item in items)
+    return ", ".join(
+        f"{item.rsplit('.', 1)[-1]} {index_ranges(layers[item])}" if item in layers else item for item in items
+    )
 
 
 def index_ranges(indices: list[int]) -> str:

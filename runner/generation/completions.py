@@ -18,8 +18,8 @@ from runner.errors import SpecError, require
 from runner.files.atomic import move_into_place, write_json_atomically
 from runner.generation.data_parallel import InferenceModel, gathered, generate, inference_model, my_batches
 from runner.generation.decoding import Batch, Decoding, completion, prompt_batches
-from runner.memory.inference_report import planned_report
 from runner.memory.breakdown import processes
+from runner.memory.inference_report import planned_report
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,8 +51,9 @@ class GenerateSettings(Protocol):
     def load(self, prompts: list[str]) -> dict[str, Any]: ...
 
 
-def generate_completions(task: GenerateSettings, spec: RunSpec, run_dir: Path, ranks: Ranks,
-                         prompts: list[str]) -> dict[str, Any]:
+def generate_completions(
+    task: GenerateSettings, spec: RunSpec, run_dir: Path, ranks: Ranks, prompts: list[str]
+) -> dict[str, Any]:
     """The job on each rank: the prompts' completions by the trained model, written by rank 0; the summary."""
     spec = task.with_trained_model(spec)
     if ranks.rank == 0:
@@ -63,9 +64,15 @@ def generate_completions(task: GenerateSettings, spec: RunSpec, run_dir: Path, r
     for line in model.placement:
         log.info("placed %s", line)
     batches, decoding = prompt_batches_and_decoding(task, spec, model.tokenizer, prompts)
-    log.info("generating %d prompts in %d batch%s of up to %d, on %s%s", len(prompts), len(batches),
-             "es" if len(batches) > 1 else "", task.batch_size, processes(ranks.world_size),
-             " (pipeline stages)" if task.pipeline_stages > 1 else "")
+    log.info(
+        "generating %d prompts in %d batch%s of up to %d, on %s%s",
+        len(prompts),
+        len(batches),
+        "es" if len(batches) > 1 else "",
+        task.batch_size,
+        processes(ranks.world_size),
+        " (pipeline stages)" if task.pipeline_stages > 1 else "",
+    )
     loaded = time.perf_counter()
     try:
         new_tokens = generated_tokens(task, spec, model, batches, decoding, ranks)
@@ -76,15 +83,21 @@ def generate_completions(task: GenerateSettings, spec: RunSpec, run_dir: Path, r
     summary = generation_summary(records, seconds, loaded - started, ranks.world_size, run_dir)
     if ranks.rank == 0:
         write_outputs(run_dir, records, summary)
-        log.info("done: %d completions, %s new tokens in %.1f s | %.2f prompts/s | %s tokens/s",
-                 len(records), f"{summary['new_tokens']:,}", seconds, summary["prompts_per_s"],
-                 f"{summary['tokens_per_s']:,.0f}")
+        log.info(
+            "done: %d completions, %s new tokens in %.1f s | %.2f prompts/s | %s tokens/s",
+            len(records),
+            f"{summary['new_tokens']:,}",
+            seconds,
+            summary["prompts_per_s"],
+            f"{summary['tokens_per_s']:,.0f}",
+        )
         log.info("outputs: %s", run_dir / "completions.jsonl")
     return {**summary, "objective": None}
 
 
-def prompt_batches_and_decoding(task: GenerateSettings, spec: RunSpec, tokenizer: PreTrainedTokenizerBase,
-                                prompts: list[str]) -> tuple[list[Batch], Decoding]:
+def prompt_batches_and_decoding(
+    task: GenerateSettings, spec: RunSpec, tokenizer: PreTrainedTokenizerBase, prompts: list[str]
+) -> tuple[list[Batch], Decoding]:
     """The prompts tokenized in left-padded batches, and the decoding that ends them. Chat data's prompts go
     through its template, as the model was trained, and end at its end of turn; others at end-of-sequence."""
     texts, end = prompts, tokenizer.eos_token_id
@@ -92,14 +105,16 @@ def prompt_batches_and_decoding(task: GenerateSettings, spec: RunSpec, tokenizer
         renderer = ChatRenderer(tokenizer, chat_template(spec.data, tokenizer), spec.data.train_on.value)
         texts = [renderer.prompt(prompt, f"prompt {index}") for index, prompt in enumerate(prompts)]
         end = renderer.end_of_turn
-    decoding = Decoding(task.max_new_tokens, task.do_sample, task.temperature, task.top_p, task.top_k,
-                        end, tokenizer.pad_token_id)
+    decoding = Decoding(
+        task.max_new_tokens, task.do_sample, task.temperature, task.top_p, task.top_k, end, tokenizer.pad_token_id
+    )
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return prompt_batches(ids, task.batch_size, tokenizer.pad_token_id), decoding
 
 
-def generated_tokens(task: GenerateSettings, spec: RunSpec, model: InferenceModel, batches: list[Batch],
-                     decoding: Decoding, ranks: Ranks) -> list[list[int]]:
+def generated_tokens(
+    task: GenerateSettings, spec: RunSpec, model: InferenceModel, batches: list[Batch], decoding: Decoding, ranks: Ranks
+) -> list[list[int]]:
     """The new tokens of every prompt, in input order, on every rank: through the pipeline's stages
     (task.pipeline_stages > 1), or each rank's share of the batches, gathered."""
     if task.pipeline_stages > 1:
@@ -108,16 +123,31 @@ def generated_tokens(task: GenerateSettings, spec: RunSpec, model: InferenceMode
         from runner.parallel.pipeline.layout import stage_bounds
 
         bounds = stage_bounds(model.model.config.num_hidden_layers, task.pipeline_stages, task.split_points or None)
-        return pipeline_generate(model.model, batches, decoding, ranks, bounds, task.microbatches, task.seed,
-                                 device_of(spec, ranks), model.autocast)
+        return pipeline_generate(
+            model.model,
+            batches,
+            decoding,
+            ranks,
+            bounds,
+            task.microbatches,
+            task.seed,
+            device_of(spec, ranks),
+            model.autocast,
+        )
     mine = my_batches(len(batches), ranks)
-    by_batch = gathered(generate(model, batches, mine, decoding, task.seed,
-                                 progress=ranks.rank == 0 and sys.stdout.isatty()))
+    by_batch = gathered(
+        generate(model, batches, mine, decoding, task.seed, progress=ranks.rank == 0 and sys.stdout.isatty())
+    )
     return [row for index in range(len(batches)) for row in by_batch[index]]
 
 
-def completion_records(prompts: list[str], new_tokens: list[list[int]], tokenizer: PreTrainedTokenizerBase,
-                       eos_token_id: Optional[int], stop: Optional[str]) -> list[dict[str, Any]]:
+def completion_records(
+    prompts: list[str],
+    new_tokens: list[list[int]],
+    tokenizer: PreTrainedTokenizerBase,
+    eos_token_id: Optional[int],
+    stop: Optional[str],
+) -> list[dict[str, Any]]:
     """completions.jsonl's records: each prompt with its completion text and new-token count, in input order."""
     records = []
     for index, (prompt, tokens) in enumerate(zip(prompts, new_tokens)):
@@ -126,14 +156,19 @@ def completion_records(prompts: list[str], new_tokens: list[list[int]], tokenize
     return records
 
 
-def generation_summary(records: list[dict[str, Any]], seconds: float, load_seconds: float, world_size: int,
-                       run_dir: Path) -> dict[str, Any]:
+def generation_summary(
+    records: list[dict[str, Any]], seconds: float, load_seconds: float, world_size: int, run_dir: Path
+) -> dict[str, Any]:
     """summary.json: the completions' counts and rates over the `seconds` generation took."""
     generated = sum(record["new_tokens"] for record in records)
     return {
-        "prompts": len(records), "new_tokens": generated, "seconds": seconds,
-        "prompts_per_s": len(records) / seconds, "tokens_per_s": generated / seconds,
-        "processes": world_size, "load_seconds": load_seconds,
+        "prompts": len(records),
+        "new_tokens": generated,
+        "seconds": seconds,
+        "prompts_per_s": len(records) / seconds,
+        "tokens_per_s": generated / seconds,
+        "processes": world_size,
+        "load_seconds": load_seconds,
         "completions": str(run_dir / "completions.jsonl"),
     }
 
@@ -164,7 +199,9 @@ def read_prompts(path: Optional[str], field_name: str) -> list[str]:
             raise SpecError(f"task.prompts={path}: line {number} is not JSON ({error.msg})") from None
         if not isinstance(record, dict) or field_name not in record:
             keys = ", ".join(record) if isinstance(record, dict) else "not an object"
-            raise SpecError(f"task.prompts={path}: line {number} has no field '{field_name}' (it has: {keys}); "
-                            "set task.prompt_field")
+            raise SpecError(
+                f"task.prompts={path}: line {number} has no field '{field_name}' (it has: {keys}); "
+                "set task.prompt_field"
+            )
         prompts.append(str(record[field_name]))
     return prompts

@@ -47,8 +47,9 @@ class InferenceModel:
             shutil.rmtree(self.own_offload_dir, ignore_errors=True)
 
 
-def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_dir: Path,
-                    on_cpu: bool = False) -> InferenceModel:
+def inference_model(
+    spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_dir: Path, on_cpu: bool = False
+) -> InferenceModel:
     """The trained model in eval mode, placed by device_map=auto, or else as the strategy places inference: a
     whole replica on this rank's device (on the CPU with `on_cpu`), or sharded."""
     import torch
@@ -72,8 +73,9 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         offload_dir = Path(task.offload_dir) if task.offload_dir else run_dir / "offload"
         own_offload_dir = None if task.offload_dir else offload_dir
         try:
-            model, device_map = place_for_inference(spec.model, tokenizer, limits, offload_dir,
-                                                    dtype=spec.precision.param_dtype.torch, seed=spec.seed)
+            model, device_map = place_for_inference(
+                spec.model, tokenizer, limits, offload_dir, dtype=spec.precision.param_dtype.torch, seed=spec.seed
+            )
         except BaseException:  # a failure or Ctrl-C while the weights go to disk: leave no half-written folder
             if own_offload_dir is not None:
                 shutil.rmtree(own_offload_dir, ignore_errors=True)
@@ -82,8 +84,14 @@ def inference_model(spec: RunSpec, task: InferenceTaskConfig, ranks: Ranks, run_
         with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
         first = next(iter(device_map.values()))
         input_device = torch.device("cuda", first) if isinstance(first, int) else torch.device("cpu")
-        return InferenceModel(model, tokenizer, input_device, cast_forward,
-                              placement_lines(model, device_map, offload_dir, limits), own_offload_dir)
+        return InferenceModel(
+            model,
+            tokenizer,
+            input_device,
+            cast_forward,
+            placement_lines(model, device_map, offload_dir, limits),
+            own_offload_dir,
+        )
     # A checkpoint's whole weights are loaded as the model is built; its shards (SHARDED) into the model as placed.
     shards = trained.checkpoint / "model" if trained.checkpoint is not None else None
     weights = None
@@ -104,8 +112,9 @@ def my_batches(count: int, ranks: Ranks) -> list[int]:
     return list(range(ranks.rank, count, ranks.world_size))
 
 
-def generate(model: InferenceModel, batches: list[Batch], mine: list[int], decoding: Decoding, seed: int,
-             progress: bool) -> dict[int, list[list[int]]]:
+def generate(
+    model: InferenceModel, batches: list[Batch], mine: list[int], decoding: Decoding, seed: int, progress: bool
+) -> dict[int, list[list[int]]]:
     """The new tokens of each row of this rank's batches, by batch index, through transformers' generate. A
     sampled batch draws from its own seed (seed + its index): the same whatever rank it falls to."""
     import torch
@@ -121,16 +130,28 @@ def generate(model: InferenceModel, batches: list[Batch], mine: list[int], decod
         torch.manual_seed(seed + index)
         with torch.no_grad(), model.autocast():
             output = generator_model.generate(
-                **batch, max_new_tokens=decoding.max_new_tokens, do_sample=decoding.do_sample,
-                temperature=decoding.temperature, top_p=decoding.top_p, top_k=decoding.top_k,
-                pad_token_id=decoding.pad_token_id, eos_token_id=decoding.eos_token_id)
-        rows = output[:, batch["input_ids"].shape[1]:].tolist()
+                **batch,
+                max_new_tokens=decoding.max_new_tokens,
+                do_sample=decoding.do_sample,
+                temperature=decoding.temperature,
+                top_p=decoding.top_p,
+                top_k=decoding.top_k,
+                pad_token_id=decoding.pad_token_id,
+                eos_token_id=decoding.eos_token_id,
+            )
+        rows = output[:, batch["input_ids"].shape[1] :].tolist()
         new_tokens[index] = rows
         generated += sum(len(up_to_eos(row, decoding.eos_token_id)) for row in rows)
         seconds = time.perf_counter() - started
         bar.advance(len(rows), prompts_per_s=f"{bar.done / seconds:.2f}", tokens_per_s=f"{generated / seconds:,.0f}")
-        log.info("generated batch %d of %d | %d prompts | %.2f prompts/s | %s tokens/s", index + 1, len(batches),
-                 len(rows), bar.done / seconds, f"{generated / seconds:,.0f}")
+        log.info(
+            "generated batch %d of %d | %d prompts | %.2f prompts/s | %s tokens/s",
+            index + 1,
+            len(batches),
+            len(rows),
+            bar.done / seconds,
+            f"{generated / seconds:,.0f}",
+        )
     bar.close()
     return new_tokens
 

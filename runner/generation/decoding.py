@@ -39,8 +39,9 @@ class Decoding:
         return warpers
 
 
-def next_tokens(logits: torch.Tensor, input_ids: torch.Tensor, decoding: Decoding,
-                generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def next_tokens(
+    logits: torch.Tensor, input_ids: torch.Tensor, decoding: Decoding, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """The next token of each row from its last position's logits [rows, vocab]: the argmax, or a draw from the
     warped distribution."""
     import torch
@@ -62,24 +63,27 @@ def prompt_batches(prompts: list[list[int]], batch_size: int, pad_token_id: int)
 
     batches = []
     for start in range(0, len(prompts), batch_size):
-        rows = prompts[start:start + batch_size]
+        rows = prompts[start : start + batch_size]
         length = max(len(row) for row in rows)
-        batches.append({
-            "input_ids": torch.tensor([[pad_token_id] * (length - len(row)) + row for row in rows]),
-            "attention_mask": torch.tensor([[0] * (length - len(row)) + [1] * len(row) for row in rows]),
-        })
+        batches.append(
+            {
+                "input_ids": torch.tensor([[pad_token_id] * (length - len(row)) + row for row in rows]),
+                "attention_mask": torch.tensor([[0] * (length - len(row)) + [1] * len(row) for row in rows]),
+            }
+        )
     return batches
 
 
 def up_to_eos(row: list[int], eos_token_id: Optional[int]) -> list[int]:
     """A row's new tokens up to and including its end-of-sequence token (generate pads the rows that end first)."""
     if eos_token_id is not None and eos_token_id in row:
-        return row[:row.index(eos_token_id) + 1]
+        return row[: row.index(eos_token_id) + 1]
     return row
 
 
-def completion(new_tokens: list[int], tokenizer: PreTrainedTokenizerBase, eos_token_id: Optional[int],
-               stop: Optional[str]) -> tuple[str, int]:
+def completion(
+    new_tokens: list[int], tokenizer: PreTrainedTokenizerBase, eos_token_id: Optional[int], stop: Optional[str]
+) -> tuple[str, int]:
     """A row's completion text and its token count: up to (not including) the first end-of-sequence token, and cut
     before the stop string where it appears."""
     new_tokens = up_to_eos(new_tokens, eos_token_id)
@@ -87,5 +91,5 @@ def completion(new_tokens: list[int], tokenizer: PreTrainedTokenizerBase, eos_to
         new_tokens = new_tokens[:-1]
     text = tokenizer.decode(new_tokens, skip_special_tokens=True)
     if stop and stop in text:
-        text = text[:text.index(stop)]
+        text = text[: text.index(stop)]
     return text, len(new_tokens)

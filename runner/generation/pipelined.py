@@ -31,8 +31,15 @@ class DecoderStage(nn.Module):
     (hidden_states, attention_mask); every stage but the last returns (hidden_states, attention_mask), the last
     returns the logits [rows, vocab] at `logits_position`, the position whose next token is being chosen."""
 
-    def __init__(self, config, embed_tokens: Optional[nn.Module], layers: nn.ModuleList, rotary_emb: nn.Module,
-                 norm: Optional[nn.Module], lm_head: Optional[nn.Module]):
+    def __init__(
+        self,
+        config,
+        embed_tokens: Optional[nn.Module],
+        layers: nn.ModuleList,
+        rotary_emb: nn.Module,
+        norm: Optional[nn.Module],
+        lm_head: Optional[nn.Module],
+    ):
         super().__init__()
         self.config = config
         self.embed_tokens = embed_tokens
@@ -44,8 +51,14 @@ class DecoderStage(nn.Module):
 
     def forward(self, inputs: torch.Tensor, attention_mask: torch.Tensor):
         hidden = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
-        hidden = run_layers(self.config, list(self.layers), self.rotary_emb, hidden, attention_mask,
-                            generation_position_ids(attention_mask))
+        hidden = run_layers(
+            self.config,
+            list(self.layers),
+            self.rotary_emb,
+            hidden,
+            attention_mask,
+            generation_position_ids(attention_mask),
+        )
         if self.lm_head is None:
             return hidden, attention_mask
         return self.lm_head(self.norm(hidden[:, self.logits_position]))
@@ -80,9 +93,17 @@ def stage_module(model: nn.Module, stage: int, bounds: list[tuple[int, int]]) ->
     return module
 
 
-def pipeline_generate(model: nn.Module, batches: list[Batch], decoding: Decoding, ranks: Ranks,
-                      bounds: list[tuple[int, int]], microbatches: int, seed: int, device: torch.device,
-                      autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> list[list[int]]:
+def pipeline_generate(
+    model: nn.Module,
+    batches: list[Batch],
+    decoding: Decoding,
+    ranks: Ranks,
+    bounds: list[tuple[int, int]],
+    microbatches: int,
+    seed: int,
+    device: torch.device,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> list[list[int]]:
     """The new token ids of every row of every batch, in order, on every rank: rank r runs stage r of `bounds` in
     the initialised process group, on `device`, its forward in `autocast`. Each row's tokens end after its
     eos_token_id, or at max_new_tokens. `model` is consumed (see stage_module). Sampling draws from a generator
@@ -94,14 +115,22 @@ def pipeline_generate(model: nn.Module, batches: list[Batch], decoding: Decoding
             generator = None
             if decoding.do_sample and ranks.rank == len(bounds) - 1:
                 generator = torch.Generator(device=device).manual_seed(seed + index)
-            new_tokens.extend(generate_batch(module, batch, decoding, ranks, len(bounds), microbatches, device,
-                                             generator))
+            new_tokens.extend(
+                generate_batch(module, batch, decoding, ranks, len(bounds), microbatches, device, generator)
+            )
     return new_tokens
 
 
-def generate_batch(module: DecoderStage, batch: Batch, decoding: Decoding, ranks: Ranks, stages: int,
-                   microbatches: int, device: torch.device,
-                   generator: Optional[torch.Generator]) -> list[list[int]]:
+def generate_batch(
+    module: DecoderStage,
+    batch: Batch,
+    decoding: Decoding,
+    ranks: Ranks,
+    stages: int,
+    microbatches: int,
+    device: torch.device,
+    generator: Optional[torch.Generator],
+) -> list[list[int]]:
     """One batch's new tokens, its rows cut into at most `microbatches` equal microbatches (the last row repeated
     to even them out)."""
     rows, prompt_length = batch["input_ids"].shape
@@ -128,8 +157,9 @@ def generate_batch(module: DecoderStage, batch: Batch, decoding: Decoding, ranks
     return [up_to_eos(row, decoding.eos_token_id) for row in tokens[:rows, prompt_length:length].tolist()]
 
 
-def decoding_buffers(batch: Batch, decoding: Decoding, rows: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def decoding_buffers(
+    batch: Batch, decoding: Decoding, rows: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The token and attention-mask buffers [rows, prompt + max_new_tokens]: the prompts, then filler tokens marked
     real in the mask (as generate marks every new token). Rows beyond the batch's, which make the microbatches even,
     repeat its last row and are never read."""
@@ -139,12 +169,12 @@ def decoding_buffers(batch: Batch, decoding: Decoding, rows: int,
     prompt_mask = torch.cat([prompt_mask, prompt_mask[-1:].expand(extra, -1)])
     tokens = torch.full((rows, decoding.max_new_tokens), decoding.pad_token_id, dtype=torch.long)
     filler_mask = torch.ones((rows, decoding.max_new_tokens), dtype=torch.long)
-    return (torch.cat([prompt_ids, tokens], dim=1).to(device),
-            torch.cat([prompt_mask, filler_mask], dim=1).to(device))
+    return (torch.cat([prompt_ids, tokens], dim=1).to(device), torch.cat([prompt_mask, filler_mask], dim=1).to(device))
 
 
-def stage_for_buffer(module: DecoderStage, tokens: torch.Tensor, stage: int, stages: int, chunks: int,
-                     device: torch.device) -> PipelineStage:
+def stage_for_buffer(
+    module: DecoderStage, tokens: torch.Tensor, stage: int, stages: int, chunks: int, device: torch.device
+) -> PipelineStage:
     """The PipelineStage with the shapes of one microbatch's inputs and outputs given, so that no stage has to infer
     them by a trial forward pass: tokens or hidden states with the attention mask in, hidden states with the mask
     or the last stage's logits [rows, vocab] out."""

@@ -59,21 +59,31 @@ class Rollout:
         seeds = [completion_seed(job.spec.seed, step, drawn.first * self.generations + i) for i in range(len(prompts))]
         job.model.eval()  # no dropout in the policy that samples
         size = self.sampling_batch or len(prompts)
-        batches = [sample(unwrapped(job.model), [prompt.ids for prompt in prompts[start:start + size]],
-                          seeds[start:start + size], decoding, job.device, job.autocast)
-                   for start in range(0, len(prompts), size)]
+        batches = [
+            sample(
+                unwrapped(job.model),
+                [prompt.ids for prompt in prompts[start : start + size]],
+                seeds[start : start + size],
+                decoding,
+                job.device,
+                job.autocast,
+            )
+            for start in range(0, len(prompts), size)
+        ]
         job.model.train()
         new_tokens = [tokens for sampled in batches for tokens in sampled.tokens]
-        sampled_logps = [sampled.logps[row, :len(tokens)] for sampled in batches
-                         for row, tokens in enumerate(sampled.tokens)]
+        sampled_logps = [
+            sampled.logps[row, : len(tokens)] for sampled in batches for row, tokens in enumerate(sampled.tokens)
+        ]
         scores, texts = score(self.rewards, prompts, new_tokens, job.tokenizer, decoding.eos_token_id)
         combined = combined_rewards(scores, [weight for _, _, weight in self.rewards])
         batch_std = None
         if self.scale == "batch":  # the std of every rank's rewards
             scored = ~combined.isnan()
-            total, squares, count = all_ranks_sums([combined[scored].sum().item(),
-                                                    (combined[scored] ** 2).sum().item(), scored.sum().item()])
-            batch_std = torch.tensor(math.sqrt(max(0.0, squares - total ** 2 / count) / max(1.0, count - 1)))
+            total, squares, count = all_ranks_sums(
+                [combined[scored].sum().item(), (combined[scored] ** 2).sum().item(), scored.sum().item()]
+            )
+            batch_std = torch.tensor(math.sqrt(max(0.0, squares - total**2 / count) / max(1.0, count - 1)))
         advantages, group_std = group_advantages(combined, self.generations, self.scale, batch_std)
         lengths = torch.tensor([float(len(tokens)) for tokens in new_tokens])
         # every row carries the global batch's extremes: their mean over the global batch is the extreme itself
@@ -86,50 +96,86 @@ class Rollout:
             "completions/mean_length": lengths,
             "completions/min_length": torch.full_like(lengths, -minus_shortest),
             "completions/max_length": torch.full_like(lengths, longest),
-            "completions/clipped_ratio": torch.tensor([float(not tokens or tokens[-1] != decoding.eos_token_id)
-                                                       for tokens in new_tokens]),
-            **{f"rewards/{name}/mean": torch.tensor(row).nan_to_num(0.0)
-               for (name, _, _), row in zip(self.rewards, scores)},
+            "completions/clipped_ratio": torch.tensor(
+                [float(not tokens or tokens[-1] != decoding.eos_token_id) for tokens in new_tokens]
+            ),
+            **{
+                f"rewards/{name}/mean": torch.tensor(row).nan_to_num(0.0)
+                for (name, _, _), row in zip(self.rewards, scores)
+            },
         }
         if job.ranks.rank == 0 and step % job.spec.train.log_every == 0:
             self.keep_sample(job, step, prompts, texts, combined)
         return self.rows(job, prompts, new_tokens, sampled_logps, values)
 
-    def rows(self, job: PreparedJob, prompts: list[Prompt], new_tokens: list[list[int]],
-             sampled_logps: list[torch.Tensor], values: dict[str, torch.Tensor]) -> GlobalBatch:
+    def rows(
+        self,
+        job: PreparedJob,
+        prompts: list[Prompt],
+        new_tokens: list[list[int]],
+        sampled_logps: list[torch.Tensor],
+        values: dict[str, torch.Tensor],
+    ) -> GlobalBatch:
         """This rank's rows in micro batches of train.micro_batch_size, with their values, the log-probs their
         tokens were sampled with (`sample_logps`, at the positions that predict them; on the device) and the
         reference's (beta > 0); the counts are this rank's, which the step sums over the ranks."""
         import numpy as np
         import torch
 
-        rows = [row_inputs(np.array(prompt.ids + tokens), np.array([0] * len(prompt.ids) + [1] * len(tokens)),
-                           [0], [0], len(tokens), packed=False) for prompt, tokens in zip(prompts, new_tokens)]
+        rows = [
+            row_inputs(
+                np.array(prompt.ids + tokens),
+                np.array([0] * len(prompt.ids) + [1] * len(tokens)),
+                [0],
+                [0],
+                len(tokens),
+                packed=False,
+            )
+            for prompt, tokens in zip(prompts, new_tokens)
+        ]
         size = job.spec.train.micro_batch_size
         micro_batches = []
         for start in range(0, len(rows), size):
-            micro_batch = collate(columns(rows[start:start + size]), job.tokenizer.pad_token_id)
-            micro_batch.row_values = {name: value[start:start + size] for name, value in values.items()}
+            micro_batch = collate(columns(rows[start : start + size]), job.tokenizer.pad_token_id)
+            micro_batch.row_values = {name: value[start : start + size] for name, value in values.items()}
             micro_batch.row_values["sample_logps"] = at_predicting_positions(
-                sampled_logps[start:start + size], [len(prompt.ids) for prompt in prompts[start:start + size]],
-                micro_batch.labels.shape, job.device)
+                sampled_logps[start : start + size],
+                [len(prompt.ids) for prompt in prompts[start : start + size]],
+                micro_batch.labels.shape,
+                job.device,
+            )
             with torch.no_grad(), job.autocast():
                 if self.reference is not None:
                     micro_batch.row_values["ref_logps"] = self.reference(job, micro_batch.to(job.device)).cpu()
                 if self.keep_old_logps:
-                    micro_batch.row_values["old_logps"] = token_logps(job.model, micro_batch.to(job.device),
-                                                                      self.decoding.temperature).cpu()
+                    micro_batch.row_values["old_logps"] = token_logps(
+                        job.model, micro_batch.to(job.device), self.decoding.temperature
+                    ).cpu()
             micro_batches.append(micro_batch)
-        return GlobalBatch(micro_batches, tokens=sum(row["tokens"] for row in rows),
-                           label_tokens=sum(row["label_tokens"] for row in rows), rank_counts=True)
+        return GlobalBatch(
+            micro_batches,
+            tokens=sum(row["tokens"] for row in rows),
+            label_tokens=sum(row["label_tokens"] for row in rows),
+            rank_counts=True,
+        )
 
-    def keep_sample(self, job: PreparedJob, step: int, prompts: list[Prompt], texts: list[str],
-                    rewards: torch.Tensor) -> None:
+    def keep_sample(
+        self, job: PreparedJob, step: int, prompts: list[Prompt], texts: list[str], rewards: torch.Tensor
+    ) -> None:
         """The first completions of the step, with their prompts and rewards, added to completions.jsonl."""
         with open(job.run_dir / "completions.jsonl", "a") as file:
-            for prompt, text, reward in list(zip(prompts, texts, rewards.tolist()))[:self.shown_completions]:
-                file.write(json.dumps({"step": step, "prompt": prompt.shown, "completion": text,
-                                       "reward": None if math.isnan(reward) else reward}) + "\n")
+            for prompt, text, reward in list(zip(prompts, texts, rewards.tolist()))[: self.shown_completions]:
+                file.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "prompt": prompt.shown,
+                            "completion": text,
+                            "reward": None if math.isnan(reward) else reward,
+                        }
+                    )
+                    + "\n"
+                )
 
     def evaluate(self, job: PreparedJob) -> dict[str, float]:
         """The mean reward of the eval prompts' greedy completions, every rank's (`eval_reward`, and each reward's);
@@ -137,31 +183,45 @@ class Rollout:
         sums = [0.0] * (len(self.rewards) + 1)
         count = 0
         for drawn in job.eval_batches():
-            greedy = Decoding(self.decoding.max_new_tokens, eos_token_id=drawn.stop_token,
-                              pad_token_id=self.decoding.pad_token_id)
-            new_tokens = sample(unwrapped(job.model), [prompt.ids for prompt in drawn.prompts],
-                                [None] * len(drawn.prompts), greedy, job.device, job.autocast).tokens
+            greedy = Decoding(
+                self.decoding.max_new_tokens, eos_token_id=drawn.stop_token, pad_token_id=self.decoding.pad_token_id
+            )
+            new_tokens = sample(
+                unwrapped(job.model),
+                [prompt.ids for prompt in drawn.prompts],
+                [None] * len(drawn.prompts),
+                greedy,
+                job.device,
+                job.autocast,
+            ).tokens
             scores, _ = score(self.rewards, drawn.prompts, new_tokens, job.tokenizer, greedy.eos_token_id)
             combined = combined_rewards(scores, [weight for _, _, weight in self.rewards]).nan_to_num(0.0)
-            sums = [total + value for total, value in zip(sums, [combined.sum().item(),
-                                                                 *(sum(0.0 if math.isnan(v) else v for v in row)
-                                                                   for row in scores)])]
+            sums = [
+                total + value
+                for total, value in zip(
+                    sums, [combined.sum().item(), *(sum(0.0 if math.isnan(v) else v for v in row) for row in scores)]
+                )
+            ]
             count += len(drawn.prompts)
         *totals, count = all_ranks_sums([*sums, count], job.counted)
         reward = totals[0] / count
-        return {"eval_loss": -reward, "eval_reward": reward,
-                **{f"eval_rewards/{name}/mean": total / count for (name, _, _), total in zip(self.rewards, totals[1:])}}
+        return {
+            "eval_loss": -reward,
+            "eval_reward": reward,
+            **{f"eval_rewards/{name}/mean": total / count for (name, _, _), total in zip(self.rewards, totals[1:])},
+        }
 
 
-def at_predicting_positions(completion_values: list[torch.Tensor], prompt_lengths: list[int], shape: torch.Size,
-                            device: torch.device) -> torch.Tensor:
+def at_predicting_positions(
+    completion_values: list[torch.Tensor], prompt_lengths: list[int], shape: torch.Size, device: torch.device
+) -> torch.Tensor:
     """Each completion token's value laid at the position of its row that predicts it (the prompt's last token for
     the first), 0 elsewhere: a row's tokens' log-probs as the loss's forward lays them."""
     import torch
 
     laid = torch.zeros(shape, device=device)
     for row, (values, length) in enumerate(zip(completion_values, prompt_lengths)):
-        laid[row, length - 1:length - 1 + len(values)] = values
+        laid[row, length - 1 : length - 1 + len(values)] = values
     return laid
 
 
@@ -180,9 +240,15 @@ class Sampled:
     logps: torch.Tensor
 
 
-def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]], decoding: Decoding,
-           device: torch.device, autocast: Callable[[], ContextManager],
-           stopped: Optional[Callable[[int, list[int]], bool]] = None) -> Sampled:
+def sample(
+    model: nn.Module,
+    prompts: list[list[int]],
+    seeds: list[Optional[int]],
+    decoding: Decoding,
+    device: torch.device,
+    autocast: Callable[[], ContextManager],
+    stopped: Optional[Callable[[int, list[int]], bool]] = None,
+) -> Sampled:
     """Each prompt's new tokens, up to and including the stop token (decoding.eos_token_id) or the token after
     which `stopped(row, its new tokens)` says the row has ended, at most decoding.max_new_tokens, and their
     log-probs: one forward per token over the left-padded prompts and a KV cache, each row drawing from its own
@@ -204,8 +270,11 @@ def sample(model: nn.Module, prompts: list[list[int]], seeds: list[Optional[int]
     inputs, synced, logps = ids, process_group_up(), []
     with torch.no_grad(), autocast(), own_attention(model):
         for _ in range(decoding.max_new_tokens):
-            logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True,
-                           **cache).logits[:, -1].float()
+            logits = (
+                model(input_ids=inputs, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
+                .logits[:, -1]
+                .float()
+            )
             drawn = torch.stack([_drawn(logits[i], decoding, generator) for i, generator in enumerate(generators)])
             logps.append(torch.log_softmax(logits / decoding.temperature, -1).gather(1, drawn[:, None]).squeeze(1))
             chosen = [decoding.pad_token_id if done else token for done, token in zip(ended, drawn.tolist())]
@@ -231,19 +300,27 @@ def _drawn(logits: torch.Tensor, decoding: Decoding, generator: Optional[torch.G
     return next_tokens(logits.unsqueeze(0), logits.new_zeros((1, 1), dtype=int), decoding, generator)[0]
 
 
-def score(rewards: list[tuple[str, Reward, float]], prompts: list[Prompt], new_tokens: list[list[int]],
-          tokenizer: Any, stop_token: Optional[int]) -> tuple[list[list[float]], list[str]]:
+def score(
+    rewards: list[tuple[str, Reward, float]],
+    prompts: list[Prompt],
+    new_tokens: list[list[int]],
+    tokenizer: Any,
+    stop_token: Optional[int],
+) -> tuple[list[list[float]], list[str]]:
     """Each reward's score of each completion ([rewards][completions], NaN where it gave None), and the completions'
     texts. A reward that fails fails on every rank at once: the ranks agree before any goes on to a collective."""
     texts = [completion(tokens, tokenizer, stop_token, None)[0] for tokens in new_tokens]
-    given = [[{"role": "assistant", "content": text}] if prompt.conversational else text
-             for prompt, text in zip(prompts, texts)]
+    given = [
+        [{"role": "assistant", "content": text}] if prompt.conversational else text
+        for prompt, text in zip(prompts, texts)
+    ]
     names = sorted({key for prompt in prompts for key in prompt.fields})
     fields = {key: [prompt.fields.get(key) for prompt in prompts] for key in names}
     failure = None
     try:
-        scores = rewards_of([(name, function) for name, function, _ in rewards], [p.shown for p in prompts], given,
-                            new_tokens, fields)
+        scores = rewards_of(
+            [(name, function) for name, function, _ in rewards], [p.shown for p in prompts], given, new_tokens, fields
+        )
     except RewardFailed as error:
         failure, scores = error, []
     if all_ranks_sums([float(failure is not None)])[0]:

@@ -40,9 +40,11 @@ def format_accelerate_view(model: nn.Module) -> str:
     rows = [["dtype", "Model", "Gradients", "Backward pass", "Optimizer step"]]
     rows += [[dtype, *map(accelerate_bytes, sizes)] for dtype, sizes in accelerate_sizes(model).items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join([
-        f"accelerate estimate-memory's view ({type(base).__name__}, no LM head: "
-        f"{sum(p.numel() for p in base.parameters()):,} parameters, with its buffers; Adam, batch size 1, no "
-        "activations, one device; MB and GB are MiB and GiB):",
-        *("  " + "   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows),
-    ])
+    return "\n".join(
+        [
+            f"accelerate estimate-memory's view ({type(base).__name__}, no LM head: "
+            f"{sum(p.numel() for p in base.parameters()):,} parameters, with its buffers; Adam, batch size 1, no "
+            "activations, one device; MB and GB are MiB and GiB):",
+            *("  " + "   ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows),
+        ]
+    )

@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from runner.config.training import LossKind, loss_kind_in_effect
-from runner.memory.parameters import parameters_of
 from runner.memory.breakdown import FP32, Part, micro_batch_tokens
+from runner.memory.parameters import parameters_of
 from runner.parallel.pipeline.layout import PipelineSchedule, balanced_bounds, stages_of
 
 if TYPE_CHECKING:
@@ -73,9 +73,18 @@ def layer_activation_bytes(layer: LayerShape, seq_len: int, dtypes: ActivationDt
     return norms + attention_inputs + qkv + attention + mlp_inputs + mlp + dropout
 
 
-def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: ActivationDtypes,
-                     checkpointing: bool, chunked_loss: bool = False, adapters: int = 0, tp: int = 1,
-                     layers: Optional[int] = None, head: bool = True) -> int:
+def activation_bytes(
+    facts: ModelFacts,
+    tokens: int,
+    seq_len: int,
+    dtypes: ActivationDtypes,
+    checkpointing: bool,
+    chunked_loss: bool = False,
+    adapters: int = 0,
+    tp: int = 1,
+    layers: Optional[int] = None,
+    head: bool = True,
+) -> int:
     """`adapters`: bytes per token the LoRA adapters of all the layers save (runner/memory/parameters.py). `tp`:
     tensor-parallel ranks, which split every layer's activations (their heads and MLP columns, and along the
     sequence between the blocks: the paper's section 4.2.2) and gather the head's input and the logits whole.
@@ -95,8 +104,9 @@ def activation_bytes(facts: ModelFacts, tokens: int, seq_len: int, dtypes: Activ
     return tokens * (blocks + (head_input + logits if head else 0))
 
 
-def pipeline_activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes,
-                              schedule: PipelineSchedule) -> Part:
+def pipeline_activations_part(
+    spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes, schedule: PipelineSchedule
+) -> Part:
     """Under pipeline parallelism, the activations of the pipeline rank that holds the most: its stages' layers
     for each microbatch in flight under the schedule (the first rank's, under 1F1B), and the last rank's head."""
     dims = spec.layout
@@ -109,15 +119,28 @@ def pipeline_activations_part(spec: RunSpec, facts: ModelFacts, dtypes: Activati
         mine = stages_of(rank, dims.pp, dims.stages_per_rank)
         layers = sum(bounds[stage][1] - bounds[stage][0] for stage in mine)
         per_microbatch = activation_bytes(
-            facts, tokens, spec.data.seq_len, dtypes, spec.strategy.activation_checkpointing,
-            chunked_loss(spec, facts), parameters_of(spec, facts).activation_bytes(dtypes.compute), dims.tp,
-            layers=layers, head=stages - 1 in mine)
+            facts,
+            tokens,
+            spec.data.seq_len,
+            dtypes,
+            spec.strategy.activation_checkpointing,
+            chunked_loss(spec, facts),
+            parameters_of(spec, facts).activation_bytes(dtypes.compute),
+            dims.tp,
+            layers=layers,
+            head=stages - 1 in mine,
+        )
         held.append((schedule.in_flight(microbatches, dims.pp, rank) * per_microbatch, rank, layers))
     most, rank, layers = max(held)
-    note = one.note.replace(f"{facts.layers} layers", f"{layers} of {facts.layers} layers (pipeline rank {rank} of "
-                                                      f"{dims.pp})", 1)
-    return replace(one, bytes=int(most), note=f"{note}; {schedule.in_flight(microbatches, dims.pp, rank):g} of "
-                                              f"{microbatches} microbatches in flight ({schedule.value})")
+    note = one.note.replace(
+        f"{facts.layers} layers", f"{layers} of {facts.layers} layers (pipeline rank {rank} of {dims.pp})", 1
+    )
+    return replace(
+        one,
+        bytes=int(most),
+        note=f"{note}; {schedule.in_flight(microbatches, dims.pp, rank):g} of "
+        f"{microbatches} microbatches in flight ({schedule.value})",
+    )
 
 
 def chunked_loss(spec: RunSpec, facts: ModelFacts) -> bool:
@@ -146,10 +169,20 @@ def activations_part(spec: RunSpec, facts: ModelFacts, dtypes: ActivationDtypes)
     tp = dims.tp
     split = f", split {tp} ways (tensor and sequence parallel)" if tp > 1 else ""
     split += f", a 1/{dims.cp} slice of each sequence (context parallel)" if dims.cp > 1 else ""
-    note = (f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers{split}, "
-            f"{attention}, {'activation checkpointing' if checkpointing else 'no checkpointing'}; "
-            f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}"
-            + (f"; the adapters' rank-{parameters.rank} intermediates" + (" and dropout copies" if parameters.dropout
-                                                                          else "") if adapters else ""))
-    return Part(activation_bytes(facts, micro_batch_tokens(spec), spec.data.seq_len, dtypes, checkpointing, chunked,
-                                 adapters, tp), note)
+    note = (
+        f"{spec.train.micro_batch_size} {rows} x {spec.data.seq_len} tokens, {facts.layers} layers{split}, "
+        f"{attention}, {'activation checkpointing' if checkpointing else 'no checkpointing'}; "
+        f"{'the chunked loss (no logits kept)' if chunked else 'the logits'}"
+        + (
+            f"; the adapters' rank-{parameters.rank} intermediates"
+            + (" and dropout copies" if parameters.dropout else "")
+            if adapters
+            else ""
+        )
+    )
+    return Part(
+        activation_bytes(
+            facts, micro_batch_tokens(spec), spec.data.seq_len, dtypes, checkpointing, chunked, adapters, tp
+        ),
+        note,
+    )

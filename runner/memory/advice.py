@@ -13,8 +13,8 @@ from runner.config.hardware import GIB, Accelerator
 from runner.config.precision import Dtype
 from runner.config.spec import check_combination
 from runner.errors import SpecError
-from runner.memory.model_shapes import facts_of
 from runner.memory.breakdown import Change, Estimate, estimate, processes, readable, strategy_change
+from runner.memory.model_shapes import facts_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -57,22 +57,39 @@ def changes(spec: RunSpec) -> list[Change]:
     if not spec.strategy.activation_checkpointing:
         found.append(strategy_change("strategy.activation_checkpointing=true", 2.0, activation_checkpointing=True))
     if precision.compute_dtype is Dtype.fp32:
-        found.append(Change(("precision=bf16",), 0.5,
-                            lambda s: replace(s, precision=replace(s.precision, compute_dtype=Dtype.bf16))))
+        found.append(
+            Change(
+                ("precision=bf16",), 0.5, lambda s: replace(s, precision=replace(s.precision, compute_dtype=Dtype.bf16))
+            )
+        )
     if precision.param_dtype is Dtype.fp32:
         # Half the bytes of weights, gradients and states, at a cost in quality: small updates are lost.
-        found.append(Change(("precision=pure_bf16",), 4.0, lambda s: replace(s, precision=replace(
-            s.precision, compute_dtype=Dtype.bf16, param_dtype=Dtype.bf16, reduce_dtype=Dtype.bf16))))
+        found.append(
+            Change(
+                ("precision=pure_bf16",),
+                4.0,
+                lambda s: replace(
+                    s,
+                    precision=replace(
+                        s.precision, compute_dtype=Dtype.bf16, param_dtype=Dtype.bf16, reduce_dtype=Dtype.bf16
+                    ),
+                ),
+            )
+        )
     # A smaller micro batch with more accumulation steps: the same global batch.
     micro = train.micro_batch_size // 2
     while micro >= 1:
         steps = train.grad_accum_steps * train.micro_batch_size // micro
         if micro * steps == train.micro_batch_size * train.grad_accum_steps:
-            found.append(Change(
-                (f"train.micro_batch_size={micro}", f"train.grad_accum_steps={steps}"),
-                1.0 + 0.1 * math.log2(train.micro_batch_size / micro),
-                lambda s, micro=micro, steps=steps: replace(
-                    s, train=replace(s.train, micro_batch_size=micro, grad_accum_steps=steps))))
+            found.append(
+                Change(
+                    (f"train.micro_batch_size={micro}", f"train.grad_accum_steps={steps}"),
+                    1.0 + 0.1 * math.log2(train.micro_batch_size / micro),
+                    lambda s, micro=micro, steps=steps: replace(
+                        s, train=replace(s.train, micro_batch_size=micro, grad_accum_steps=steps)
+                    ),
+                )
+            )
         micro //= 2
     # Train LoRA adapters on a frozen base instead of every weight: a different fine-tune, so dearer than any
     # change of how the same training is laid out.
@@ -110,8 +127,11 @@ def cheapest_fits(spec: RunSpec, facts: ModelFacts, limit: int = 3, depth: int =
             for change in changes(base.apply(spec)):
                 if keys & {override.split("=")[0] for override in change.overrides}:
                     continue
-                combined = Change(base.overrides + change.overrides, base.cost + change.cost,
-                                  lambda s, base=base, change=change: change.apply(base.apply(s)))
+                combined = Change(
+                    base.overrides + change.overrides,
+                    base.cost + change.cost,
+                    lambda s, base=base, change=change: change.apply(base.apply(s)),
+                )
                 if any(set(c.overrides) <= set(combined.overrides) for c, _ in found):
                     continue  # fewer of these changes fit already
                 if any(set(g.overrides) == set(combined.overrides) for g in grown):
@@ -128,9 +148,12 @@ def cheapest_fits(spec: RunSpec, facts: ModelFacts, limit: int = 3, depth: int =
 
 
 def proposals(fixes: list[tuple[Change, Fit]]) -> str:
-    return " | ".join(f"{' '.join(change.overrides)} ({readable(verdict.device_needs)}"
-                      + (f", {readable(verdict.host_needs)} of CPU RAM" if verdict.host_needs and verdict.host
-                         else "") + ")" for change, verdict in fixes)
+    return " | ".join(
+        f"{' '.join(change.overrides)} ({readable(verdict.device_needs)}"
+        + (f", {readable(verdict.host_needs)} of CPU RAM" if verdict.host_needs and verdict.host else "")
+        + ")"
+        for change, verdict in fixes
+    )
 
 
 def check_fit(spec: RunSpec) -> None:
@@ -141,15 +164,24 @@ def check_fit(spec: RunSpec) -> None:
         return
     hardware = spec.hardware
     if not verdict.device_fits and verdict.shared:
-        problem = (f"an estimated {readable(verdict.device_needs)} for {processes(hardware.nproc_per_node or 1)} "
-                   f"of this machine's RAM ({verdict.device:g} GiB)")
+        problem = (
+            f"an estimated {readable(verdict.device_needs)} for {processes(hardware.nproc_per_node or 1)} "
+            f"of this machine's RAM ({verdict.device:g} GiB)"
+        )
     elif not verdict.device_fits:
-        problem = (f"an estimated {readable(verdict.device_needs)} per device of the {verdict.device:g} GiB of "
-                   f"{hardware.device_name or 'each device'}")
+        problem = (
+            f"an estimated {readable(verdict.device_needs)} per device of the {verdict.device:g} GiB of "
+            f"{hardware.device_name or 'each device'}"
+        )
     else:
         problem = f"an estimated {readable(verdict.host_needs)} of CPU RAM of the {verdict.host:g} GiB of each node"
     fixes = cheapest_fits(spec, facts)
-    advice = (f"it fits with: {proposals(fixes)}" if fixes else
-              "no change tried fits (sharding, checkpointing, offload, a micro batch of 1): use more or larger devices")
-    raise SpecError(f"the run does not fit: {problem}; {advice}; `run task=estimate` with the same overrides shows "
-                    "the breakdown, task.fit_check=false launches anyway")
+    advice = (
+        f"it fits with: {proposals(fixes)}"
+        if fixes
+        else "no change tried fits (sharding, checkpointing, offload, a micro batch of 1): use more or larger devices"
+    )
+    raise SpecError(
+        f"the run does not fit: {problem}; {advice}; `run task=estimate` with the same overrides shows "
+        "the breakdown, task.fit_check=false launches anyway"
+    )

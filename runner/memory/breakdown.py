@@ -124,8 +124,10 @@ def reference_model(spec: Any, parameters: int, buffer_bytes: int) -> Part:
     if spec.adapter.active:
         return Part(0, "the policy with its adapters off: no copy")
     shards, size = spec.strategy.frozen_shards(spec), spec.precision.param_dtype.bytes
-    return Part(math.ceil(parameters / shards) * size + buffer_bytes,
-                f"a frozen copy of the model, {dtype_name(size)}{share(shards)}")
+    return Part(
+        math.ceil(parameters / shards) * size + buffer_bytes,
+        f"a frozen copy of the model, {dtype_name(size)}{share(shards)}",
+    )
 
 
 def processes(count: int) -> str:

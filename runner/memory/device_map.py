@@ -18,23 +18,35 @@ DISK = "disk"
 Device = Union[int, str]
 
 
-def memory_limits(device_memory_gib: Optional[float], gpus: int, host_memory_gib: float,
-                  limits: MaxMemory) -> dict[Device, int]:
+def memory_limits(
+    device_memory_gib: Optional[float], gpus: int, host_memory_gib: float, limits: MaxMemory
+) -> dict[Device, int]:
     """accelerate's max_memory in bytes: each of `gpus` GPUs (0, 1, ...) may hold `limits.gpu` GiB, else
     `device_memory_gib`; the CPU `limits.cpu`, else `host_memory_gib`."""
     gpu = limits.gpu or device_memory_gib
-    require(gpus == 0 or gpu is not None,
-            "the GPUs' memory is unknown: set hardware.device_memory_gib or task.max_memory.gpu")
+    require(
+        gpus == 0 or gpu is not None,
+        "the GPUs' memory is unknown: set hardware.device_memory_gib or task.max_memory.gpu",
+    )
     return {**{index: int(gpu * GIB) for index in range(gpus)}, "cpu": int((limits.cpu or host_memory_gib) * GIB)}
 
 
-def automatic_device_map(meta_model: nn.Module, max_memory: dict[Device, int], dtype: torch.dtype,
-                         ) -> dict[str, Device]:
+def automatic_device_map(
+    meta_model: nn.Module,
+    max_memory: dict[Device, int],
+    dtype: torch.dtype,
+) -> dict[str, Device]:
     """The device of each module, filling the GPUs, then CPU RAM, then disk, never splitting a decoder layer."""
     from accelerate import infer_auto_device_map
 
-    return dict(infer_auto_device_map(meta_model, max_memory=max_memory, dtype=dtype,
-                                      no_split_module_classes=list(meta_model._no_split_modules or [])))
+    return dict(
+        infer_auto_device_map(
+            meta_model,
+            max_memory=max_memory,
+            dtype=dtype,
+            no_split_module_classes=list(meta_model._no_split_modules or []),
+        )
+    )
 
 
 def device_of(name: str, device_map: dict[str, Device]) -> Device:

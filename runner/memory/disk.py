@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 from runner.errors import require
 from runner.files.refused_writes import existing_parent
+from runner.memory.breakdown import FP32, readable
 from runner.memory.model_shapes import facts_of
 from runner.memory.parameters import parameters_of
-from runner.memory.breakdown import FP32, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
+
 
 @dataclass(frozen=True)
 class DiskNeed:
@@ -40,8 +41,10 @@ class DiskNeed:
 
     def line(self) -> str:
         export = f", the model about {readable(self.export)}" if self.export else ""
-        return (f"disk: a checkpoint about {readable(self.checkpoint)} ({self.at_once} at once at most){export}: "
-                f"{readable(self.peak)} at most")
+        return (
+            f"disk: a checkpoint about {readable(self.checkpoint)} ({self.at_once} at once at most){export}: "
+            f"{readable(self.peak)} at most"
+        )
 
 
 def disk_need(spec: RunSpec) -> DiskNeed:
@@ -62,8 +65,12 @@ def disk_need(spec: RunSpec) -> DiskNeed:
     written = len({*range(every, train.max_steps + 1, every), train.max_steps})
     best = 1 if train.keep_best else 0  # train.keep_best's checkpoint, besides the last ones
     kept = min(train.keep_checkpoints, written) + best
-    return DiskNeed(checkpoint=checkpoint, at_once=min(kept + 1, written + best), kept=kept,
-                    export=_export_bytes(spec, facts.parameters, trained) if train.save_model else 0)
+    return DiskNeed(
+        checkpoint=checkpoint,
+        at_once=min(kept + 1, written + best),
+        kept=kept,
+        export=_export_bytes(spec, facts.parameters, trained) if train.save_model else 0,
+    )
 
 
 def _export_bytes(spec: RunSpec, parameters: int, trained: int) -> int:
@@ -72,16 +79,21 @@ def _export_bytes(spec: RunSpec, parameters: int, trained: int) -> int:
     if not spec.adapter.active:
         return parameters * spec.precision.param_dtype.bytes
     whole = parameters * spec.precision.compute_dtype.bytes
-    return (trained * spec.precision.param_dtype.bytes + (0 if spec.model.pretrained else whole)
-            + (whole if spec.adapter.merge else 0))
+    return (
+        trained * spec.precision.param_dtype.bytes
+        + (0 if spec.model.pretrained else whole)
+        + (whole if spec.adapter.merge else 0)
+    )
 
 
 def writable_parent(directory: Path, kind: str, key: str) -> Path:
     """The directory, or its closest existing parent, which the run will write in; SpecError when it cannot."""
     existing = existing_parent(directory)
-    require(os.access(existing, os.W_OK),
-            f"the {kind} directory {directory} cannot be written ({existing} is not writable); choose another with "
-            f"{key}=<a directory>")
+    require(
+        os.access(existing, os.W_OK),
+        f"the {kind} directory {directory} cannot be written ({existing} is not writable); choose another with "
+        f"{key}=<a directory>",
+    )
     return existing
 
 
@@ -91,19 +103,30 @@ def check_disk(spec: RunSpec, run_dir: Path) -> None:
     run_dir = run_dir.absolute()
     existing = writable_parent(run_dir, "run", "hydra.run.dir")
     need = disk_need(spec)
-    held = sum(path.stat().st_size for folder in (run_dir / "checkpoints", run_dir / "model") if folder.is_dir()
-               for path in folder.rglob("*") if path.is_file())
+    held = sum(
+        path.stat().st_size
+        for folder in (run_dir / "checkpoints", run_dir / "model")
+        if folder.is_dir()
+        for path in folder.rglob("*")
+        if path.is_file()
+    )
     free = shutil.disk_usage(existing).free
-    require(need.peak <= free + held,
-            f"the run directory's filesystem ({existing}) has {readable(free)} free and the run needs "
-            f"{readable(need.peak - held)} more: a checkpoint about {readable(need.checkpoint)}, {need.at_once} on "
-            f"disk at once ("
-            + (f"train.keep_checkpoints={spec.train.keep_checkpoints}, and the one being written)" if need.at_once > 1
-               else "the last step's alone)")
-            + (f", the model about {readable(need.export)}" if need.export else "")
-            + "; " + ("keep fewer (train.keep_checkpoints=1), " if need.at_once > 2 else "")
-            + ("write fewer (train.checkpoint_every=0: the last step's alone), " if need.at_once > 1 else "")
-            + "train.save_model=false, or a run directory with room (hydra.run.dir=...)")
+    require(
+        need.peak <= free + held,
+        f"the run directory's filesystem ({existing}) has {readable(free)} free and the run needs "
+        f"{readable(need.peak - held)} more: a checkpoint about {readable(need.checkpoint)}, {need.at_once} on "
+        f"disk at once ("
+        + (
+            f"train.keep_checkpoints={spec.train.keep_checkpoints}, and the one being written)"
+            if need.at_once > 1
+            else "the last step's alone)"
+        )
+        + (f", the model about {readable(need.export)}" if need.export else "")
+        + "; "
+        + ("keep fewer (train.keep_checkpoints=1), " if need.at_once > 2 else "")
+        + ("write fewer (train.checkpoint_every=0: the last step's alone), " if need.at_once > 1 else "")
+        + "train.save_model=false, or a run directory with room (hydra.run.dir=...)",
+    )
 
 
 def check_sweep_disk(specs: list[RunSpec], sweep_dir: Path) -> None:
@@ -115,9 +138,11 @@ def check_sweep_disk(specs: list[RunSpec], sweep_dir: Path) -> None:
     needs = [disk_need(spec) for spec in specs]
     total = sum(need.left for need in needs) + max((need.peak - need.left for need in needs), default=0)
     free = shutil.disk_usage(existing).free
-    require(total <= free,
-            f"the sweep directory's filesystem ({existing}) has {readable(free)} free and the sweep's "
-            f"{len(needs)} training jobs need {readable(total)}: each keeps its checkpoints (about "
-            f"{readable(max(need.checkpoint for need in needs))} each at most) and its model; keep fewer "
-            "(train.keep_checkpoints=1), train.save_model=false, or a sweep directory with room "
-            "(hydra.sweep.dir=...)")
+    require(
+        total <= free,
+        f"the sweep directory's filesystem ({existing}) has {readable(free)} free and the sweep's "
+        f"{len(needs)} training jobs need {readable(total)}: each keeps its checkpoints (about "
+        f"{readable(max(need.checkpoint for need in needs))} each at most) and its model; keep fewer "
+        "(train.keep_checkpoints=1), train.save_model=false, or a sweep directory with room "
+        "(hydra.sweep.dir=...)",
+    )

@@ -153,8 +153,14 @@ def logits_bytes(facts: ModelFacts, load: InferenceLoad) -> int:
     return rows * min(kept, load.forward_tokens) * facts.vocab * c
 
 
-def activations_part(facts: ModelFacts, load: InferenceLoad, *, with_layers: bool = True, with_head: bool = True,
-                     stage_buffers: bool = False) -> Part:
+def activations_part(
+    facts: ModelFacts,
+    load: InferenceLoad,
+    *,
+    with_layers: bool = True,
+    with_head: bool = True,
+    stage_buffers: bool = False,
+) -> Part:
     """One forward's peak: the larger of one layer's tensors (with the padding mask, and while decoding a layer's
     k and v copied as the cache grows) and the head's (the final norm and the logits); autocast's casts on top.
     `stage_buffers`: a pipeline stage's hidden states received and sent, B x s x h each."""
@@ -179,8 +185,9 @@ def activations_part(facts: ModelFacts, load: InferenceLoad, *, with_layers: boo
         if load.task == "evaluate":
             shown.append("the logits and their fp32 log-softmax")
         else:
-            kept = {0: "every position", 1: "the last position"}.get(load.logits_to_keep,
-                                                                     f"the last {load.logits_to_keep}")
+            kept = {0: "every position", 1: "the last position"}.get(
+                load.logits_to_keep, f"the last {load.logits_to_keep}"
+            )
             shown.append(f"the {'prefill' if load.kv_cache else 'step'}'s logits ({kept})")
     note = f"{load.batch_size} x {s} tokens: " + ("the larger of " if len(shown) > 1 else "") + " and ".join(shown)
     if buffers:
@@ -203,8 +210,14 @@ def pipeline_load(load: InferenceLoad) -> InferenceLoad:
     return replace(load, kv_cache=False, prompt_tokens=None, logits_to_keep=1)
 
 
-def inference_estimate(facts: ModelFacts, load: InferenceLoad, *, devices: int = 1, how: str = "replica",
-                       placement: Optional[dict[str, int]] = None) -> InferenceEstimate:
+def inference_estimate(
+    facts: ModelFacts,
+    load: InferenceLoad,
+    *,
+    devices: int = 1,
+    how: str = "replica",
+    placement: Optional[dict[str, int]] = None,
+) -> InferenceEstimate:
     """Per device: the weights, the KV cache and one forward's activations (see the module's docstring). how:
     "replica" (each device the whole model), "pipeline" (`devices` stages at block boundaries: the largest is
     reported), "sharded" (FSDP over `devices`). placement: device -> bytes of weights a device_map puts there
@@ -218,11 +231,15 @@ def inference_estimate(facts: ModelFacts, load: InferenceLoad, *, devices: int =
     kv = Part(kv_cache_bytes(facts, load), _kv_note(facts, load, facts.layers))
     w = load.weight_bytes_per_param
     if how == "sharded" and devices > 1:
-        return InferenceEstimate(_sharded_weights(facts, load, devices), kv,
-                                 # FSDP's mixed-precision policy runs the whole forward in the gathered dtype.
-                                 activations_part(facts, replace(load, weight_bytes_per_param=_gathered(load))))
-    return InferenceEstimate(Part(facts.parameters * w + facts.buffer_bytes, f"{dtype_name(w)}, whole"), kv,
-                             activations_part(facts, load))
+        return InferenceEstimate(
+            _sharded_weights(facts, load, devices),
+            kv,
+            # FSDP's mixed-precision policy runs the whole forward in the gathered dtype.
+            activations_part(facts, replace(load, weight_bytes_per_param=_gathered(load))),
+        )
+    return InferenceEstimate(
+        Part(facts.parameters * w + facts.buffer_bytes, f"{dtype_name(w)}, whole"), kv, activations_part(facts, load)
+    )
 
 
 def _gathered(load: InferenceLoad) -> int:
@@ -235,8 +252,10 @@ def _sharded_weights(facts: ModelFacts, load: InferenceLoad, devices: int) -> Pa
     w, parts = load.weight_bytes_per_param, model_parts(facts)
     held = sharded_elements(facts.parameter_shapes, devices) * w
     gathered = (parts.rest + 2 * parts.block) * _gathered(load)
-    return Part(held + gathered + facts.buffer_bytes,
-                f"{dtype_name(w)}, a 1/{devices} shard; gathered: the root unit and 2 blocks")
+    return Part(
+        held + gathered + facts.buffer_bytes,
+        f"{dtype_name(w)}, a 1/{devices} shard; gathered: the root unit and 2 blocks",
+    )
 
 
 def _stage(facts: ModelFacts, load: InferenceLoad, index: int, stages: int) -> InferenceEstimate:
@@ -251,7 +270,8 @@ def _stage(facts: ModelFacts, load: InferenceLoad, index: int, stages: int) -> I
         Part(params * w + facts.buffer_bytes, f"{dtype_name(w)}, {layers} of {facts.layers} blocks{ends}"),
         Part(kv_cache_bytes(facts, load, layers), _kv_note(facts, load, layers)),
         activations_part(facts, load, with_head=last, stage_buffers=True),
-        where=f"stage {index + 1} of {stages}, the largest")
+        where=f"stage {index + 1} of {stages}, the largest",
+    )
 
 
 def _placed(facts: ModelFacts, load: InferenceLoad, placement: dict[str, int]) -> InferenceEstimate:
@@ -260,20 +280,28 @@ def _placed(facts: ModelFacts, load: InferenceLoad, placement: dict[str, int]) -
     on = {str(key): size for key, size in placement.items() if str(key) not in OFF_DEVICE}
     if not on:  # no GPU: the CPU is the device
         on = {"cpu": placement.get("cpu", 0)}
-    off = {OFF_DEVICE[str(key)]: size for key, size in placement.items() if str(key) in OFF_DEVICE and
-           str(key) not in on}
+    off = {
+        OFF_DEVICE[str(key)]: size for key, size in placement.items() if str(key) in OFF_DEVICE and str(key) not in on
+    }
     device, held = max(on.items(), key=lambda item: item[1])
     note = f"device_map: what it places on {device}"
     if any(off.values()):
         held += model_parts(facts).block * load.weight_bytes_per_param
         note += " + one offloaded block at a time"
-    return InferenceEstimate(Part(held, note), Part(kv_cache_bytes(facts, load), _kv_note(facts, load, facts.layers)),
-                             activations_part(facts, load), off_device=off, where=f"device {device}")
+    return InferenceEstimate(
+        Part(held, note),
+        Part(kv_cache_bytes(facts, load), _kv_note(facts, load, facts.layers)),
+        activations_part(facts, load),
+        off_device=off,
+        where=f"device {device}",
+    )
 
 
 def _kv_note(facts: ModelFacts, load: InferenceLoad, layers: int) -> str:
     if not load.kv_cache:
         return "none" + (" (evaluate)" if load.task == "evaluate" else " (each step runs the whole rows)")
     layer = facts.layer
-    return (f"{load.batch_size} x {load.tokens} tokens x {layers} layers x 2 x {layer.kv_heads} kv heads x "
-            f"{layer.head_dim} x {load.activation_bytes} bytes")
+    return (
+        f"{load.batch_size} x {load.tokens} tokens x {layers} layers x 2 x {layer.kv_heads} kv heads x "
+        f"{layer.head_dim} x {load.activation_bytes} bytes"
+    )

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.hardware import GIB, Accelerator
 from runner.errors import SpecError
-from runner.memory.model_shapes import facts_of
+from runner.memory.breakdown import Part, dtype_name, part_row, readable
 from runner.memory.inference_estimate import (
     InferenceEstimate,
     InferenceLoad,
@@ -18,7 +18,7 @@ from runner.memory.inference_estimate import (
     model_parts,
     pipeline_load,
 )
-from runner.memory.breakdown import Part, dtype_name, part_row, readable
+from runner.memory.model_shapes import facts_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -36,9 +36,16 @@ class Options:
     max_memory: str = "task.max_memory"
 
 
-def inference_report(spec: RunSpec, facts: ModelFacts, load: InferenceLoad, *, how: str = "replica",
-                     devices: Optional[int] = None, placement: Optional[dict[str, int]] = None,
-                     options: Options = Options()) -> str:
+def inference_report(
+    spec: RunSpec,
+    facts: ModelFacts,
+    load: InferenceLoad,
+    *,
+    how: str = "replica",
+    devices: Optional[int] = None,
+    placement: Optional[dict[str, int]] = None,
+    options: Options = Options(),
+) -> str:
     """What an inference task prints before it starts: the parts per device, the total, and whether it fits.
     `devices`: the stages or shards of `how`; unset, the hardware's processes."""
     devices = devices or spec.hardware.world_size
@@ -72,9 +79,16 @@ def inference_report(spec: RunSpec, facts: ModelFacts, load: InferenceLoad, *, h
     return "\n".join(lines)
 
 
-def check_inference_fit(spec: RunSpec, facts: ModelFacts, load: InferenceLoad, *, how: str = "replica",
-                        devices: Optional[int] = None, placement: Optional[dict[str, int]] = None,
-                        options: Options = Options()) -> None:
+def check_inference_fit(
+    spec: RunSpec,
+    facts: ModelFacts,
+    load: InferenceLoad,
+    *,
+    how: str = "replica",
+    devices: Optional[int] = None,
+    placement: Optional[dict[str, int]] = None,
+    options: Options = Options(),
+) -> None:
     """Refuses, in one line, an inference job whose device peak exceeds the device's memory, naming what fits."""
     devices = devices or spec.hardware.world_size
     result = inference_estimate(facts, load, devices=devices, how=how, placement=placement)
@@ -83,10 +97,12 @@ def check_inference_fit(spec: RunSpec, facts: ModelFacts, load: InferenceLoad, *
         return
     hardware = spec.hardware
     where = f" ({result.where})" if result.where else ""
-    raise SpecError(f"the {load.task} job does not fit: an estimated {readable(needs)} per device{where} of the "
-                    f"{hardware.device_memory_gib:g} GiB of {hardware.device_name or 'each device'}; it fits with: "
-                    f"{_fixes(spec, facts, load, how, devices, placement, options)}; task.estimate_only=true shows "
-                    "the breakdown, task.fit_check=false runs anyway")
+    raise SpecError(
+        f"the {load.task} job does not fit: an estimated {readable(needs)} per device{where} of the "
+        f"{hardware.device_memory_gib:g} GiB of {hardware.device_name or 'each device'}; it fits with: "
+        f"{_fixes(spec, facts, load, how, devices, placement, options)}; task.estimate_only=true shows "
+        "the breakdown, task.fit_check=false runs anyway"
+    )
 
 
 def _layout(how: str, devices: int, placement: Optional[dict[str, int]]) -> str:
@@ -113,14 +129,22 @@ def _available(spec: RunSpec) -> Optional[int]:
     return None if memory is None else int(memory * GIB)
 
 
-def _fixes(spec: RunSpec, facts: ModelFacts, load: InferenceLoad, how: str, devices: int,
-           placement: Optional[dict[str, int]], options: Options) -> str:
+def _fixes(
+    spec: RunSpec,
+    facts: ModelFacts,
+    load: InferenceLoad,
+    how: str,
+    devices: int,
+    placement: Optional[dict[str, int]],
+    options: Options,
+) -> str:
     """The changes that fit, each estimated again, cheapest first: a smaller batch, device_map=auto (or, already
     placed, a lower limit on the GPU), a pipeline of more stages."""
     available = _available(spec) or 0
 
-    def needs(load: InferenceLoad, how: str = how, devices: int = devices,
-              placement: Optional[dict[str, int]] = placement) -> int:
+    def needs(
+        load: InferenceLoad, how: str = how, devices: int = devices, placement: Optional[dict[str, int]] = placement
+    ) -> int:
         return _needs(spec, inference_estimate(facts, load, devices=devices, how=how, placement=placement), devices)
 
     found = []
@@ -131,23 +155,31 @@ def _fixes(spec: RunSpec, facts: ModelFacts, load: InferenceLoad, how: str, devi
     weights = facts.parameters * load.weight_bytes_per_param + facts.buffer_bytes
     if room > 0 and not _shared(spec):
         if placement is None:
-            found.append(f"{options.device_map} ({readable(max(weights - room, 0))} of the weights to CPU RAM and "
-                         "disk)")
+            found.append(
+                f"{options.device_map} ({readable(max(weights - room, 0))} of the weights to CPU RAM and disk)"
+            )
         else:
-            found.append(f"{options.device_map} with {options.max_memory}.0={room / GIB:.1f} (room on the GPU for the "
-                         "KV cache and activations)")
+            found.append(
+                f"{options.device_map} with {options.max_memory}.0={room / GIB:.1f} (room on the GPU for the "
+                "KV cache and activations)"
+            )
     if options.pipeline is not None and placement is None and how != "sharded":
         staged = pipeline_load(load)
         fewest = devices + 1 if how == "pipeline" else 2
-        stages = next((n for n in range(fewest, facts.layers + 1)
-                       if needs(staged, "pipeline", n, None) <= available), None)
+        stages = next(
+            (n for n in range(fewest, facts.layers + 1) if needs(staged, "pipeline", n, None) <= available), None
+        )
         if stages is not None:
-            found.append(f"{options.pipeline}={stages} ({readable(needs(staged, 'pipeline', stages, None))} on the "
-                         "largest stage)")
+            found.append(
+                f"{options.pipeline}={stages} ({readable(needs(staged, 'pipeline', stages, None))} on the "
+                "largest stage)"
+            )
     if found:
         return " | ".join(found)
-    return (f"nothing tried fits ({options.batch}=1, {options.device_map} to spill weights to CPU RAM and disk"
-            f"{', more pipeline stages' if options.pipeline else ''}): use larger devices or fewer tokens")
+    return (
+        f"nothing tried fits ({options.batch}=1, {options.device_map} to spill weights to CPU RAM and disk"
+        f"{', more pipeline stages' if options.pipeline else ''}): use larger devices or fewer tokens"
+    )
 
 
 def _halvings(batch: int) -> list[int]:
@@ -164,8 +196,16 @@ def _besides_weights(facts: ModelFacts, load: InferenceLoad) -> int:
 # ---- what the inference tasks call
 
 
-def inference_answer(spec: RunSpec, task: InferenceTaskConfig, *, batch_size: int, tokens: int, kv_cache: bool,
-                     stages: int = 1, prompt_tokens: Optional[int] = None) -> Optional[str]:
+def inference_answer(
+    spec: RunSpec,
+    task: InferenceTaskConfig,
+    *,
+    batch_size: int,
+    tokens: int,
+    kv_cache: bool,
+    stages: int = 1,
+    prompt_tokens: Optional[int] = None,
+) -> Optional[str]:
     """An inference task's before_launch answer: the report when task.estimate_only (nothing starts); else None,
     once the fit check passed (task.fit_check)."""
     facts, load, layout = _planned(spec, task, batch_size, tokens, kv_cache, stages, prompt_tokens)
@@ -176,23 +216,46 @@ def inference_answer(spec: RunSpec, task: InferenceTaskConfig, *, batch_size: in
     return None
 
 
-def planned_report(spec: RunSpec, task: InferenceTaskConfig, *, batch_size: int, tokens: int, kv_cache: bool,
-                   stages: int = 1, prompt_tokens: Optional[int] = None) -> str:
+def planned_report(
+    spec: RunSpec,
+    task: InferenceTaskConfig,
+    *,
+    batch_size: int,
+    tokens: int,
+    kv_cache: bool,
+    stages: int = 1,
+    prompt_tokens: Optional[int] = None,
+) -> str:
     """The report an inference job prints as it starts (the same as task.estimate_only's)."""
     facts, load, layout = _planned(spec, task, batch_size, tokens, kv_cache, stages, prompt_tokens)
     return inference_report(spec, facts, load, **layout)
 
 
-def _planned(spec: RunSpec, task: InferenceTaskConfig, batch_size: int, tokens: int, kv_cache: bool, stages: int,
-             prompt_tokens: Optional[int]) -> tuple[ModelFacts, InferenceLoad, dict[str, Any]]:
+def _planned(
+    spec: RunSpec,
+    task: InferenceTaskConfig,
+    batch_size: int,
+    tokens: int,
+    kv_cache: bool,
+    stages: int,
+    prompt_tokens: Optional[int],
+) -> tuple[ModelFacts, InferenceLoad, dict[str, Any]]:
     """The model's facts, the load and the layout of the job. generate goes through transformers' generate() (a KV
     cache, the logits of the last position) or, with `stages` > 1, the runner's pipeline (see pipeline_load)."""
     from runner.config.task import DeviceMap
 
     facts = facts_of(spec.model)
     precision = spec.precision
-    load = InferenceLoad(batch_size, tokens, kv_cache, precision.param_dtype.bytes, precision.compute_dtype.bytes,
-                         prompt_tokens=prompt_tokens, logits_to_keep=1 if kv_cache else 0, frozen=True)
+    load = InferenceLoad(
+        batch_size,
+        tokens,
+        kv_cache,
+        precision.param_dtype.bytes,
+        precision.compute_dtype.bytes,
+        prompt_tokens=prompt_tokens,
+        logits_to_keep=1 if kv_cache else 0,
+        frozen=True,
+    )
     how, devices = "replica", spec.hardware.world_size
     if stages > 1:
         how, devices, load = "pipeline", stages, pipeline_load(load)
@@ -201,13 +264,16 @@ def _planned(spec: RunSpec, task: InferenceTaskConfig, batch_size: int, tokens: 
     placement = None
     if task.device_map is DeviceMap.auto:
         placement = device_map_placement(spec, facts, task, load.weight_bytes_per_param)
-    options = Options(batch="task.batch_size" if kv_cache else "train.micro_batch_size",
-                      pipeline="task.pipeline_stages" if kv_cache else None)
+    options = Options(
+        batch="task.batch_size" if kv_cache else "train.micro_batch_size",
+        pipeline="task.pipeline_stages" if kv_cache else None,
+    )
     return facts, load, {"how": how, "devices": devices, "placement": placement, "options": options}
 
 
-def device_map_placement(spec: RunSpec, facts: ModelFacts, task: InferenceTaskConfig,
-                         weight_bytes_per_param: int) -> dict[str, int]:
+def device_map_placement(
+    spec: RunSpec, facts: ModelFacts, task: InferenceTaskConfig, weight_bytes_per_param: int
+) -> dict[str, int]:
     """Bytes of weights accelerate's device_map=auto puts on each GPU ("0", "1", ...), "cpu" and "disk", under
     the limits the task would give it (runner/generation/big_model.py), from the model on the meta device."""
     from runner.memory.device_map import automatic_device_map, device_of, memory_limits

@@ -138,6 +138,8 @@ def check_causal_lm(model: ModelConfig) -> None:
 
     config = meta_model(model).config
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not getattr(config, "is_decoder", True):
-        raise SpecError(f"{config.model_type} is not a causal language model (an encoder: its attention sees the "
-                        "tokens it predicts), and the runner trains causal LMs only; choose a decoder such as "
-                        "model=tiny_llama or model=llama3_8b, or use task=estimate for its memory")
+        raise SpecError(
+            f"{config.model_type} is not a causal language model (an encoder: its attention sees the "
+            "tokens it predicts), and the runner trains causal LMs only; choose a decoder such as "
+            "model=tiny_llama or model=llama3_8b, or use task=estimate for its memory"
+        )

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from runner.config.hardware import GIB
 from runner.memory.advice import cheapest_fits, proposals
-from runner.memory.model_shapes import facts_of
 from runner.memory.breakdown import estimate, readable
+from runner.memory.model_shapes import facts_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -36,8 +36,10 @@ def take_out_of_memory_record(run_dir: Path) -> Optional[dict[str, Any]]:
 def out_of_memory_line(record: dict[str, Any], spec: RunSpec) -> str:
     facts = facts_of(spec.model)
     peak = estimate(spec, facts).peak
-    return (f"rank {record['rank']} ran out of memory {record['where']}: {record['held']}; the estimate's peak for "
-            f"this run is {readable(peak)} per device; {cheaper(spec, peak)}{record['summary']}")
+    return (
+        f"rank {record['rank']} ran out of memory {record['where']}: {record['held']}; the estimate's peak for "
+        f"this run is {readable(peak)} per device; {cheaper(spec, peak)}{record['summary']}"
+    )
 
 
 def cheaper(spec: RunSpec, peak: int) -> str:

@@ -91,14 +91,16 @@ class Parameters:
     @property
     def largest_nf4(self) -> int:
         """Elements of the largest NF4 weight: torchao dequantizes one at a time to the compute dtype."""
-        return max((math.prod(shape) for group in self.frozen if group.dtype == NF4 for shape in group.shapes),
-                   default=0)
+        return max(
+            (math.prod(shape) for group in self.frozen if group.dtype == NF4 for shape in group.shapes), default=0
+        )
 
     def activation_bytes(self, compute: int) -> int:
         """Bytes per token the adapters save for backward, over all the adapted layers: lora_B's input (rank
         elements), and with dropout lora_A's own input (the dropout's output) and the dropout's one-byte mask."""
-        return sum(self.rank * compute + ((compute + 1) * columns if self.dropout else 0)
-                   for _, columns in self.adapted)
+        return sum(
+            self.rank * compute + ((compute + 1) * columns if self.dropout else 0) for _, columns in self.adapted
+        )
 
     def frozen_note(self) -> str:
         """`bf16 + NF4`: the dtypes the frozen base is stored in."""
@@ -108,14 +110,18 @@ class Parameters:
         """The report's line: how many parameters train, how many are frozen and in what."""
         if not self.frozen:
             if self.tp > 1:
-                return (f"all train ({param_dtype}; adapter=none: a full fine-tune), split {self.tp} ways: "
-                        f"{self.trained:,} on each tensor-parallel rank")
+                return (
+                    f"all train ({param_dtype}; adapter=none: a full fine-tune), split {self.tp} ways: "
+                    f"{self.trained:,} on each tensor-parallel rank"
+                )
             return f"all {self.trained:,} train ({param_dtype}; adapter=none: a full fine-tune)"
         frozen = ", ".join(f"{group.elements:,} in {group.dtype}" for group in self.frozen)
         split = f", split {self.tp} ways: each tensor-parallel rank's parts" if self.tp > 1 else ""
-        return (f"{self.trained:,} train ({self.adapter} adapters of rank {self.rank} on {len(self.adapted)} linear "
-                f"layers: {', '.join(self.target_names)}; {param_dtype}); {self.frozen_parameters:,} frozen "
-                f"({frozen}){split}")
+        return (
+            f"{self.trained:,} train ({self.adapter} adapters of rank {self.rank} on {len(self.adapted)} linear "
+            f"layers: {', '.join(self.target_names)}; {param_dtype}); {self.frozen_parameters:,} frozen "
+            f"({frozen}){split}"
+        )
 
 
 _PARAMETERS: dict[tuple, tuple[ModelFacts, Parameters]] = {}
@@ -127,15 +133,19 @@ def _heaviest_pipeline_rank(facts: ModelFacts, dims: ParallelDims) -> Parameters
     split = facts.parameter_shapes if dims.tp == 1 else split_shapes(facts.model, dims.tp)
     bounds = balanced_bounds(facts.model, dims.pp * dims.stages_per_rank)
     stages = stage_parameters(facts.model, bounds, split)
-    ranks = [[shape for stage in stages_of(rank, dims.pp, dims.stages_per_rank) for shape in stages[stage]]
-             for rank in range(dims.pp)]
+    ranks = [
+        [shape for stage in stages_of(rank, dims.pp, dims.stages_per_rank) for shape in stages[stage]]
+        for rank in range(dims.pp)
+    ]
+
     def elements(shapes: list[tuple[int, ...]]) -> int:
         return sum(math.prod(shape) for shape in shapes)
 
     shapes = max(ranks, key=elements)
     share = elements(shapes) / max(1, elements(split))
-    return Parameters(trained_shapes=tuple(shapes), trained_linear=int(facts.linear_parameters * share) // dims.tp,
-                      tp=dims.tp)
+    return Parameters(
+        trained_shapes=tuple(shapes), trained_linear=int(facts.linear_parameters * share) // dims.tp, tp=dims.tp
+    )
 
 
 def parameters_of(spec: RunSpec, facts: ModelFacts) -> Parameters:
@@ -173,8 +183,11 @@ def _adapted(spec: RunSpec, facts: ModelFacts, tp: int) -> Parameters:
                 rows, columns = module.out_features, module.in_features
                 adapted[f"{block_name}.{name}"] = (rows, columns)
                 parts[f"{block_name}.{name}"] = adapter_shapes(rows, columns, adapter.rank, plan.get(name), tp)
-    in_nf4 = {f"{name}.weight" for name, shape in adapted.items()
-              if adapter.quantized and nf4_fits(shape, spec.hardware.world_size)}
+    in_nf4 = {
+        f"{name}.weight"
+        for name, shape in adapted.items()
+        if adapter.quantized and nf4_fits(shape, spec.hardware.world_size)
+    }
     compute = spec.precision.compute_dtype
     stored: dict[str, float] = {}
     groups: dict[str, list[tuple[int, ...]]] = {compute.value: [], NF4: []}
@@ -215,10 +228,13 @@ def host_loading(spec: RunSpec, facts: ModelFacts, loaders: int) -> Part:
     compute = spec.precision.compute_dtype
     if spec.model.pretrained:
         what = "the adapters" + (" and the NF4 base" if nf4 else "")
-        return Part(loaders * (nf4 + adapters), f"{who} {what}; the {compute.value} base is memory-mapped "
-                                                f"(the page cache)")
-    return Part(loaders * (compute.bytes * facts.parameters + adapters),
-                f"{who} the {compute.value} base (random init) and the adapters")
+        return Part(
+            loaders * (nf4 + adapters), f"{who} {what}; the {compute.value} base is memory-mapped (the page cache)"
+        )
+    return Part(
+        loaders * (compute.bytes * facts.parameters + adapters),
+        f"{who} the {compute.value} base (random init) and the adapters",
+    )
 
 
 def weights_note(parameters: Parameters, trained_dtype: str, where: str) -> str:

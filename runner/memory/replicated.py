@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
+from runner.memory.breakdown import Estimate, Part, dtype_name
 from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
-from runner.memory.breakdown import Estimate, Part, dtype_name
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -29,17 +29,21 @@ def whole_copies(spec: RunSpec, facts: ModelFacts) -> Estimate:
     dequantized, dequantized_note = adapter_transients(parameters, c)
     # A frozen base in c makes a c-byte residual stream, whose inputs autocast need not cast for each projection.
     frozen_base = bool(parameters.frozen)
-    dtypes = ActivationDtypes(compute=c, stream=c if frozen_base else w, casts=autocast and not frozen_base,
-                              fp8=fp8_blocks)
+    dtypes = ActivationDtypes(
+        compute=c, stream=c if frozen_base else w, casts=autocast and not frozen_base, fp8=fp8_blocks
+    )
     casts_note = ", autocast's casts of the " + ("adapters' weights" if frozen_base else "linear weights")
     return Estimate(
-        weights=Part(P * w + parameters.frozen_bytes() + facts.buffer_bytes,
-                     weights_note(parameters, dtype_name(w), ", whole")),
+        weights=Part(
+            P * w + parameters.frozen_bytes() + facts.buffer_bytes, weights_note(parameters, dtype_name(w), ", whole")
+        ),
         gradients=Part(P * w, f"{dtype_name(w)}, whole"),
         optimizer_states=Part(k * P * w, f"{states}, {dtype_name(w)}"),
         activations=activations_part(spec, facts, dtypes),
-        backward_start=Part(copies + dequantized + loss_gradient_bytes(spec, facts),
-                            "the loss gradient" + (casts_note if copies else "") + dequantized_note),
+        backward_start=Part(
+            copies + dequantized + loss_gradient_bytes(spec, facts),
+            "the loss gradient" + (casts_note if copies else "") + dequantized_note,
+        ),
         step=Part(spec.optim.step_copies() * P * w, "the optimizer's foreach temporaries"),
         host_loading=host_loading(spec, facts, spec.hardware.nproc_per_node or 1),
     )

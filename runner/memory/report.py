@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Optional
 
 from runner.memory.accelerate_view import format_accelerate_view
 from runner.memory.advice import cheapest_fits, fit, proposals
+from runner.memory.breakdown import Estimate, Part, Phase, estimate, part_row, processes, readable
 from runner.memory.model_shapes import facts_of
 from runner.memory.parameters import parameters_of
-from runner.memory.breakdown import Estimate, Part, Phase, estimate, part_row, processes, readable
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -50,8 +50,10 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
         row("peak", Part(result.peak, f"{result.peak_phase.value}: {_peak_formula(result)}")),
     ]
     if verdict.shared:
-        lines.append(f"  fits: {_verdict(verdict.device_fits, verdict.device)} ({readable(verdict.device_needs)} "
-                     f"for {processes(nproc)} in this machine's RAM of {memory})")
+        lines.append(
+            f"  fits: {_verdict(verdict.device_fits, verdict.device)} ({readable(verdict.device_needs)} "
+            f"for {processes(nproc)} in this machine's RAM of {memory})"
+        )
     else:
         host = f"{hardware.host_memory_gib:g} GiB" if hardware.host_memory_gib else "RAM not declared"
         lines += [
@@ -69,12 +71,16 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
 
 
 def _peak_formula(result: Estimate) -> str:
-    kept = "weights + optimizer states" + (" + buffers kept throughout" if result.buffers.bytes else "") + \
-        (" + reference model" if result.reference.bytes else "")
+    kept = (
+        "weights + optimizer states"
+        + (" + buffers kept throughout" if result.buffers.bytes else "")
+        + (" + reference model" if result.reference.bytes else "")
+    )
     return {
         Phase.LOADING: "the whole module on the device",
-        Phase.BACKWARD_START: (kept + " + activations + its transients"
-                               + (" + gradients" if result.accumulating else "")),
+        Phase.BACKWARD_START: (
+            kept + " + activations + its transients" + (" + gradients" if result.accumulating else "")
+        ),
         Phase.BACKWARD_END: kept + " + gradients + its transients",
         Phase.OPTIMIZER_STEP: kept + " + gradients + the step's temporaries",
         Phase.SAMPLING: kept + " + the KV cache and logits of sampling",

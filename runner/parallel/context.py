@@ -52,16 +52,29 @@ class RingSplit:
         buffers = list(sliceable(micro_batch, 2 * self.mesh.size()))
         input_ids, positions, targets = buffers
         ring_kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
-        with sdpa_kernel(ring_kernels), context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
-                                                         no_restore_buffers=set(buffers)):
-            sliced = replace(micro_batch, inputs={"input_ids": input_ids, "position_ids": positions}, labels=targets,
-                             labels_shifted=True)
+        with (
+            sdpa_kernel(ring_kernels),
+            context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)),
+        ):
+            sliced = replace(
+                micro_batch,
+                inputs={"input_ids": input_ids, "position_ids": positions},
+                labels=targets,
+                labels_shifted=True,
+            )
             yield sliced, lambda loss: distributed.all_reduce(loss, group=self.mesh.get_group())
 
 
-def causal_unmasked_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                              scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
+def causal_unmasked_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function interface, over the whole row: causal, no mask, the key-value heads
     repeated to the query heads."""
     import torch.nn.functional as F

@@ -86,6 +86,7 @@ class ParallelDims:
         return mesh["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
 
     def describe(self) -> str:
-        shown = [(name, size) for name, size in zip(self.names, self.shape)
-                 if name not in ("pp", "cp", "tp") or size > 1]
+        shown = [
+            (name, size) for name, size in zip(self.names, self.shape) if name not in ("pp", "cp", "tp") or size > 1
+        ]
         return f"mesh {' x '.join(str(size) for _, size in shown)} ({' x '.join(name for name, _ in shown)})"

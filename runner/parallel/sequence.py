@@ -42,8 +42,7 @@ class SequenceSplit(Protocol):
 
 
 @contextlib.contextmanager
-def split_sequences(split: Optional[SequenceSplit], micro_batch: MicroBatch
-                    ) -> Iterator[tuple[MicroBatch, WholeLoss]]:
+def split_sequences(split: Optional[SequenceSplit], micro_batch: MicroBatch) -> Iterator[tuple[MicroBatch, WholeLoss]]:
     """The micro batch as this rank runs it: its slices under a split, else itself."""
     if split is None:
         yield micro_batch, lambda loss: loss

@@ -46,19 +46,26 @@ def block_plan(model: nn.Module, tp: int) -> dict[str, str]:
     config = model.config
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
-        raise SpecError(f"strategy.tp_size={tp}: model_type {config.model_type} has no tensor-parallel plan in "
-                        f"transformers; use strategy.tp_size=1")
+        raise SpecError(
+            f"strategy.tp_size={tp}: model_type {config.model_type} has no tensor-parallel plan in "
+            f"transformers; use strategy.tp_size=1"
+        )
     # (not the plan's entries outside the blocks, such as transformers 5.17's `embed_tokens` of a tied model: the
     # runner places those itself)
     in_blocks = {key.partition(".*.")[2]: style for key, style in plan.items() if ".*." in key}
     others = sorted({style for style in in_blocks.values() if style not in STYLES})
-    require(not others, f"strategy.tp_size={tp}: model_type {config.model_type}'s tensor-parallel plan places layers "
-                        f"{' and '.join(others)}, which the runner does not; use strategy.tp_size=1")
+    require(
+        not others,
+        f"strategy.tp_size={tp}: model_type {config.model_type}'s tensor-parallel plan places layers "
+        f"{' and '.join(others)}, which the runner does not; use strategy.tp_size=1",
+    )
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    require(heads % tp == 0 and kv_heads % tp == 0,
-            f"strategy.tp_size={tp} does not divide the model's {heads} attention heads and {kv_heads} key-value "
-            f"heads; each tensor-parallel rank computes whole heads: pick a common divisor")
+    require(
+        heads % tp == 0 and kv_heads % tp == 0,
+        f"strategy.tp_size={tp} does not divide the model's {heads} attention heads and {kv_heads} key-value "
+        f"heads; each tensor-parallel rank computes whole heads: pick a common divisor",
+    )
     return in_blocks
 
 
@@ -67,8 +74,7 @@ def parallelize_tensors(model: nn.Module, mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    styles = {"colwise": ColwiseParallel(),
-              "rowwise": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+    styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
     plan = block_plan(model, mesh.size())
     trains = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
     for _, block in blocks(model):
@@ -88,10 +94,14 @@ def parallelize_tensors(model: nn.Module, mesh: DeviceMesh) -> None:
                 else:
                     placed[f"{name}.lora_A.{adapter}"] = styles["rowwise"]
                     replicated.append(layer.lora_B[adapter])
-        parallelize_module(block, mesh, {
-            **placed,
-            **{name: SequenceParallel() for name, module in block.named_children() if _is_norm(module)},
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                **placed,
+                **{name: SequenceParallel() for name, module in block.named_children() if _is_norm(module)},
+            },
+        )
         for module in replicated:
             distribute_module(module, mesh)
         for name in {layer.rpartition(".")[0] for layer in plan}:
@@ -100,8 +110,11 @@ def parallelize_tensors(model: nn.Module, mesh: DeviceMesh) -> None:
     embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
     final_norm = next((module for module in model.base_model.children() if _is_norm(module)), None)
     names = {module: name for name, module in model.named_modules()}
-    ends = {embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-            final_norm: SequenceParallel(), head: ColwiseParallel(output_layouts=Replicate())}
+    ends = {
+        embeddings: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        final_norm: SequenceParallel(),
+        head: ColwiseParallel(output_layouts=Replicate()),
+    }
     parallelize_module(model, mesh, {names[module]: style for module, style in ends.items() if module is not None})
     if final_norm is not None:
         final_norm.register_forward_hook(lambda module, inputs, output: output.full_tensor())
@@ -125,12 +138,15 @@ def _whole_sequence(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> t
     return tuple(whole(value) for value in args), {key: whole(value) for key, value in kwargs.items()}
 
 
-def adapter_shapes(rows: int, columns: int, rank: int, style: Optional[str], tp: int
-                   ) -> tuple[tuple[int, int], tuple[int, int]]:
+def adapter_shapes(
+    rows: int, columns: int, rank: int, style: Optional[str], tp: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
     """A LoRA adapter's A (rank x columns) and B (rows x rank) on one tensor-parallel rank, beside a linear layer the
     plan splits in `style` (None: not split), as `parallelize_tensors` places them."""
-    return ((rank, -(-columns // tp) if style == "rowwise" else columns),
-            (-(-rows // tp) if style == "colwise" else rows, rank))
+    return (
+        (rank, -(-columns // tp) if style == "rowwise" else columns),
+        (-(-rows // tp) if style == "colwise" else rows, rank),
+    )
 
 
 def split_shapes(model: nn.Module, tp: int) -> list[tuple[int, ...]]:

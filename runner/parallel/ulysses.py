@@ -18,9 +18,9 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Optional
 
+from runner.library_noise import deepspeed_setup
 from runner.parallel.context import causal_unmasked_attention
 from runner.parallel.sequence import AttentionFunction, WholeLoss, sliceable
-from runner.library_noise import deepspeed_setup
 
 if TYPE_CHECKING:
     import torch
@@ -72,16 +72,27 @@ class UlyssesSplit:
         head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         by_batch_size: dict[int, Any] = {}
 
-        def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        def attend(
+            module: nn.Module,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: Any,
+            *args: Any,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, Any]:
             batch = query.shape[0]
             if batch not in by_batch_size:
                 by_batch_size[batch] = UlyssesSPAttentionHF(
-                    attn=within_examples or causal_unmasked_attention, batch_size=batch,
+                    attn=within_examples or causal_unmasked_attention,
+                    batch_size=batch,
                     attn_head_count=config.num_attention_heads,
                     attn_head_size=head_size,
-                    kv_head_count=config.num_key_value_heads, num_hidden_layers=config.num_hidden_layers,
-                    process_group=self.group, seq_length_is_variable=True)
+                    kv_head_count=config.num_key_value_heads,
+                    num_hidden_layers=config.num_hidden_layers,
+                    process_group=self.group,
+                    seq_length_is_variable=True,
+                )
             return by_batch_size[batch](module, query, key, value, None, *args, **kwargs)
 
         return attend
@@ -94,9 +105,15 @@ class UlyssesSplit:
         input_ids, positions, targets = sliceable(micro_batch, size)
         length = input_ids.shape[1] // size
         mine = slice(rank * length, (rank + 1) * length)
-        yield (replace(micro_batch, inputs={"input_ids": input_ids[:, mine], "position_ids": positions[:, mine]},
-                       labels=targets[:, mine], labels_shifted=True),
-               self.whole_loss)
+        yield (
+            replace(
+                micro_batch,
+                inputs={"input_ids": input_ids[:, mine], "position_ids": positions[:, mine]},
+                labels=targets[:, mine],
+                labels_shifted=True,
+            ),
+            self.whole_loss,
+        )
 
     def whole_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The group's summed loss as the value; the gradient of that sum, or of this slice's loss."""

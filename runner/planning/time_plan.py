@@ -72,20 +72,33 @@ class TimePlan:
         return self.wall_s * self.processes / 3600
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step_time_s": self.step_s, "wall_time_s": self.wall_s, "gpu_hours": self.gpu_hours,
+        return (
+            {
+                "step_time_s": self.step_s,
+                "wall_time_s": self.wall_s,
+                "gpu_hours": self.gpu_hours,
                 "cost": self.gpu_hours * self.cost_per_gpu_hour if self.cost_per_gpu_hour else None,
-                "flops": self.flops, "rate_source": self.rate.source} if self.known else {"rate_source": None}
+                "flops": self.flops,
+                "rate_source": self.rate.source,
+            }
+            if self.known
+            else {"rate_source": None}
+        )
 
     def line(self) -> str:
         work = f"{self.steps:,} steps, at most {self.tokens:,} tokens, {self.flops:.3g} FLOPs"
         if not self.known:
-            return (f"time: {work}; the time is unknown: the hardware declares no peak (hardware.peak_bf16_tflops) "
-                    "and no past run here measured one; a finished run here calibrates it")
+            return (
+                f"time: {work}; the time is unknown: the hardware declares no peak (hardware.peak_bf16_tflops) "
+                "and no past run here measured one; a finished run here calibrates it"
+            )
         cost = f", ${self.gpu_hours * self.cost_per_gpu_hour:,.2f}" if self.cost_per_gpu_hour else ""
         unit = "GPU-hours" if self.on_gpus else "process-hours"
-        return (f"time: {work}; about {readable_seconds(self.step_s)} a step, {readable_seconds(self.wall_s)} in all, "
-                f"{self.gpu_hours:,.3g} {unit}{cost} (at {self.rate.flops_per_s / 1e12:,.3g} TFLOP/s: "
-                f"{self.rate.source}){self.uncounted}")
+        return (
+            f"time: {work}; about {readable_seconds(self.step_s)} a step, {readable_seconds(self.wall_s)} in all, "
+            f"{self.gpu_hours:,.3g} {unit}{cost} (at {self.rate.flops_per_s / 1e12:,.3g} TFLOP/s: "
+            f"{self.rate.source}){self.uncounted}"
+        )
 
 
 def requeue_line(planned: TimePlan, limit_min: float, warning_s: float = 0.0) -> Optional[str]:
@@ -97,27 +110,40 @@ def requeue_line(planned: TimePlan, limit_min: float, warning_s: float = 0.0) ->
     if not planned.known or planned.wall_s <= trains_s:
         return None
     requeues = math.ceil(planned.wall_s / trains_s) - 1
-    resumes = (f"the checkpoint the job writes at SLURM's warning, {readable_seconds(warning_s)} before the limit "
-               "(hydra.launcher.signal_delay_s)" if trains_s < limit_s else
-               "the last checkpoint (set train.checkpoint_every so that little is trained again)")
-    return (f"time limit: about {readable_seconds(planned.wall_s)} passes the {readable_seconds(limit_s)} of "
-            f"hydra.launcher.timeout_min={limit_min:g}: about {requeues} requeue{'s' if requeues > 1 else ''}, each "
-            f"resuming from {resumes}")
+    resumes = (
+        f"the checkpoint the job writes at SLURM's warning, {readable_seconds(warning_s)} before the limit "
+        "(hydra.launcher.signal_delay_s)"
+        if trains_s < limit_s
+        else "the last checkpoint (set train.checkpoint_every so that little is trained again)"
+    )
+    return (
+        f"time limit: about {readable_seconds(planned.wall_s)} passes the {readable_seconds(limit_s)} of "
+        f"hydra.launcher.timeout_min={limit_min:g}: about {requeues} requeue{'s' if requeues > 1 else ''}, each "
+        f"resuming from {resumes}"
+    )
 
 
 def sweep_line(plans: list[TimePlan]) -> str:
     """A sweep's jobs' plans summed (`run -m ... task=estimate`)."""
     unknown = sum(not planned.known for planned in plans)
     if unknown:
-        return (f"sweep: {len(plans)} jobs; {unknown} of them have no known time (no peak declared and no past run "
-                "measured), so the sweep's has none")
+        return (
+            f"sweep: {len(plans)} jobs; {unknown} of them have no known time (no peak declared and no past run "
+            "measured), so the sweep's has none"
+        )
     hours = sum(planned.gpu_hours for planned in plans)
     priced = [planned.gpu_hours * planned.cost_per_gpu_hour for planned in plans if planned.cost_per_gpu_hour]
-    cost = "" if not priced else f", ${sum(priced):,.2f}" + (
-        "" if len(priced) == len(plans) else f" for the {len(priced)} jobs with a hardware.cost_per_gpu_hour")
+    cost = (
+        ""
+        if not priced
+        else f", ${sum(priced):,.2f}"
+        + ("" if len(priced) == len(plans) else f" for the {len(priced)} jobs with a hardware.cost_per_gpu_hour")
+    )
     unit = "GPU-hours" if all(planned.on_gpus for planned in plans) else "process-hours"
-    return (f"sweep: {len(plans)} jobs, about {readable_seconds(sum(planned.wall_s for planned in plans))} one after "
-            f"another, {hours:,.3g} {unit}{cost}")
+    return (
+        f"sweep: {len(plans)} jobs, about {readable_seconds(sum(planned.wall_s for planned in plans))} one after "
+        f"another, {hours:,.3g} {unit}{cost}"
+    )
 
 
 def readable_seconds(seconds: float) -> str:
@@ -176,8 +202,18 @@ def plan(spec: RunSpec, runs_dir: Optional[Path] = None, benchmark_tokens: int =
         checkpoints = (train.max_steps // train.checkpoint_every if train.checkpoint_every else 0) + 1
         writing = (checkpoints * need.checkpoint + need.export) / CHECKPOINT_BYTES_PER_S
         wall_s = train.max_steps * step_s + per_token * forward_only / 3 * rate.per_flop_s + writing + rate.overhead_s
-    return TimePlan(train.max_steps, train.max_steps * step_tokens(spec), flops, rate, step_s, wall_s,
-                    hardware.world_size, hardware.cost_per_gpu_hour, hardware.accelerator.value == "cuda", uncounted)
+    return TimePlan(
+        train.max_steps,
+        train.max_steps * step_tokens(spec),
+        flops,
+        rate,
+        step_s,
+        wall_s,
+        hardware.world_size,
+        hardware.cost_per_gpu_hour,
+        hardware.accelerator.value == "cuda",
+        uncounted,
+    )
 
 
 def measured_rate(spec: RunSpec, step_flops: float, runs_dir: Path) -> Rate:
@@ -194,8 +230,10 @@ def measured_rate(spec: RunSpec, step_flops: float, runs_dir: Path) -> Rate:
     dtype = spec.precision.compute_dtype.value
     for row in measured_mfu():
         if row["device"] in device and row["compute_dtype"] == dtype and row["compile"] == spec.train.compile:
-            return Rate(1 / (row["mfu"] * peak), f"{row['mfu']:.1%} MFU, the runner's figure for {row['what']}; "
-                                                 f"{row['device']}, {row['measured']}")
+            return Rate(
+                1 / (row["mfu"] * peak),
+                f"{row['mfu']:.1%} MFU, the runner's figure for {row['what']}; {row['device']}, {row['measured']}",
+            )
     return Rate(1 / (DEFAULT_MFU * peak), f"{DEFAULT_MFU:.0%} MFU, the default: no figure measured for this hardware")
 
 
@@ -203,8 +241,9 @@ def fitted_rate(past: list[dict[str, Any]], step_flops: float) -> Rate:
     """The past runs' step times as a fixed part and a part per FLOP (a least-squares line through runs of two or
     more step sizes; one size: a part per FLOP alone, from the nearest), and the nearest run's time besides its
     steps (its evaluations' launch, the model's saving, compilation)."""
-    nearest = min(past, key=lambda summary: (abs(math.log(summary["flops_per_step"] / step_flops)),
-                                             -summary["finished"]))
+    nearest = min(
+        past, key=lambda summary: (abs(math.log(summary["flops_per_step"] / step_flops)), -summary["finished"])
+    )
     overhead = max(0.0, nearest["wall_time_s"] - nearest["steps"] * nearest["step_time_s"])
     sizes = {summary["flops_per_step"] for summary in past}
     if len(sizes) > 1:
@@ -213,10 +252,15 @@ def fitted_rate(past: list[dict[str, Any]], step_flops: float) -> Rate:
         mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
         if slope > 0:
-            return Rate(slope, f"fitted to your {len(past)} runs on this hardware, the nearest {nearest['run_dir']}",
-                        max(0.0, mean_y - slope * mean_x), overhead)
-    return Rate(nearest["step_time_s"] / nearest["flops_per_step"], f"measured by your run {nearest['run_dir']}",
-                0.0, overhead)
+            return Rate(
+                slope,
+                f"fitted to your {len(past)} runs on this hardware, the nearest {nearest['run_dir']}",
+                max(0.0, mean_y - slope * mean_x),
+                overhead,
+            )
+    return Rate(
+        nearest["step_time_s"] / nearest["flops_per_step"], f"measured by your run {nearest['run_dir']}", 0.0, overhead
+    )
 
 
 def measured_mfu(table: Optional[Path] = None) -> list[dict[str, Any]]:
@@ -232,11 +276,22 @@ def record_measured_mfu(table: Path, device: str, figures: dict[bool, float], wh
     import yaml
 
     text = table.read_text()
-    kept = [row for row in yaml.safe_load(text)
-            if not (row["device"] == device and row["compute_dtype"] == "bf16" and row["compile"] in figures)]
-    added = [{"device": device, "compute_dtype": "bf16", "compile": compiled, "mfu": round(mfu, 4),
-              "what": f"{what}, bf16, {'compiled' if compiled else 'eager'}", "measured": measured}
-             for compiled, mfu in sorted(figures.items(), reverse=True)]
+    kept = [
+        row
+        for row in yaml.safe_load(text)
+        if not (row["device"] == device and row["compute_dtype"] == "bf16" and row["compile"] in figures)
+    ]
+    added = [
+        {
+            "device": device,
+            "compute_dtype": "bf16",
+            "compile": compiled,
+            "mfu": round(mfu, 4),
+            "what": f"{what}, bf16, {'compiled' if compiled else 'eager'}",
+            "measured": measured,
+        }
+        for compiled, mfu in sorted(figures.items(), reverse=True)
+    ]
     comment = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
     table.write_text(comment + yaml.safe_dump(kept + added, sort_keys=False, allow_unicode=True))
 
@@ -244,9 +299,15 @@ def record_measured_mfu(table: Path, device: str, figures: dict[bool, float], wh
 def hardware_identity(spec: RunSpec) -> dict[str, Any]:
     """What a past run must share with this one for its FLOP rate to stand for this one's."""
     hardware = spec.hardware
-    return {"device": hardware.device_name or hardware.accelerator.value, "processes": hardware.world_size,
-            "strategy": spec.strategy.name, "compute_dtype": spec.precision.compute_dtype.value,
-            "compile": spec.train.compile, "adapter": spec.adapter.kind.value, "step": spec.task.step_kind}
+    return {
+        "device": hardware.device_name or hardware.accelerator.value,
+        "processes": hardware.world_size,
+        "strategy": spec.strategy.name,
+        "compute_dtype": spec.precision.compute_dtype.value,
+        "compile": spec.train.compile,
+        "adapter": spec.adapter.kind.value,
+        "step": spec.task.step_kind,
+    }
 
 
 def past_summaries(runs_dir: Path) -> list[dict[str, Any]]:

@@ -6,8 +6,6 @@ job starts no launcher of its own.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import logging
 import os
 import re
@@ -15,6 +13,7 @@ import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -44,8 +43,15 @@ def current_task() -> Optional[Task]:
     import submitit
 
     job = submitit.JobEnvironment()
-    return Task(job.global_rank, job.local_rank, job.num_tasks, job.num_tasks // job.num_nodes,
-                job.hostnames[0], job.job_id, int(os.environ.get("SLURM_RESTART_COUNT", "0")))
+    return Task(
+        job.global_rank,
+        job.local_rank,
+        job.num_tasks,
+        job.num_tasks // job.num_nodes,
+        job.hostnames[0],
+        job.job_id,
+        int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+    )
 
 
 def check_reachable(host: str) -> None:
@@ -54,8 +60,10 @@ def check_reachable(host: str) -> None:
     try:
         socket.getaddrinfo(host, None)
     except OSError as error:
-        raise RuntimeError(f"the job's first node, {host} (SLURM_JOB_NODELIST), has no address on "
-                           f"{socket.gethostname()} ({error.strerror}): its ranks cannot meet there") from None
+        raise RuntimeError(
+            f"the job's first node, {host} (SLURM_JOB_NODELIST), has no address on "
+            f"{socket.gethostname()} ({error.strerror}): its ranks cannot meet there"
+        ) from None
 
 
 def requeued(task: Task) -> bool:
@@ -73,10 +81,13 @@ def requeue(task: Task) -> None:
     # node it may do so before scontrol exits: then the restart count says whether the requeue was done.
     if done.returncode != 0 and not requeued(task):
         said = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}, nothing said"
-        raise RuntimeError(f"scontrol requeue {task.job_id} failed: {said}; the checkpoint is kept: requeue or "
-                           "resubmit the job to continue")
-    logging.getLogger("runner").warning("the time limit is near: requeued SLURM job %s, which resumes from its "
-                                        "checkpoint", task.job_id)
+        raise RuntimeError(
+            f"scontrol requeue {task.job_id} failed: {said}; the checkpoint is kept: requeue or "
+            "resubmit the job to continue"
+        )
+    logging.getLogger("runner").warning(
+        "the time limit is near: requeued SLURM job %s, which resumes from its checkpoint", task.job_id
+    )
 
 
 def is_first_task() -> bool:
@@ -92,8 +103,10 @@ def submits_to_cluster(config: DictConfig) -> bool:
 def check_submitter(launcher: DictConfig) -> None:
     """A sweep whose jobs go to SLURM (not one that only plans them, task=estimate) is submitted with sbatch."""
     if launcher._target_.endswith("SlurmLauncher") and not shutil.which("sbatch"):
-        raise SpecError("hydra/launcher=slurm submits with sbatch, which this machine does not have: submit from a "
-                        "SLURM login node, or try the sweep here with hydra/launcher=slurm_local")
+        raise SpecError(
+            "hydra/launcher=slurm submits with sbatch, which this machine does not have: submit from a "
+            "SLURM login node, or try the sweep here with hydra/launcher=slurm_local"
+        )
 
 
 def check_launcher(launcher: DictConfig, job_config: DictConfig) -> None:
@@ -103,16 +116,20 @@ def check_launcher(launcher: DictConfig, job_config: DictConfig) -> None:
 
     declared = job_config.hardware
     if declared.accelerator == "auto" or declared.nproc_per_node is None:
-        raise SpecError("a cluster job needs a hardware option that declares its nodes' devices (for example "
-                        "hardware=8xh100_80gb, or hardware=cpu hardware.nproc_per_node=2), not hardware=auto: "
-                        "the machine that submits is not the one that trains")
+        raise SpecError(
+            "a cluster job needs a hardware option that declares its nodes' devices (for example "
+            "hardware=8xh100_80gb, or hardware=cpu hardware.nproc_per_node=2), not hardware=auto: "
+            "the machine that submits is not the one that trains"
+        )
     try:
         asked = (launcher.nodes, launcher.tasks_per_node)
     except OmegaConfBaseException:  # the sweep's own hardware declares no process count
         asked = None
     if asked != (declared.nnodes, declared.nproc_per_node):
         shape = f"{asked[0]} node(s) x {asked[1]} task(s)" if asked else "no fixed number of tasks"
-        raise SpecError(f"hydra.launcher asks for {shape} but the spec has hardware.nnodes={declared.nnodes} x "
-                        f"hardware.nproc_per_node={declared.nproc_per_node} ranks, one per task; choose "
-                        "hydra/launcher=slurm (or slurm_local), which takes both from the hardware group, and keep "
-                        "them the same across a sweep's points")
+        raise SpecError(
+            f"hydra.launcher asks for {shape} but the spec has hardware.nnodes={declared.nnodes} x "
+            f"hardware.nproc_per_node={declared.nproc_per_node} ranks, one per task; choose "
+            "hydra/launcher=slurm (or slurm_local), which takes both from the hardware group, and keep "
+            "them the same across a sweep's points"
+        )

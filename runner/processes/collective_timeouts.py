@@ -22,8 +22,10 @@ RECORDED_COLLECTIVES = 2000
 RECORD = "flight_recorder_rank"  # torch appends the rank
 # gloo's words for a collective that waited past the timeout (the next one on the same connection: the pair's
 # closure); NCCL's, where its errors reach Python.
-TIMED_OUT = (r"Timed out waiting \d+ms for \w+ operation to complete|Application timeout caused pair closure"
-             r"|Watchdog caught collective operation timeout")
+TIMED_OUT = (
+    r"Timed out waiting \d+ms for \w+ operation to complete|Application timeout caused pair closure"
+    r"|Watchdog caught collective operation timeout"
+)
 
 
 def record_collectives(run_dir: Path, rank: int) -> None:
@@ -59,8 +61,10 @@ def waited(rank: int, run_dir: Path, phase: Optional[str] = None) -> str:
     entry = last_collective(path)
     phase = phase or last_reported_phase(stalls)
     seconds = f" {entry['timeout_ms'] / 1000:.0f} s" if entry else ""
-    told = (f"waited{seconds} in a collective that another rank did not join{f', {phase}' if phase else ''}: "
-            f"{described(entry)}; the process group's timeout (train.collective_timeout_s) ended it")
+    told = (
+        f"waited{seconds} in a collective that another rank did not join{f', {phase}' if phase else ''}: "
+        f"{described(entry)}; the process group's timeout (train.collective_timeout_s) ended it"
+    )
     if stalls.exists():
         told += f"; where each thread waited: {stalls}"
     return told + (f"; torch's record of the rank's collectives: {path}" if entry else "")
@@ -76,7 +80,7 @@ def last_collective(path: Path) -> Optional[dict[str, Any]]:
 
 
 def described(entry: Optional[dict[str, Any]]) -> str:
-    """"gloo:all_reduce #482 of group default_pg, Float [24832]"."""
+    """ "gloo:all_reduce #482 of group default_pg, Float [24832]"."""
     if entry is None:
         return "torch kept no record of it"
     tensors = ", ".join(f"{dtype} {list(size)}" for dtype, size in zip(entry["input_dtypes"], entry["input_sizes"]))

@@ -29,11 +29,11 @@ from runner.distributed import Ranks, close_process_group, free_port
 from runner.errors import CollectiveTimedOut, ExitStatus, Stopped, WorkerFailed, WriteFailed
 from runner.files.checkpoint_dirs import complete_checkpoints
 from runner.framework_imports import import_frameworks
+from runner.library_noise import name_deepspeed_accelerator, quiet_launcher, quiet_loggers
 from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_memory_record
 from runner.processes.cluster import Task, check_reachable
 from runner.processes.collective_timeouts import RECORD, record_collectives, timed_out, timed_out_line, waited
 from runner.processes.stall_watch import StallWatch, stalls_file, watched_phase
-from runner.library_noise import name_deepspeed_accelerator, quiet_launcher, quiet_loggers
 
 if TYPE_CHECKING:
     from datetime import timedelta
@@ -63,7 +63,9 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     endpoint = hardware.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     error_files = Path(tempfile.mkdtemp(prefix="runner-errors-"))
     config = LaunchConfig(
-        min_nodes=hardware.nnodes, max_nodes=hardware.nnodes, nproc_per_node=hardware.nproc_per_node,
+        min_nodes=hardware.nnodes,
+        max_nodes=hardware.nnodes,
+        nproc_per_node=hardware.nproc_per_node,
         # The rendezvous keeps a job's keys under its id, so every node must name the job alike, whatever the run
         # directory (named by the second it started) or the spelling of node 0's host (localhost, 127.0.0.1): the
         # store at the endpoint serves this one job.
@@ -85,9 +87,17 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     if hardware.nnodes == 1:
         log.info("starting %d worker processes on this node%s", hardware.nproc_per_node, spawned)
     else:
-        log.info("node %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's %d nodes at the rendezvous "
-                 "%s, then starting %d worker processes on this node%s", hardware.node_rank, hardware.nnodes,
-                 hardware.rdzv_timeout_s, hardware.nnodes, endpoint, hardware.nproc_per_node, spawned)
+        log.info(
+            "node %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's %d nodes at the rendezvous "
+            "%s, then starting %d worker processes on this node%s",
+            hardware.node_rank,
+            hardware.nnodes,
+            hardware.rdzv_timeout_s,
+            hardware.nnodes,
+            endpoint,
+            hardware.nproc_per_node,
+            spawned,
+        )
     quiet_launcher()
     if hardware.node_rank:
         wait_for_node0(hardware, endpoint)
@@ -103,8 +113,12 @@ def launch(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: R
     finally:
         shutil.rmtree(error_files, ignore_errors=True)
     if hardware.node_rank:
-        log.info("node %d of %d: this node's ranks (%s) finished; the job's outputs are in node 0's run directory",
-                 hardware.node_rank, hardware.nnodes, ", ".join(map(str, sorted(results))))
+        log.info(
+            "node %d of %d: this node's ranks (%s) finished; the job's outputs are in node 0's run directory",
+            hardware.node_rank,
+            hardware.nnodes,
+            ", ".join(map(str, sorted(results))),
+        )
     return results[min(results)]
 
 
@@ -192,9 +206,11 @@ def wait_until_listening(host: str, port: int, deadline: float) -> str:
 def rendezvous_report(hardware: HardwareConfig, endpoint: str, cause: str) -> str:
     """Node 0 waits at the rendezvous for the other nodes, the others wait there for node 0."""
     awaited = "the other nodes" if hardware.node_rank == 0 else "node 0"
-    return (f"node {hardware.node_rank} of {hardware.nnodes}: the job's nodes did not meet at the rendezvous "
-            f"{endpoint}, where this node waits up to {hardware.rdzv_timeout_s} s (hardware.rdzv_timeout_s) for "
-            f"{awaited}: {cause}")
+    return (
+        f"node {hardware.node_rank} of {hardware.nnodes}: the job's nodes did not meet at the rendezvous "
+        f"{endpoint}, where this node waits up to {hardware.rdzv_timeout_s} s (hardware.rdzv_timeout_s) for "
+        f"{awaited}: {cause}"
+    )
 
 
 def failure_report(rank: int, failure: Any, rank_log: Path) -> str:
@@ -212,8 +228,9 @@ def failure_report(rank: int, failure: Any, rank_log: Path) -> str:
 
 
 @record
-def worker(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity,
-           controller: int) -> dict[str, Any]:
+def worker(
+    spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity, controller: int
+) -> dict[str, Any]:
     """One rank of the elastic launcher's group, which ends with its controller (process `controller`): a stop ends
     it with the status that the controller reports."""
     end_with_controller(controller)
@@ -239,15 +256,17 @@ def end_with_controller(controller: int) -> None:
     def watch() -> None:
         if ended is not None:
             select.select([ended], [], [])  # readable once the process has ended
-        logging.getLogger("runner").error("rank %s: this node's run process (%d) ended; leaving the job",
-                                          os.environ["RANK"], controller)
+        logging.getLogger("runner").error(
+            "rank %s: this node's run process (%d) ended; leaving the job", os.environ["RANK"], controller
+        )
         os._exit(ExitStatus.FAILED)
 
     threading.Thread(target=watch, name="end_with_controller", daemon=True).start()
 
 
-def rank_main(spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity,
-              task: Optional[Task] = None) -> dict[str, Any]:
+def rank_main(
+    spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity, task: Optional[Task] = None
+) -> dict[str, Any]:
     """Runs the task as one rank of the job's process group: of the elastic launcher's workers, or the submitit job's
     `task`."""
     quiet_worker(spec.hardware.accelerator.value)  # before the imports: torchao's warn as they load
@@ -329,8 +348,9 @@ def quiet_worker(accelerator: str) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, message=r"Found a non-scalar tensor with numel=1")
 
 
-def run_task(task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str],
-             identity: RunIdentity) -> dict[str, Any]:
+def run_task(
+    task: Task, spec: RunSpec, run_dir: Path, log_format: dict[str, str], identity: RunIdentity
+) -> dict[str, Any]:
     """Runs the job as rank `task.rank` of a submitit job: the rendezvous is the job's first host, on a port drawn from
     its id. SLURM started every task; none starts workers of its own."""
     check_reachable(task.main_host)
@@ -356,8 +376,9 @@ def collective_timeout(train: TrainConfig) -> Optional[timedelta]:
     return timedelta(seconds=max(600.0, 3 * train.stall_report_s)) if train.stall_report_s > 0 else None
 
 
-def join_task_group(task: Task, backend: str, device: Any, timeout_s: int,
-                    collective_timeout: Optional[timedelta] = None) -> None:
+def join_task_group(
+    task: Task, backend: str, device: Any, timeout_s: int, collective_timeout: Optional[timedelta] = None
+) -> None:
     """The tasks of a submitit job meet at a store on the job's first node, each waiting there up to
     hardware.rdzv_timeout_s for the others. A task that never comes (it failed first, its node went down) ends the
     wait with a report that names the meeting point, where torch would wait half an hour in silence."""
@@ -368,13 +389,20 @@ def join_task_group(task: Task, backend: str, device: Any, timeout_s: int,
 
     port = task_port(task.job_id)
     endpoint = f"{task.main_host}:{port}"
-    logging.getLogger("runner").info("task %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's "
-                                     "tasks at %s", task.rank, task.world_size, timeout_s, endpoint)
+    logging.getLogger("runner").info(
+        "task %d of %d: waiting up to %d s (hardware.rdzv_timeout_s) for the job's tasks at %s",
+        task.rank,
+        task.world_size,
+        timeout_s,
+        endpoint,
+    )
 
     def not_met(cause: str) -> WorkerFailed:
-        return WorkerFailed(f"task {task.rank} of {task.world_size} (SLURM job {task.job_id}): the job's tasks did not "
-                            f"meet at {endpoint}, where each waits up to {timeout_s} s (hardware.rdzv_timeout_s) for "
-                            f"the others: {cause}")
+        return WorkerFailed(
+            f"task {task.rank} of {task.world_size} (SLURM job {task.job_id}): the job's tasks did not "
+            f"meet at {endpoint}, where each waits up to {timeout_s} s (hardware.rdzv_timeout_s) for "
+            f"the others: {cause}"
+        )
 
     deadline = time.monotonic() + timeout_s
     # Task 0 serves the store; the others connect once it listens (torch's client, trying, prints C++ stack traces).
@@ -382,10 +410,22 @@ def join_task_group(task: Task, backend: str, device: Any, timeout_s: int,
     if refused:
         raise not_met(f"task 0 never listened ({refused})")
     try:
-        store = dist.TCPStore(task.main_host, port, task.world_size, is_master=task.rank == 0, wait_for_workers=True,
-                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-        dist.init_process_group(backend, store=store, rank=task.rank, world_size=task.world_size, device_id=device,
-                                timeout=collective_timeout)
+        store = dist.TCPStore(
+            task.main_host,
+            port,
+            task.world_size,
+            is_master=task.rank == 0,
+            wait_for_workers=True,
+            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+        )
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=task.rank,
+            world_size=task.world_size,
+            device_id=device,
+            timeout=collective_timeout,
+        )
     except dist.DistError as error:
         raise not_met(str(error).splitlines()[0]) from None
     # Past the meeting, the store serves the process groups, as torch's would.

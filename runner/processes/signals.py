@@ -28,8 +28,9 @@ class GracefulStop:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested is None:
             self.requested, self._at = signal.Signals(signum).name, time.monotonic()
-            log.warning("%s: stopping after this step, with a checkpoint (send it again to stop at once)",
-                        self.requested)
+            log.warning(
+                "%s: stopping after this step, with a checkpoint (send it again to stop at once)", self.requested
+            )
         elif time.monotonic() - self._at > 1.0:
             stop_at_once(signum)
 

@@ -70,8 +70,13 @@ class StallWatch:
                 out.write(f"\n{HEADING.format(rank=self.rank, phase=phase, waited=waited)}\n")
                 out.flush()
                 faulthandler.dump_traceback(out, all_threads=True)
-            log.warning("rank %d: no progress for %.0f s, %s; where each thread waits: %s", self.rank, waited, phase,
-                        self.stack_file)
+            log.warning(
+                "rank %d: no progress for %.0f s, %s; where each thread waits: %s",
+                self.rank,
+                waited,
+                phase,
+                self.stack_file,
+            )
 
 
 _PROCESS_WATCH: Optional[StallWatch] = None

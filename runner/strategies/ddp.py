@@ -6,15 +6,15 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Optional
 
+from runner.config.fields import setting
 from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype, PrecisionConfig
 from runner.errors import require
-from runner.memory.replicated import whole_copies
 from runner.memory.breakdown import Part, processes
+from runner.memory.replicated import whole_copies
 from runner.parallel.dims import ParallelDims
-from runner.strategies.strategy_protocol import WholeWeights
 from runner.strategies.single import SingleStrategy
-from runner.config.fields import setting
+from runner.strategies.strategy_protocol import WholeWeights
 
 if TYPE_CHECKING:
     import torch
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.model_shapes import ModelFacts
     from runner.memory.breakdown import Estimate
+    from runner.memory.model_shapes import ModelFacts
 
 
 @dataclass
@@ -43,9 +43,11 @@ class DDPStrategy(SingleStrategy):
         require(self.bucket_cap_mb > 0, f"strategy.bucket_cap_mb={self.bucket_cap_mb} must be > 0")
         precision = spec.precision
         if precision.reduce_dtype not in (Dtype.fp32, precision.param_dtype):
-            require(spec.hardware.accelerator is Accelerator.cuda,
-                    f"precision.reduce_dtype={precision.reduce_dtype.value} under strategy=ddp uses torch's gradient "
-                    "compression hook, which needs NCCL (a GPU); leave precision.reduce_dtype=fp32 on a CPU")
+            require(
+                spec.hardware.accelerator is Accelerator.cuda,
+                f"precision.reduce_dtype={precision.reduce_dtype.value} under strategy=ddp uses torch's gradient "
+                "compression hook, which needs NCCL (a GPU); leave precision.reduce_dtype=fp32 on a CPU",
+            )
 
     def describe(self, spec: RunSpec) -> str:
         return f"ddp, {processes(spec.hardware.world_size)}"
@@ -53,8 +55,14 @@ class DDPStrategy(SingleStrategy):
     def dims(self, hardware: HardwareConfig) -> ParallelDims:
         return ParallelDims(dp_replicate=hardware.world_size)
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-             whole: Optional[WholeWeights] = None) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        spec: RunSpec,
+        device: torch.device,
+        dims: ParallelDims,
+        whole: Optional[WholeWeights] = None,
+    ) -> nn.Module:
         """DDP's constructor broadcasts rank 0's parameters and buffers to the other ranks; a frozen base (which
         every rank builds the same, and QLoRA's NF4 tensors cannot be broadcast) is left alone."""
         from torch.nn.parallel import DistributedDataParallel
@@ -91,4 +99,5 @@ def reduce_hook(precision: PrecisionConfig) -> Optional[Callable]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     return {Dtype.bf16: default_hooks.bf16_compress_hook, Dtype.fp16: default_hooks.fp16_compress_hook}[
-        precision.reduce_dtype]
+        precision.reduce_dtype
+    ]

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from runner.config.spec import RunSpec
 
 
-def stepper(model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, zero_stage: int,
-            sp_size: int) -> tuple[nn.Module, DeepSpeedStepper]:
+def stepper(
+    model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, zero_stage: int, sp_size: int
+) -> tuple[nn.Module, DeepSpeedStepper]:
     """DeepSpeed's engine of model and optimizer, its checkpoints loaded with tensors only unpickled, and its
     stepper."""
     engine = initialized(model, optimizer, spec, sp_size)
@@ -40,8 +41,12 @@ def initialized(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], sp
     from runner.parallel.ulysses import deepspeed_groups
 
     with deepspeed_setup():
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(spec),
-                                               mpu=deepspeed_groups() if sp_size > 1 else None)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            config=deepspeed_config(spec),
+            mpu=deepspeed_groups() if sp_size > 1 else None,
+        )
     groups_wait_as_long_as_the_world(spec.hardware.accelerator.value)
     return engine
 
@@ -67,7 +72,8 @@ class DeepSpeedStepper:
             import torch
 
             self.grad_norm = torch.nn.utils.get_total_norm(
-                [p.grad for p in self.engine.module.parameters() if p.grad is not None]).detach()
+                [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            ).detach()
         self.engine.step()
 
     def step(self) -> StepOutcome:
@@ -80,12 +86,17 @@ class DeepSpeedStepper:
 
     # A frozen base (adapter=lora) is left out of what is written, read and exported.
     def save(self, directory: Path, rank: int) -> None:
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="engine",
-                                    exclude_frozen_parameters=has_frozen_parameters(self.engine))
+        self.engine.save_checkpoint(
+            str(directory / "deepspeed"), tag="engine", exclude_frozen_parameters=has_frozen_parameters(self.engine)
+        )
 
     def load(self, directory: Path, rank: int, written: CheckpointLayout) -> None:
-        self.engine.load_checkpoint(str(directory / "deepspeed"), tag="engine", load_lr_scheduler_states=False,
-                                    load_module_strict=not has_frozen_parameters(self.engine))
+        self.engine.load_checkpoint(
+            str(directory / "deepspeed"),
+            tag="engine",
+            load_lr_scheduler_states=False,
+            load_module_strict=not has_frozen_parameters(self.engine),
+        )
 
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         if self.zero_stage == 3:  # gathers the partitioned parameters

@@ -73,8 +73,10 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
     for key in ("offload_optimizer", "offload_param"):
         device = getattr(strategy, key)
         if device is not OffloadDevice.none:
-            zero[key] = {"device": device.value,
-                         **({"nvme_path": strategy.nvme_path} if device.value == "nvme" else {})}
+            zero[key] = {
+                "device": device.value,
+                **({"nvme_path": strategy.nvme_path} if device.value == "nvme" else {}),
+            }
     generated = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
         "gradient_accumulation_steps": train.grad_accum_steps,
@@ -90,8 +92,7 @@ def deepspeed_config(spec: RunSpec) -> dict[str, Any]:
         },
         "communication_data_type": precision.reduce_dtype.value,
         # What DeepSpeed reduces the gradients in instead, under sequence parallelism.
-        **({"seq_parallel_communication_data_type": precision.reduce_dtype.value}
-           if strategy.sp_size > 1 else {}),
+        **({"seq_parallel_communication_data_type": precision.reduce_dtype.value} if strategy.sp_size > 1 else {}),
         # The runner's own torch optimizer also steps offloaded states (DeepSpeed would insist on its CPU Adam), and
         # ZeRO partitions any torch optimizer's states (DeepSpeed lists Adam's variants as tested, not SGD).
         "zero_force_ds_cpu_optimizer": False,
@@ -126,8 +127,9 @@ def at(config: dict, path: str) -> Any:
     return node
 
 
-def adopted(section: Any, defaults: Any, keys: list[tuple[str, str, Callable[[Any], Any]]], user: dict,
-            source: str, prefix: str) -> Any:
+def adopted(
+    section: Any, defaults: Any, keys: list[tuple[str, str, Callable[[Any], Any]]], user: dict, source: str, prefix: str
+) -> Any:
     """The section with the file's values for the fields the spec leaves at their defaults; a field the spec sets
     to another value contradicts the file."""
     changes: dict[str, Any] = {}
@@ -152,8 +154,10 @@ def adopted(section: Any, defaults: Any, keys: list[tuple[str, str, Callable[[An
 
 def contradiction(source: str, path: str, given: Any, spec_key: str, spec_value: Any) -> SpecError:
     shown = spec_value.value if hasattr(spec_value, "value") else spec_value
-    return SpecError(f"{source} sets {path}={given!r} but the spec gives {spec_key}={shown!r}; change one of them, "
-                     f"or write \"auto\" in the file")
+    return SpecError(
+        f"{source} sets {path}={given!r} but the spec gives {spec_key}={shown!r}; change one of them, "
+        f'or write "auto" in the file'
+    )
 
 
 def read_into_spec(spec: RunSpec) -> RunSpec:
@@ -166,8 +170,9 @@ def read_into_spec(spec: RunSpec) -> RunSpec:
         enabled = at(user, f"{block}.enabled")
         if enabled is True and precision.compute_dtype is not dtype:
             if precision.compute_dtype is not PrecisionConfig().compute_dtype:
-                raise contradiction(source, f"{block}.enabled", True, "precision.compute_dtype",
-                                    precision.compute_dtype)
+                raise contradiction(
+                    source, f"{block}.enabled", True, "precision.compute_dtype", precision.compute_dtype
+                )
             precision = replace(precision, compute_dtype=dtype)
         elif enabled is False and precision.compute_dtype is dtype:
             raise contradiction(source, f"{block}.enabled", False, "precision.compute_dtype", dtype)
@@ -180,8 +185,10 @@ def _schedule(spec: RunSpec, user: dict, source: str) -> SchedulerConfig:
     if kind is None:
         return scheduler
     if kind not in SCHEDULES:
-        raise SpecError(f"{source} sets scheduler.type={kind!r}: the runner's schedules are a linear warmup, then "
-                        f"constant, linear or cosine decay ({', '.join(SCHEDULES)}); choose one or remove the block")
+        raise SpecError(
+            f"{source} sets scheduler.type={kind!r}: the runner's schedules are a linear warmup, then "
+            f"constant, linear or cosine decay ({', '.join(SCHEDULES)}); choose one or remove the block"
+        )
     decay = SCHEDULES[kind]
     if scheduler.decay is not decay:
         if scheduler.decay is not SchedulerConfig().decay:
@@ -189,21 +196,31 @@ def _schedule(spec: RunSpec, user: dict, source: str) -> SchedulerConfig:
         scheduler = replace(scheduler, decay=decay)
     # WarmupDecayLR decays to 0; WarmupCosineLR to cos_min_ratio of the peak.
     ends = [("scheduler.params.cos_min_ratio", "min_lr_ratio", float)] if kind == "WarmupCosineLR" else []
-    scheduler = adopted(scheduler, SchedulerConfig(), [("scheduler.params.warmup_num_steps", "warmup_steps", int),
-                                                       *ends], user, source, "scheduler")
+    scheduler = adopted(
+        scheduler,
+        SchedulerConfig(),
+        [("scheduler.params.warmup_num_steps", "warmup_steps", int), *ends],
+        user,
+        source,
+        "scheduler",
+    )
     if kind == "WarmupDecayLR" and scheduler.min_lr_ratio == SchedulerConfig().min_lr_ratio:
         scheduler = replace(scheduler, min_lr_ratio=0.0)
     expected = {  # the file's key: what the runner's schedule has there, and the spec key that sets it
-        "warmup_min_lr": (0, "the warmup's start"), "warmup_min_ratio": (0, "the warmup's start"),
-        "warmup_max_lr": (spec.optim.lr, "optim.lr"), "total_num_steps": (spec.train.max_steps, "train.max_steps"),
+        "warmup_min_lr": (0, "the warmup's start"),
+        "warmup_min_ratio": (0, "the warmup's start"),
+        "warmup_max_lr": (spec.optim.lr, "optim.lr"),
+        "total_num_steps": (spec.train.max_steps, "train.max_steps"),
         "warmup_type": ("linear", "the runner's warmup"),
     }
     for key, value in (at(user, "scheduler.params") or {}).items():
         if value == AUTO or key in ("warmup_num_steps", "cos_min_ratio"):
             continue
         if key not in expected:
-            raise SpecError(f"{source} sets scheduler.params.{key}={value!r}, which the runner's schedule has no "
-                            "place for; remove it or write \"auto\"")
+            raise SpecError(
+                f"{source} sets scheduler.params.{key}={value!r}, which the runner's schedule has no "
+                'place for; remove it or write "auto"'
+            )
         if value != expected[key][0]:
             raise contradiction(source, f"scheduler.params.{key}", value, expected[key][1], expected[key][0])
     return scheduler
@@ -217,8 +234,9 @@ def check_optimizer(spec: RunSpec, user: dict, source: str) -> None:
         return
     mine = type(spec.optim).__name__.removesuffix("Config").lower()
     if OPTIMIZERS.get(str(kind).lower()) != mine:
-        raise SpecError(f"{source} sets optimizer.type={kind!r} but the spec's optimizer is optim={mine}; change one "
-                        "of them")
+        raise SpecError(
+            f"{source} sets optimizer.type={kind!r} but the spec's optimizer is optim={mine}; change one of them"
+        )
     for key, value in (at(user, "optimizer.params") or {}).items():
         if value == AUTO or not hasattr(spec.optim, key):
             continue
@@ -234,8 +252,10 @@ def filled(user: dict, generated: dict, hidden_size: Callable[[], int], source: 
         "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
         "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h,
     }
-    as_false = {"zero_optimization.stage3_gather_16bit_weights_on_model_save",
-                "zero_optimization.stage3_gather_fp16_weights_on_model_save"}
+    as_false = {
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.stage3_gather_fp16_weights_on_model_save",
+    }
 
     def fill(node: Any, full: str) -> Any:
         if isinstance(node, dict):
@@ -248,10 +268,11 @@ def filled(user: dict, generated: dict, hidden_size: Callable[[], int], source: 
             return by_hidden_size[full](hidden_size())
         if full in as_false:
             return False
-        if full.endswith(".device") and full.startswith(("zero_optimization.offload_optimizer",
-                                                          "zero_optimization.offload_param")):
+        if full.endswith(".device") and full.startswith(
+            ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
+        ):
             return "none"  # the spec offloads nothing there
-        raise SpecError(f"{source} sets {full}=\"auto\", which nothing in the spec fills; give it a value")
+        raise SpecError(f'{source} sets {full}="auto", which nothing in the spec fills; give it a value')
 
     return fill(user, "")
 

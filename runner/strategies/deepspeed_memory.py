@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from runner.config.precision import Dtype
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
+from runner.memory.breakdown import FP32, Estimate, Part, dtype_name, share
 from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import host_loading, parameters_of
-from runner.memory.breakdown import FP32, Estimate, Part, dtype_name, share
 from runner.strategies.deepspeed_json import OffloadDevice, deepspeed_config
 
 if TYPE_CHECKING:
@@ -33,8 +33,7 @@ ZERO_DEFAULTS = {
 ALLREDUCE_BUCKET = 500_000_000
 
 
-def estimate_memory(spec: RunSpec, facts: ModelFacts, zero_stage: int,
-                    offload_optimizer: OffloadDevice) -> Estimate:
+def estimate_memory(spec: RunSpec, facts: ModelFacts, zero_stage: int, offload_optimizer: OffloadDevice) -> Estimate:
     """ZeRO-0: as single in fp32; in bf16/fp16 weights 2P + 4P (fp32 master), gradients 2P, states 4k.P.
     ZeRO-1, 2: weights m.P + 4.P/N (m = 2 in bf16/fp16, else 4), gradients m.P/N (+ the whole gradient of a
     parameter that straddles the partition's edge, at most 2), states 4k.P/N.
@@ -51,8 +50,7 @@ def estimate_memory(spec: RunSpec, facts: ModelFacts, zero_stage: int,
     module = parameters.trained + parameters.frozen_parameters
     common = dict(
         activations=activations_part(spec, facts, dtypes),
-        loading=Part(m * module + facts.buffer_bytes,
-                     "deepspeed.initialize moves the whole module onto each device"),
+        loading=Part(m * module + facts.buffer_bytes, "deepspeed.initialize moves the whole module onto each device"),
         host_loading=host_loading(spec, facts, spec.hardware.nproc_per_node or 1),
     )
     if zero_stage == 0:
@@ -84,9 +82,10 @@ def _stage0(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, co
     master = FP32 * P if m < FP32 else 0  # 16-bit: DeepSpeed's FP16_Optimizer keeps whole fp32 weights
     frozen, frozen_note = _frozen(parameters, m)
     return Estimate(
-        weights=Part(m * P + master + frozen + facts.buffer_bytes,
-                     f"{_adapters(parameters)}{module}, whole" + (" + fp32 master weights" if master else "")
-                     + frozen_note),
+        weights=Part(
+            m * P + master + frozen + facts.buffer_bytes,
+            f"{_adapters(parameters)}{module}, whole" + (" + fp32 master weights" if master else "") + frozen_note,
+        ),
         gradients=Part(m * P, f"{module}, whole"),
         optimizer_states=Part(k * FP32 * P, f"{states}, fp32, whole"),
         backward_start=Part(loss_gradient_bytes(spec, facts), "the loss gradient"),
@@ -96,8 +95,9 @@ def _stage0(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, co
     )
 
 
-def _stages_1_2(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict,
-                common: dict) -> tuple[Estimate, int]:
+def _stages_1_2(
+    spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict, common: dict
+) -> tuple[Estimate, int]:
     P, N, module, stage = parameters.trained, spec.hardware.world_size, dtype_name(m), spec.strategy.zero_stage
     k, states = spec.optim.states()
     partition = math.ceil(P / N)
@@ -107,13 +107,16 @@ def _stages_1_2(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int
     overlap = zero.get("overlap_comm", False)
     frozen, frozen_note = _frozen(parameters, m)
     return Estimate(
-        weights=Part(m * P + FP32 * partition + frozen + facts.buffer_bytes,
-                     f"{_adapters(parameters)}{module}, whole, + fp32 master weights{share(N)}{frozen_note}"),
+        weights=Part(
+            m * P + FP32 * partition + frozen + facts.buffer_bytes,
+            f"{_adapters(parameters)}{module}, whole, + fp32 master weights{share(N)}{frozen_note}",
+        ),
         gradients=Part(m * (partition + straddling), f"{module}{share(N)} (+ whole gradients at its edges)"),
         optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
-        buffers=Part(reduce_bucket * m * (2 if overlap else 1),
-                     f"the reduce bucket of {reduce_bucket:.0e} elements"
-                     + (", twice (overlap_comm)" if overlap else "")),
+        buffers=Part(
+            reduce_bucket * m * (2 if overlap else 1),
+            f"the reduce bucket of {reduce_bucket:.0e} elements" + (", twice (overlap_comm)" if overlap else ""),
+        ),
         backward_start=Part(loss_gradient_bytes(spec, facts), "the loss gradient"),
         # ZeRO-1 reduces once, after backward: the whole gradients exist until then.
         backward_end=Part(m * P, "ZeRO-1's whole gradients before their reduction") if stage == 1 else Part(0, ""),
@@ -122,8 +125,9 @@ def _stages_1_2(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int
     ), partition
 
 
-def _stage3(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict,
-            common: dict) -> tuple[Estimate, int]:
+def _stage3(
+    spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, zero: dict, common: dict
+) -> tuple[Estimate, int]:
     strategy, N, module = spec.strategy, spec.hardware.world_size, dtype_name(m)
     k, states = spec.optim.states()
     # Every parameter of the module is partitioned and gathered alike; the frozen ones have no master or states.
@@ -135,27 +139,35 @@ def _stage3(spec: RunSpec, facts: ModelFacts, parameters: Parameters, m: int, ze
     reduce_bucket = int(zero["reduce_bucket_size"])
     frozen = ", the frozen base included" if parameters.frozen else ""
     result = Estimate(
-        weights=Part(m * (partitioned + persistent) + FP32 * partition + facts.buffer_bytes,
-                     f"{module}{share(N)}{frozen} (+ {persistent:,} small parameters whole), + fp32 master weights"
-                     f"{share(N)}"),
+        weights=Part(
+            m * (partitioned + persistent) + FP32 * partition + facts.buffer_bytes,
+            f"{module}{share(N)}{frozen} (+ {persistent:,} small parameters whole), + fp32 master weights{share(N)}",
+        ),
         gradients=Part(m * partition, f"{module}{share(N)}"),
         optimizer_states=Part(k * FP32 * partition, f"{states}, fp32{share(N)}"),
         buffers=Part(reduce_bucket * m, f"the reduce bucket of {reduce_bucket:.0e} elements"),
-        backward_start=Part(live * m + loss_gradient_bytes(spec, facts),
-                            "gathered parameters (the largest module + the prefetch bucket); the loss gradient"),
+        backward_start=Part(
+            live * m + loss_gradient_bytes(spec, facts),
+            "gathered parameters (the largest module + the prefetch bucket); the loss gradient",
+        ),
         backward_end=Part(live * m, "gathered parameters"),
         # The optimizer steps the partition in sub-groups of sub_group_size elements.
-        step=Part(2 * FP32 * min(partition, int(zero["sub_group_size"])),
-                  "fp32 gradients of a sub-group, the step's temporaries"),
+        step=Part(
+            2 * FP32 * min(partition, int(zero["sub_group_size"])),
+            "fp32 gradients of a sub-group, the step's temporaries",
+        ),
         **common,
     )
     if strategy.offload_param is not OffloadDevice.none:
-        result.weights = Part(m * persistent + FP32 * partition + facts.buffer_bytes,
-                              f"{persistent:,} small parameters whole, + fp32 master weights{share(N)}; "
-                              f"the weight partitions on {strategy.offload_param.value} (offload_param)")
+        result.weights = Part(
+            m * persistent + FP32 * partition + facts.buffer_bytes,
+            f"{persistent:,} small parameters whole, + fp32 master weights{share(N)}; "
+            f"the weight partitions on {strategy.offload_param.value} (offload_param)",
+        )
         if strategy.offload_param is OffloadDevice.cpu:
-            result.host_offload = Part((spec.hardware.nproc_per_node or 1) * m * partitioned,
-                                       f"offload_param: {module} weight partitions")
+            result.host_offload = Part(
+                (spec.hardware.nproc_per_node or 1) * m * partitioned, f"offload_param: {module} weight partitions"
+            )
     return result, partition
 
 

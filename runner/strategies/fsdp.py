@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, List, Optional
 
+from runner.config.fields import setting
 from runner.config.hardware import Accelerator
 from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
@@ -36,7 +37,6 @@ from runner.parallel.pipeline.layout import PipelineSchedule
 from runner.strategies import fsdp_memory, fsdp_placement
 from runner.strategies.fsdp_settings import AutoWrapPolicy, ShardingStrategy, StateDictType
 from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     import torch
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.model_shapes import ModelFacts
     from runner.memory.breakdown import Estimate
+    from runner.memory.model_shapes import ModelFacts
     from runner.parallel.sequence import SequenceSplit
     from runner.strategies.torch_stepper import TorchStepper
 
@@ -146,107 +146,157 @@ class FSDPStrategy(StrategyConfig):
     def check(self, spec: RunSpec) -> None:
         machine = spec.hardware
         processes_given = f"(hardware.nnodes={machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node})"
-        require(self.tp_size >= 1 and machine.nproc_per_node % self.tp_size == 0,
-                f"strategy.tp_size={self.tp_size} does not divide a node's {machine.nproc_per_node} processes "
-                f"{processes_given}; a tensor-parallel group exchanges activations at every layer and stays within "
-                f"a node: pick a divisor of {machine.nproc_per_node}")
+        require(
+            self.tp_size >= 1 and machine.nproc_per_node % self.tp_size == 0,
+            f"strategy.tp_size={self.tp_size} does not divide a node's {machine.nproc_per_node} processes "
+            f"{processes_given}; a tensor-parallel group exchanges activations at every layer and stays within "
+            f"a node: pick a divisor of {machine.nproc_per_node}",
+        )
         model_parallel = self.pp_size * self.cp_size * self.tp_size
-        sizes = " x ".join(f"strategy.{key}={size}" for key, size in (
-            ("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size)) if size != 1)
-        require(self.pp_size >= 1 and self.cp_size >= 1 and machine.world_size % model_parallel == 0,
-                f"{sizes} does not divide the {machine.world_size} processes {processes_given}")
+        sizes = " x ".join(
+            f"strategy.{key}={size}"
+            for key, size in (("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size))
+            if size != 1
+        )
+        require(
+            self.pp_size >= 1 and self.cp_size >= 1 and machine.world_size % model_parallel == 0,
+            f"{sizes} does not divide the {machine.world_size} processes {processes_given}",
+        )
         data_parallel = machine.world_size // model_parallel
         group = self.hybrid_group_size(machine)
         if self.sharding_strategy.hybrid:
-            split = " / ".join(f"strategy.{key}={size}" for key, size in (
-                ("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size)) if size > 1)
-            ranks = (f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / {split})" if split
-                     else f"the {machine.world_size} processes {processes_given}")
-            require(group >= 1 and data_parallel % group == 0,
-                    f"strategy.hybrid_shard_size={group} does not divide {ranks}; pick a divisor of {data_parallel}")
+            split = " / ".join(
+                f"strategy.{key}={size}"
+                for key, size in (("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size))
+                if size > 1
+            )
+            ranks = (
+                f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / {split})"
+                if split
+                else f"the {machine.world_size} processes {processes_given}"
+            )
+            require(
+                group >= 1 and data_parallel % group == 0,
+                f"strategy.hybrid_shard_size={group} does not divide {ranks}; pick a divisor of {data_parallel}",
+            )
         else:
-            require(self.hybrid_shard_size is None,
-                    f"strategy.hybrid_shard_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not "
-                    f"{self.sharding_strategy.value}")
+            require(
+                self.hybrid_shard_size is None,
+                f"strategy.hybrid_shard_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not "
+                f"{self.sharding_strategy.value}",
+            )
         if self.tp_size > 1:
             self._check_tensor_parallel(spec)
         if self.async_tp:
-            require(self.tp_size > 1 and spec.train.compile and spec.hardware.accelerator is Accelerator.cuda,
-                    f"strategy.async_tp=true overlaps tensor parallelism's collectives in the compiled blocks, on "
-                    f"CUDA: it needs strategy.tp_size > 1 (not {self.tp_size}), train.compile=true (not "
-                    f"{str(spec.train.compile).lower()}) and CUDA GPUs (not {spec.hardware.accelerator.value})")
+            require(
+                self.tp_size > 1 and spec.train.compile and spec.hardware.accelerator is Accelerator.cuda,
+                f"strategy.async_tp=true overlaps tensor parallelism's collectives in the compiled blocks, on "
+                f"CUDA: it needs strategy.tp_size > 1 (not {self.tp_size}), train.compile=true (not "
+                f"{str(spec.train.compile).lower()}) and CUDA GPUs (not {spec.hardware.accelerator.value})",
+            )
         if self.pp_size > 1:
             self._check_pipeline(spec)
         if self.cp_size > 1:
             self._check_context_parallel(spec)
-        require(self.sync_module_states or not self.cpu_ram_efficient_loading,
-                "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
-                "get their weights from rank 0")
-        require(not (spec.adapter.quantized and self.cpu_ram_efficient_loading),
-                "adapter=qlora with strategy.cpu_ram_efficient_loading=true: each process quantizes its own base "
-                "to NF4 (the base stays memory-mapped, so this costs little CPU RAM); set "
-                "strategy.cpu_ram_efficient_loading=false")
+        require(
+            self.sync_module_states or not self.cpu_ram_efficient_loading,
+            "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
+            "get their weights from rank 0",
+        )
+        require(
+            not (spec.adapter.quantized and self.cpu_ram_efficient_loading),
+            "adapter=qlora with strategy.cpu_ram_efficient_loading=true: each process quantizes its own base "
+            "to NF4 (the base stays memory-mapped, so this costs little CPU RAM); set "
+            "strategy.cpu_ram_efficient_loading=false",
+        )
         require(self.min_num_params >= 1, f"strategy.min_num_params={self.min_num_params} must be >= 1")
-        require(self.forward_prefetch >= 0 and self.backward_prefetch >= 0,
-                "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0")
+        require(
+            self.forward_prefetch >= 0 and self.backward_prefetch >= 0,
+            "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0",
+        )
 
     def _check_tensor_parallel(self, spec: RunSpec) -> None:
         """What tensor parallelism does not split yet, refused before launch rather than failing in a worker."""
         tp = f"strategy.tp_size={self.tp_size}"
-        require(not spec.adapter.quantized,
-                f"adapter=qlora with {tp}: torchao's NF4 weights do not split across tensor-parallel ranks; use "
-                "adapter=lora, or strategy.tp_size=1 (FSDP shards the NF4 base)")
-        require(not (spec.precision.fp8 and spec.precision.fp8.all_gather),
-                f"precision.fp8.all_gather=true with {tp}: FSDP's float8 all-gather scales each weight from its "
-                "data-parallel shards alone, so the tensor-parallel ranks would cast their parts of one weight with "
-                "different scales; set precision.fp8.all_gather=false (the fp8 layers still split, with whole-tensor "
-                "scales)")
-        require(not spec.train.compile or spec.hardware.accelerator is Accelerator.cuda,
-                f"train.compile=true with {tp} on {spec.hardware.accelerator.value}: torch.compile of the split "
-                "blocks fails in their DTensor forward on the CPU (torch 2.13); it compiles them on CUDA, as "
-                "torchtitan does; set train.compile=false")
+        require(
+            not spec.adapter.quantized,
+            f"adapter=qlora with {tp}: torchao's NF4 weights do not split across tensor-parallel ranks; use "
+            "adapter=lora, or strategy.tp_size=1 (FSDP shards the NF4 base)",
+        )
+        require(
+            not (spec.precision.fp8 and spec.precision.fp8.all_gather),
+            f"precision.fp8.all_gather=true with {tp}: FSDP's float8 all-gather scales each weight from its "
+            "data-parallel shards alone, so the tensor-parallel ranks would cast their parts of one weight with "
+            "different scales; set precision.fp8.all_gather=false (the fp8 layers still split, with whole-tensor "
+            "scales)",
+        )
+        require(
+            not spec.train.compile or spec.hardware.accelerator is Accelerator.cuda,
+            f"train.compile=true with {tp} on {spec.hardware.accelerator.value}: torch.compile of the split "
+            "blocks fails in their DTensor forward on the CPU (torch 2.13); it compiles them on CUDA, as "
+            "torchtitan does; set train.compile=false",
+        )
 
     def _check_pipeline(self, spec: RunSpec) -> None:
         """What the pipeline cannot run, refused before launch."""
         pp, train = f"strategy.pp_size={self.pp_size}", spec.train
         schedules = [schedule.value for schedule in PipelineSchedule]
-        require(self.pp_schedule in schedules,
-                f"strategy.pp_schedule={self.pp_schedule} is not a schedule; use one of {', '.join(schedules)}")
+        require(
+            self.pp_schedule in schedules,
+            f"strategy.pp_schedule={self.pp_schedule} is not a schedule; use one of {', '.join(schedules)}",
+        )
         schedule = self.pipeline_schedule
         stages = self.pp_size * schedule.stages_per_rank
         layers = spec.model.architecture.get("num_hidden_layers")
-        require(layers is None or stages <= layers,
-                f"{pp} with strategy.pp_schedule={self.pp_schedule} cuts the model into {stages} stages, more "
-                f"than its {layers} decoder layers")
+        require(
+            layers is None or stages <= layers,
+            f"{pp} with strategy.pp_schedule={self.pp_schedule} cuts the model into {stages} stages, more "
+            f"than its {layers} decoder layers",
+        )
         problem = schedule.microbatches_problem(train.grad_accum_steps, self.pp_size)
-        require(problem is None,
-                f"strategy.pp_schedule={self.pp_schedule} with {pp}: {problem}, and a step has "
-                f"{train.grad_accum_steps} (train.grad_accum_steps, the micro batches each rank runs a step); raise "
-                "train.grad_accum_steps, or use strategy.pp_schedule=GPipe")
+        require(
+            problem is None,
+            f"strategy.pp_schedule={self.pp_schedule} with {pp}: {problem}, and a step has "
+            f"{train.grad_accum_steps} (train.grad_accum_steps, the micro batches each rank runs a step); raise "
+            "train.grad_accum_steps, or use strategy.pp_schedule=GPipe",
+        )
         for refused, why in (
-            (spec.data.seq_len % self.tp_size != 0, f"strategy.tp_size={self.tp_size}: data.seq_len="
-                                                    f"{spec.data.seq_len} must be a multiple of it (the stages pass on "
-                                                    "each tensor-parallel rank's equal part of the sequence)"),
+            (
+                spec.data.seq_len % self.tp_size != 0,
+                f"strategy.tp_size={self.tp_size}: data.seq_len="
+                f"{spec.data.seq_len} must be a multiple of it (the stages pass on "
+                "each tensor-parallel rank's equal part of the sequence)",
+            ),
             (spec.adapter.active, f"adapter={spec.adapter.kind.value}: the adapters are not cut into stages yet"),
             (bool(spec.precision.fp8), "precision.fp8: float8 layers are not cut into stages yet"),
-            (spec.precision.compute_dtype is Dtype.fp16 and spec.precision.param_dtype is not Dtype.fp16,
-             "precision=fp16: the schedule runs the backward itself, without fp16's loss scaling; use bf16"),
+            (
+                spec.precision.compute_dtype is Dtype.fp16 and spec.precision.param_dtype is not Dtype.fp16,
+                "precision=fp16: the schedule runs the backward itself, without fp16's loss scaling; use bf16",
+            ),
             (train.compile, "train.compile=true: the stages run eagerly; set train.compile=false"),
-            (self.cpu_ram_efficient_loading, "strategy.cpu_ram_efficient_loading=true: every rank builds the model "
-                                             "and keeps its stages' weights; set it to false"),
+            (
+                self.cpu_ram_efficient_loading,
+                "strategy.cpu_ram_efficient_loading=true: every rank builds the model "
+                "and keeps its stages' weights; set it to false",
+            ),
         ):
             require(not refused, f"{pp} with {why}")
 
     def _check_context_parallel(self, spec: RunSpec) -> None:
         """Where torch's ring attention cannot run, and what it is not composed with yet, refused before launch."""
         cp = f"strategy.cp_size={self.cp_size}"
-        require(spec.hardware.accelerator is Accelerator.cuda,
-                f"{cp} needs CUDA GPUs: torch's context parallelism runs the attention's ring on CUDA's flash, "
-                f"memory-efficient and cuDNN kernels only (torch 2.13), and this run's accelerator is "
-                f"{spec.hardware.accelerator.value}")
+        require(
+            spec.hardware.accelerator is Accelerator.cuda,
+            f"{cp} needs CUDA GPUs: torch's context parallelism runs the attention's ring on CUDA's flash, "
+            f"memory-efficient and cuDNN kernels only (torch 2.13), and this run's accelerator is "
+            f"{spec.hardware.accelerator.value}",
+        )
         for refused, why in (
-            (spec.data.packing, "data.packing=true: packed rows need a mask between their examples, and the ring "
-                                "attends causally over the whole row; set data.packing=false"),
+            (
+                spec.data.packing,
+                "data.packing=true: packed rows need a mask between their examples, and the ring "
+                "attends causally over the whole row; set data.packing=false",
+            ),
             (self.pp_size > 1, f"strategy.pp_size={self.pp_size}: not composed yet"),
             (self.tp_size > 1, f"strategy.tp_size={self.tp_size}: not composed yet"),
             (spec.train.compile, "train.compile=true: the ring attention runs eagerly; set train.compile=false"),
@@ -255,14 +305,18 @@ class FSDPStrategy(StrategyConfig):
 
     def describe(self, spec: RunSpec) -> str:
         dims = spec.layout
-        described = (f"fsdp {self.sharding_strategy.value}, {processes(spec.hardware.world_size)}, {dims.describe()}, "
-                     f"{self.auto_wrap_policy.value}")
+        described = (
+            f"fsdp {self.sharding_strategy.value}, {processes(spec.hardware.world_size)}, {dims.describe()}, "
+            f"{self.auto_wrap_policy.value}"
+        )
         if self.pp_size > 1:
             described += f"; pipeline schedule {self.pp_schedule}"
         if self.sharding_strategy.hybrid and dims.dp_replicate == 1:
             same = "FULL_SHARD" if self.sharding_strategy.reshards_after_forward else "SHARD_GRAD_OP"
-            described += (f"; one shard group of the node's {dims.dp_shard} data-parallel ranks is {same}: "
-                          f"strategy.hybrid_shard_size=<a divisor of {dims.dp_shard}> gives replicas")
+            described += (
+                f"; one shard group of the node's {dims.dp_shard} data-parallel ranks is {same}: "
+                f"strategy.hybrid_shard_size=<a divisor of {dims.dp_shard}> gives replicas"
+            )
         return described
 
     def hybrid_group_size(self, hardware: HardwareConfig) -> int:
@@ -279,8 +333,9 @@ class FSDPStrategy(StrategyConfig):
         else:
             replicate, shard = 1, data_parallel
         stages_per_rank = self.pipeline_schedule.stages_per_rank if pp > 1 else 1
-        return ParallelDims(pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp,
-                            stages_per_rank=stages_per_rank)
+        return ParallelDims(
+            pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, stages_per_rank=stages_per_rank
+        )
 
     def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:
         from runner.parallel.context import RingSplit
@@ -290,22 +345,40 @@ class FSDPStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return rank == 0 or not self.cpu_ram_efficient_loading
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-             whole: Optional[WholeWeights] = None) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        spec: RunSpec,
+        device: torch.device,
+        dims: ParallelDims,
+        whole: Optional[WholeWeights] = None,
+    ) -> nn.Module:
         """`fully_shard` on each unit, then on the root, over the mesh's data-parallel dimensions; rank 0's weights
         in every shard (runner/strategies/fsdp_placement.py)."""
         return fsdp_placement.wrap(self, model, spec, device, dims, whole)
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-               whole: Optional[WholeWeights] = None) -> nn.Module:
+    def frozen(
+        self,
+        model: nn.Module,
+        spec: RunSpec,
+        device: torch.device,
+        dims: ParallelDims,
+        whole: Optional[WholeWeights] = None,
+    ) -> nn.Module:
         return self.wrap(model, spec, device, dims, whole)
 
     def frozen_shards(self, spec: RunSpec) -> int:
         dims = spec.layout
         return dims.dp_shard * dims.cp * dims.tp
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
-                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
+    def stepper(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        spec: RunSpec,
+        device: torch.device,
+        stages: Optional[PipelineStages] = None,
+    ) -> tuple[nn.Module, TorchStepper]:
         return fsdp_placement.stepper(model, optimizer, spec, device, self.checkpoint_layout, stages)
 
     def estimate_memory(self, spec: RunSpec, facts: ModelFacts) -> Estimate:
@@ -317,5 +390,10 @@ class FSDPStrategy(StrategyConfig):
 
 def switch_to_fsdp() -> Change:
     """The other strategies' way out when they do not fit: FSDP's defaults, sharding everything across the ranks."""
-    return Change(("strategy=fsdp",), 1.5, lambda spec: replace(
-        spec, strategy=FSDPStrategy(activation_checkpointing=spec.strategy.activation_checkpointing)))
+    return Change(
+        ("strategy=fsdp",),
+        1.5,
+        lambda spec: replace(
+            spec, strategy=FSDPStrategy(activation_checkpointing=spec.strategy.activation_checkpointing)
+        ),
+    )

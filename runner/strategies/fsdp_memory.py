@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 from runner.errors import SpecError
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes, pipeline_activations_part
+from runner.memory.breakdown import Change, Estimate, Part, dtype_name, sharded_elements, share, strategy_change
 from runner.memory.model_shapes import fp8_linears, meta_model
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
-from runner.memory.breakdown import Change, Estimate, Part, dtype_name, sharded_elements, share, strategy_change
 from runner.parallel.tensor import block_plan
 from runner.strategies.fsdp_placement import wrap_units
 from runner.strategies.fsdp_settings import FSDPSettings, ShardingStrategy
@@ -38,8 +38,9 @@ def estimate_memory(strategy: FSDPSettings, spec: RunSpec, facts: ModelFacts) ->
     k, states = spec.optim.states()
     held = sharded_elements(list(parameters.trained_shapes), shards)
     frozen = parameters.frozen_bytes(shards)
-    (root, root_trained), (largest, largest_trained), whole = unit_sizes(facts.model, strategy, parameters, gathered,
-                                                                        strategy.tp_size)
+    (root, root_trained), (largest, largest_trained), whole = unit_sizes(
+        facts.model, strategy, parameters, gathered, strategy.tp_size
+    )
     _, fp8_blocks = fp8_linears(facts.model, precision)
     dtypes = ActivationDtypes(compute=gathered, stream=gathered, casts=False, fp8=fp8_blocks)
     if not strategy.sharding_strategy.reshards_after_forward:
@@ -59,14 +60,21 @@ def estimate_memory(strategy: FSDPSettings, spec: RunSpec, facts: ModelFacts) ->
     loaders = 1 if strategy.cpu_ram_efficient_loading else nproc
     loss_gradient = loss_gradient_bytes(spec, facts)
     result = Estimate(
-        weights=Part(held * w + frozen + facts.buffer_bytes,
-                     weights_note(parameters, dtype_name(w), f"{part_of} ({strategy.sharding_strategy.value})")),
+        weights=Part(
+            held * w + frozen + facts.buffer_bytes,
+            weights_note(parameters, dtype_name(w), f"{part_of} ({strategy.sharding_strategy.value})"),
+        ),
         gradients=Part(held * w, f"{dtype_name(w)}{part_of}"),
         optimizer_states=Part(k * held * w, f"{states}, {dtype_name(w)}{part_of}"),
-        activations=(pipeline_activations_part(spec, facts, dtypes, strategy.pipeline_schedule) if strategy.pp_size > 1
-                     else activations_part(spec, facts, dtypes)),
-        backward_start=Part(all_gathered + loss_gradient + largest_trained * (gathered + reduce) + dequantized,
-                            f"{gather_note}; the loss gradient; a unit's reduce-scatter{dequantized_note}"),
+        activations=(
+            pipeline_activations_part(spec, facts, dtypes, strategy.pipeline_schedule)
+            if strategy.pp_size > 1
+            else activations_part(spec, facts, dtypes)
+        ),
+        backward_start=Part(
+            all_gathered + loss_gradient + largest_trained * (gathered + reduce) + dequantized,
+            f"{gather_note}; the loss gradient; a unit's reduce-scatter{dequantized_note}",
+        ),
         # The root unit's gradients are reduced last, its parameters still gathered.
         backward_end=Part(root + root_trained * (gathered + reduce) + largest, "the root unit's reduce-scatter"),
         step=Part(spec.optim.step_copies() * held * w, "the optimizer's foreach temporaries"),
@@ -80,8 +88,9 @@ def estimate_memory(strategy: FSDPSettings, spec: RunSpec, facts: ModelFacts) ->
 def _offloaded(result: Estimate, moved: int, states: str, part_of: str, frozen: int, buffer_bytes: int) -> None:
     """offload_params: the weights, gradients and optimizer states leave the device for each node's CPU RAM."""
     frozen_note = f", and the frozen base{part_of}" if frozen else ""
-    result.host_offload = Part(moved, f"offload_params: each process's weights, gradients and {states}{part_of}"
-                               + frozen_note)
+    result.host_offload = Part(
+        moved, f"offload_params: each process's weights, gradients and {states}{part_of}" + frozen_note
+    )
     result.weights = Part(buffer_bytes, "in CPU RAM (offload_params); buffers only")
     result.gradients = Part(0, "in CPU RAM (offload_params)")
     result.optimizer_states = Part(0, "in CPU RAM (offload_params); the step runs on the CPU")
@@ -91,13 +100,22 @@ def _offloaded(result: Estimate, moved: int, states: str, part_of: str, frozen: 
 def memory_changes(strategy: FSDPSettings, spec: RunSpec) -> list[Change]:
     changes = []
     if strategy.sharding_strategy is not ShardingStrategy.FULL_SHARD and spec.hardware.world_size > 1:
-        changes.append(strategy_change("strategy.sharding_strategy=FULL_SHARD", 1.0,
-                                       sharding_strategy=ShardingStrategy.FULL_SHARD, hybrid_shard_size=None))
+        changes.append(
+            strategy_change(
+                "strategy.sharding_strategy=FULL_SHARD",
+                1.0,
+                sharding_strategy=ShardingStrategy.FULL_SHARD,
+                hybrid_shard_size=None,
+            )
+        )
     if not strategy.offload_params:
         changes.append(strategy_change("strategy.offload_params=true", 3.0, offload_params=True))
     if not strategy.cpu_ram_efficient_loading and not spec.adapter.quantized:  # qlora: each process quantizes
-        changes.append(strategy_change("strategy.cpu_ram_efficient_loading=true", 0.5,
-                                       cpu_ram_efficient_loading=True, sync_module_states=True))
+        changes.append(
+            strategy_change(
+                "strategy.cpu_ram_efficient_loading=true", 0.5, cpu_ram_efficient_loading=True, sync_module_states=True
+            )
+        )
     return changes + _tensor_parallel_changes(strategy, spec)
 
 
@@ -119,13 +137,15 @@ def _tensor_parallel_changes(strategy: FSDPSettings, spec: RunSpec) -> list[Chan
     return changes
 
 
-def unit_sizes(model: nn.Module, strategy: FSDPSettings, parameters: Parameters, gathered: int,
-               tp: int = 1) -> tuple[tuple[int, int], tuple[int, int], int]:
+def unit_sizes(
+    model: nn.Module, strategy: FSDPSettings, parameters: Parameters, gathered: int, tp: int = 1
+) -> tuple[tuple[int, int], tuple[int, int], int]:
     """(all-gathered bytes, trained parameters) of the root unit and of the largest other unit under the strategy's
     wrap policy, and the whole model's all-gathered bytes. Trained parameters gather in `gathered` bytes, as do the
     adapters beside an adapted linear (each rank's parts already); frozen ones in the dtype they are stored in (NF4
     as NF4). Under tensor parallelism FSDP gathers a rank's parts: a tp-th of each unit (its norms, whole on every
     rank, are a rounding error)."""
+
     def size(module: nn.Module, prefix: str) -> tuple[int, int]:
         gathered_bytes, trained = 0.0, 0
         for name, parameter in module.named_parameters(prefix=prefix):

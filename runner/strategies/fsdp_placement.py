@@ -24,8 +24,14 @@ if TYPE_CHECKING:
     from runner.parallel.dims import ParallelDims
 
 
-def wrap(strategy: FSDPSettings, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-         whole: Optional[WholeWeights] = None) -> nn.Module:
+def wrap(
+    strategy: FSDPSettings,
+    model: nn.Module,
+    spec: RunSpec,
+    device: torch.device,
+    dims: ParallelDims,
+    whole: Optional[WholeWeights] = None,
+) -> nn.Module:
     """`fully_shard` on each unit, then on the root, over the mesh's data-parallel dimensions; rank 0's weights
     in every shard."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -38,8 +44,12 @@ def wrap(strategy: FSDPSettings, model: nn.Module, spec: RunSpec, device: torch.
         _broadcast_from_rank0(model, dims.mesh(device.type))
     mesh = dims.sharding_mesh(device.type)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if strategy.offload_params else OffloadPolicy()
-    options = {"mesh": mesh, "reshard_after_forward": strategy.sharding_strategy.reshards_after_forward,
-               "mp_policy": mixed_precision_policy(spec.precision), "offload_policy": offload}
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": strategy.sharding_strategy.reshards_after_forward,
+        "mp_policy": mixed_precision_policy(spec.precision),
+        "offload_policy": offload,
+    }
     units = wrap_units(model, strategy)
     for unit in units:
         fully_shard(unit, **options)
@@ -50,10 +60,17 @@ def wrap(strategy: FSDPSettings, model: nn.Module, spec: RunSpec, device: torch.
     return model
 
 
-def stepper(model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
-            layout: CheckpointLayout, stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
+def stepper(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    spec: RunSpec,
+    device: torch.device,
+    layout: CheckpointLayout,
+    stages: Optional[PipelineStages] = None,
+) -> tuple[nn.Module, TorchStepper]:
     """The torch stepper of the sharded model, which syncs the gradients on a step's last micro batch only and
     writes checkpoints in `layout`."""
+
     def sync(last: bool) -> ContextManager:
         model.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
@@ -68,8 +85,9 @@ def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     low = precision.compute_dtype is not Dtype.fp32 and precision.param_dtype is Dtype.fp32
-    return MixedPrecisionPolicy(param_dtype=precision.compute_dtype.torch if low else None,
-                                reduce_dtype=precision.reduce_dtype.torch)
+    return MixedPrecisionPolicy(
+        param_dtype=precision.compute_dtype.torch if low else None, reduce_dtype=precision.reduce_dtype.torch
+    )
 
 
 def _broadcast_from_rank0(model: nn.Module, mesh: DeviceMesh) -> None:

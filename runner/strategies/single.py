@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Callable, ClassVar, ContextManager, Optional
 from runner.components.mixed_precision import grad_scaler
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
-from runner.memory.replicated import whole_copies
 from runner.memory.breakdown import processes
+from runner.memory.replicated import whole_copies
 from runner.parallel.dims import ParallelDims
 from runner.strategies.fsdp import switch_to_fsdp
 from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.model_shapes import ModelFacts
     from runner.memory.breakdown import Change, Estimate
+    from runner.memory.model_shapes import ModelFacts
     from runner.parallel.sequence import SequenceSplit
 
 
@@ -42,10 +42,12 @@ class SingleStrategy(StrategyConfig):
 
     def check(self, spec: RunSpec) -> None:
         machine = spec.hardware
-        require(machine.world_size == 1,
-                f"strategy=single runs one process but the hardware gives {machine.world_size} (hardware.nnodes="
-                f"{machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node}); choose strategy=ddp or "
-                "strategy=fsdp, or set hardware.nproc_per_node=1")
+        require(
+            machine.world_size == 1,
+            f"strategy=single runs one process but the hardware gives {machine.world_size} (hardware.nnodes="
+            f"{machine.nnodes} x hardware.nproc_per_node={machine.nproc_per_node}); choose strategy=ddp or "
+            "strategy=fsdp, or set hardware.nproc_per_node=1",
+        )
 
     def describe(self, spec: RunSpec) -> str:
         return f"single, {processes(spec.hardware.world_size)}"
@@ -59,22 +61,41 @@ class SingleStrategy(StrategyConfig):
     def loads_weights(self, rank: int) -> bool:
         return True
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-               whole: Optional[WholeWeights] = None) -> nn.Module:
+    def frozen(
+        self,
+        model: nn.Module,
+        spec: RunSpec,
+        device: torch.device,
+        dims: ParallelDims,
+        whole: Optional[WholeWeights] = None,
+    ) -> nn.Module:
         return model.to(device)  # no gradients to reduce: a replica as it is
 
     def frozen_shards(self, spec: RunSpec) -> int:
         return 1
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-             whole: Optional[WholeWeights] = None) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        spec: RunSpec,
+        device: torch.device,
+        dims: ParallelDims,
+        whole: Optional[WholeWeights] = None,
+    ) -> nn.Module:
         return model.to(device)
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
-                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, TorchStepper]:
+    def stepper(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        spec: RunSpec,
+        device: torch.device,
+        stages: Optional[PipelineStages] = None,
+    ) -> tuple[nn.Module, TorchStepper]:
         scaler = grad_scaler(spec.precision, device, sharded=False)
-        return model, TorchStepper(model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler,
-                                   self.gradient_sync(model))
+        return model, TorchStepper(
+            model, optimizer, spec.train.max_grad_norm, self.checkpoint_layout, scaler, self.gradient_sync(model)
+        )
 
     def gradient_sync(self, model: nn.Module) -> Callable[[bool], ContextManager]:
         """What holds back the gradients' reduction on the micro batches before a step's last: nothing to reduce."""

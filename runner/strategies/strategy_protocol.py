@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
     from runner.config.hardware import HardwareConfig
     from runner.config.spec import RunSpec
-    from runner.memory.model_shapes import ModelFacts
     from runner.memory.breakdown import Change, Estimate
+    from runner.memory.model_shapes import ModelFacts
     from runner.parallel.dims import ParallelDims
     from runner.parallel.sequence import SequenceSplit
 
@@ -159,15 +159,27 @@ class Strategy(Protocol):
         """Whether this rank builds the model with its weights, or on the meta device to receive rank 0's."""
         ...
 
-    def wrap(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-             whole: Optional[WholeWeights] = None) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        spec: RunSpec,
+        device: torch.device,
+        dims: ParallelDims,
+        whole: Optional[WholeWeights] = None,
+    ) -> nn.Module:
         """The model on its device(s), wrapped or sharded over the data-parallel dimensions of `dims`' mesh, with
         rank 0's weights on every rank. `whole`: where only rank 0 loads weights (`loads_weights`), the model is on
         the meta device and these are rank 0's (empty elsewhere)."""
         ...
 
-    def frozen(self, model: nn.Module, spec: RunSpec, device: torch.device, dims: ParallelDims,
-               whole: Optional[WholeWeights] = None) -> nn.Module:
+    def frozen(
+        self,
+        model: nn.Module,
+        spec: RunSpec,
+        device: torch.device,
+        dims: ParallelDims,
+        whole: Optional[WholeWeights] = None,
+    ) -> nn.Module:
         """A model that only runs forward beside the trained one (task=dpo's reference), sharded as the trained
         one's weights are: whole, or in the same shards (FSDP's units, ZeRO-3's partitions)."""
         ...
@@ -176,8 +188,14 @@ class Strategy(Protocol):
         """How many shards `frozen` splits a model's weights into (1: whole on every rank)."""
         ...
 
-    def stepper(self, model: nn.Module, optimizer: torch.optim.Optimizer, spec: RunSpec, device: torch.device,
-                stages: Optional[PipelineStages] = None) -> tuple[nn.Module, Stepper]:
+    def stepper(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        spec: RunSpec,
+        device: torch.device,
+        stages: Optional[PipelineStages] = None,
+    ) -> tuple[nn.Module, Stepper]:
         """The model as the loop calls it, and its stepper; `stages`: the pipeline stages the model is spread over,
         where it is (this rank's `model` then holds its own stages' parameters)."""
         ...

@@ -177,10 +177,18 @@ class TorchStepper:
         model_state = read_tensors(directory / "model.safetensors", own) if reads else {}
         wanted = own | set(local_names) if self.stages else None
         optimizer_state = {
-            "state": {local_names.get(name, name): values for name, values in _unflatten_optimizer(
-                read_tensors(directory / "optimizer.safetensors", wanted, _parameter_name)).items()} if reads else {},
-            "param_groups": [{**group, "params": [local_names.get(name, name) for name in group["params"]]}
-                             for group in json.loads((directory / "optimizer.json").read_text())],
+            "state": {
+                local_names.get(name, name): values
+                for name, values in _unflatten_optimizer(
+                    read_tensors(directory / "optimizer.safetensors", wanted, _parameter_name)
+                ).items()
+            }
+            if reads
+            else {},
+            "param_groups": [
+                {**group, "params": [local_names.get(name, name) for name in group["params"]]}
+                for group in json.loads((directory / "optimizer.json").read_text())
+            ],
         }
         set_model_state_dict(self.model, model_state, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optimizer_state, options=options)
@@ -192,8 +200,9 @@ class TorchStepper:
             return self._whole_across_stages(optimizer=False)[0]
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = self.trained(get_model_state_dict(self.model, options=self.options(full_state_dict=True,
-                                                                                   cpu_offload=True)))
+        state = self.trained(
+            get_model_state_dict(self.model, options=self.options(full_state_dict=True, cpu_offload=True))
+        )
         return {name: cpu_copy(tensor) for name, tensor in state.items()}
 
     def _whole_across_stages(self, optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -209,10 +218,18 @@ class TorchStepper:
         else:  # (a parameter the whole model names otherwise has its state from the stage that names it)
             sharded = get_optimizer_state_dict(self.model, self.optimizer, options=self.options())
             optimizer_state = {
-                "state": {name: values for name, values in _unflatten_optimizer(
-                    whole_on_cpu(_flatten_optimizer(sharded["state"]), keep)).items() if name not in elsewhere},
-                "param_groups": [{**group, "params": [name for name in group["params"] if name not in elsewhere]}
-                                 for group in sharded["param_groups"]]}
+                "state": {
+                    name: values
+                    for name, values in _unflatten_optimizer(
+                        whole_on_cpu(_flatten_optimizer(sharded["state"]), keep)
+                    ).items()
+                    if name not in elsewhere
+                },
+                "param_groups": [
+                    {**group, "params": [name for name in group["params"] if name not in elsewhere]}
+                    for group in sharded["param_groups"]
+                ],
+            }
         every_stage = self.stages.to_rank0((model_state, optimizer_state))
         if every_stage is None:
             return {}, optimizer_state
@@ -220,8 +237,9 @@ class TorchStepper:
         for stage_model, stage_optimizer in every_stage:
             merged_model.update(stage_model)
             merged_optimizer["state"].update(stage_optimizer["state"])
-            groups = merged_optimizer["param_groups"] or [{**group, "params": []}
-                                                          for group in stage_optimizer["param_groups"]]
+            groups = merged_optimizer["param_groups"] or [
+                {**group, "params": []} for group in stage_optimizer["param_groups"]
+            ]
             for group, stage_group in zip(groups, stage_optimizer["param_groups"]):
                 group["params"] += stage_group["params"]
             merged_optimizer["param_groups"] = groups
@@ -231,8 +249,10 @@ class TorchStepper:
 def _saved_settings(groups: list[dict[str, Any]], directory: Path) -> list[dict[str, Any]]:
     """This run's param groups (its own parameters) with the settings the checkpoint's groups had."""
     saved = json.loads((directory / "optimizer.json").read_text())
-    return [{**group, **{key: value for key, value in settings.items() if key != "params"}}
-            for group, settings in zip(groups, saved)]
+    return [
+        {**group, **{key: value for key, value in settings.items() if key != "params"}}
+        for group, settings in zip(groups, saved)
+    ]
 
 
 def _parameter_name(key: str) -> str:

@@ -7,5 +7,11 @@ from runner.tasks.generate import GenerateTask
 from runner.tasks.grpo import GRPOTask
 from runner.tasks.train import TrainTask
 
-TASKS = {"train": TrainTask, "estimate": EstimateTask, "evaluate": EvaluateTask, "generate": GenerateTask,
-         "dpo": DPOTask, "grpo": GRPOTask}
+TASKS = {
+    "train": TrainTask,
+    "estimate": EstimateTask,
+    "evaluate": EvaluateTask,
+    "generate": GenerateTask,
+    "dpo": DPOTask,
+    "grpo": GRPOTask,
+}

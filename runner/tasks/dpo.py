@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from runner.config.data import DataFormat
+from runner.config.fields import setting
 from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
 from runner.planning.time_plan import TimePlan, plan
 from runner.tasks.train import estimated_or_checked, run_training, training_inputs
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from runner.distributed import Ranks
     from runner.engine.dpo_loss import PreferenceLoss, Reference
     from runner.engine.job import LoadedData, PreparedJob
-    from runner.memory.model_shapes import ModelFacts
     from runner.memory.breakdown import Estimate
+    from runner.memory.model_shapes import ModelFacts
 
 
 class PreferenceLossKind(str, Enum):
@@ -55,8 +55,11 @@ class DPOTask(PostTrainingTaskConfig):
         "rows for later runs: training then holds only the policy.",
     )
 
-    eval_metrics: ClassVar[dict[str, bool]] = {"eval_loss": False, "eval_rewards/accuracies": True,
-                                               "eval_rewards/margins": True}
+    eval_metrics: ClassVar[dict[str, bool]] = {
+        "eval_loss": False,
+        "eval_rewards/accuracies": True,
+        "eval_rewards/margins": True,
+    }
     step_kind: ClassVar[str] = "dpo"
 
     @property
@@ -69,17 +72,24 @@ class DPOTask(PostTrainingTaskConfig):
         return 1.0 if self.has_reference else 0.0
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
-        require(spec.data.format is DataFormat.preference,
-                f"task=dpo trains on preference pairs, and data.format={spec.data.format.value} has none; set "
-                "data.format=preference (records with a prompt, a chosen and a rejected response)")
+        require(
+            spec.data.format is DataFormat.preference,
+            f"task=dpo trains on preference pairs, and data.format={spec.data.format.value} has none; set "
+            "data.format=preference (records with a prompt, a chosen and a rejected response)",
+        )
         dims = spec.layout
-        require(dims.pp == 1, f"task=dpo with {dims.pp} pipeline stages (strategy.pp_size): the preference loss of a "
-                              "pair's two rows is not computed through a pipeline yet; use strategy.pp_size=1")
+        require(
+            dims.pp == 1,
+            f"task=dpo with {dims.pp} pipeline stages (strategy.pp_size): the preference loss of a "
+            "pair's two rows is not computed through a pipeline yet; use strategy.pp_size=1",
+        )
         require(self.beta > 0, f"task.beta={self.beta} must be > 0")
         require(0 <= self.label_smoothing < 0.5, f"task.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
-        require(self.loss in SMOOTHED or not self.label_smoothing,
-                f"task.label_smoothing is for the losses {', '.join(kind.value for kind in SMOOTHED)}, not "
-                f"task.loss={self.loss.value}")
+        require(
+            self.loss in SMOOTHED or not self.label_smoothing,
+            f"task.label_smoothing is for the losses {', '.join(kind.value for kind in SMOOTHED)}, not "
+            f"task.loss={self.loss.value}",
+        )
         return estimated_or_checked(spec, self)
 
     def planned(self, spec: RunSpec) -> Optional[TimePlan]:
@@ -88,8 +98,9 @@ class DPOTask(PostTrainingTaskConfig):
     def inputs(self, spec: RunSpec) -> LoadedData:
         return training_inputs(spec)
 
-    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
-            inputs: Optional[LoadedData] = None) -> dict[str, Any]:
+    def run(
+        self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Optional[LoadedData] = None
+    ) -> dict[str, Any]:
         return run_training(spec, run_dir, ranks, identity, inputs, self.objective)
 
     def memory_terms(self, spec: RunSpec, facts: ModelFacts, estimate: Estimate) -> Estimate:
@@ -104,8 +115,11 @@ class DPOTask(PostTrainingTaskConfig):
             reference = Part(0, "its log-probs precomputed (task.precompute_reference): none while training")
         else:
             reference = reference_model(spec, facts.parameters, facts.buffer_bytes)
-        doubled = replace(estimate.activations, bytes=2 * estimate.activations.bytes,
-                          note=f"{estimate.activations.note}; x 2: each pair is two rows, chosen and rejected")
+        doubled = replace(
+            estimate.activations,
+            bytes=2 * estimate.activations.bytes,
+            note=f"{estimate.activations.note}; x 2: each pair is two rows, chosen and rejected",
+        )
         return replace(estimate, activations=doubled, reference=reference)
 
     def objective(self, job: PreparedJob) -> PreferenceLoss:
@@ -137,8 +151,17 @@ def reference_key(spec: RunSpec) -> str:
 
     model = to_plain(spec)["model"]
     if spec.model.pretrained and Path(spec.model.pretrained).is_dir():
-        model["files"] = sorted((path.name, path.stat().st_size, path.stat().st_mtime_ns)
-                                for path in Path(spec.model.pretrained).iterdir() if path.is_file())
-    return digest({"model": model, "seed": None if spec.model.pretrained else spec.seed,
-                   "adapter": spec.adapter.kind.value, "precision": to_plain(spec)["precision"],
-                   "loss": [spec.train.loss.value, spec.train.loss_chunk_tokens]})
+        model["files"] = sorted(
+            (path.name, path.stat().st_size, path.stat().st_mtime_ns)
+            for path in Path(spec.model.pretrained).iterdir()
+            if path.is_file()
+        )
+    return digest(
+        {
+            "model": model,
+            "seed": None if spec.model.pretrained else spec.seed,
+            "adapter": spec.adapter.kind.value,
+            "precision": to_plain(spec)["precision"],
+            "loss": [spec.train.loss.value, spec.train.loss_chunk_tokens],
+        }
+    )

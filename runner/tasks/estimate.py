@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Optional
 
 from runner.components.lora import targets
+from runner.config.fields import setting
 from runner.config.task import TaskConfig
 from runner.memory.model_shapes import meta_model
 from runner.memory.report import report
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec

@@ -13,12 +13,12 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from runner.config.fields import setting
 from runner.config.task import InferenceTaskConfig
 from runner.errors import SpecError, require
-from runner.memory.model_shapes import check_causal_lm
-from runner.memory.inference_report import inference_answer, planned_report
 from runner.memory.breakdown import processes
-from runner.config.fields import setting
+from runner.memory.inference_report import inference_answer, planned_report
+from runner.memory.model_shapes import check_causal_lm
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -59,21 +59,27 @@ class EvaluateTask(InferenceTaskConfig):
     )
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
-        require(self.max_batches is None or self.max_batches >= 0,
-                f"task.max_batches={self.max_batches} must be >= 0 (0: every row)")
+        require(
+            self.max_batches is None or self.max_batches >= 0,
+            f"task.max_batches={self.max_batches} must be >= 0 (0: every row)",
+        )
         self.check(spec.hardware.world_size)
-        require(not spec.data.streaming, "task=evaluate reads the token store's rows, and data.streaming=true has "
-                "none; evaluate with data.streaming=false (the eval split is tokenized once, as training's is)")
+        require(
+            not spec.data.streaming,
+            "task=evaluate reads the token store's rows, and data.streaming=true has "
+            "none; evaluate with data.streaming=false (the eval split is tokenized once, as training's is)",
+        )
         spec = self.with_trained_model(spec)
         check_causal_lm(spec.model)
         if self.benchmarks:
             from runner.components.modeling import build_tokenizer
             from runner.generation.benchmarks import check_lengths
 
-            require(self.benchmark_limit is None or self.benchmark_limit > 0, f"task.benchmark_limit="
-                    f"{self.benchmark_limit} must be a positive number of documents, or null for all")
-            check_lengths(self.loaded_benchmarks(), build_tokenizer(spec.model), spec.data.seq_len,
-                          "task.benchmarks")
+            require(
+                self.benchmark_limit is None or self.benchmark_limit > 0,
+                f"task.benchmark_limit={self.benchmark_limit} must be a positive number of documents, or null for all",
+            )
+            check_lengths(self.loaded_benchmarks(), build_tokenizer(spec.model), spec.data.seq_len, "task.benchmarks")
         return inference_answer(spec, self, **self.load(spec))
 
     def loaded_benchmarks(self) -> Benchmarks:
@@ -96,12 +102,15 @@ class EvaluateTask(InferenceTaskConfig):
         # The store holds the eval rows, then the train rows.
         rows = RowSet(eval_set.store, 0, train_set.stop) if self.split is EvalSplit.all else eval_set
         if len(rows) < spec.hardware.world_size:
-            raise SpecError(f"the {self.split.value} rows are {len(rows)}, fewer than the {spec.hardware.world_size} "
-                            "processes; raise data.eval_fraction or use task.split=all")
+            raise SpecError(
+                f"the {self.split.value} rows are {len(rows)}, fewer than the {spec.hardware.world_size} "
+                "processes; raise data.eval_fraction or use task.split=all"
+            )
         return rows
 
-    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
-            inputs: Optional[RowSet] = None) -> dict[str, Any]:
+    def run(
+        self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Optional[RowSet] = None
+    ) -> dict[str, Any]:
         from runner.data.batches import eval_batches
         from runner.engine.metrics import peak_memory_gib
         from runner.engine.step import mean_loss
@@ -118,17 +127,31 @@ class EvaluateTask(InferenceTaskConfig):
             log.info("placed %s", line)
         max_batches = spec.train.eval_batches if self.max_batches is None else self.max_batches or len(rows)
         dims = spec.layout
-        batches = eval_batches(rows, micro_batch_size=spec.train.micro_batch_size, max_batches=max_batches,
-                               dp_rank=dims.dp_rank(ranks.rank), dp_size=dims.dp_size,
-                               pad_token_id=model.tokenizer.pad_token_id)
+        batches = eval_batches(
+            rows,
+            micro_batch_size=spec.train.micro_batch_size,
+            max_batches=max_batches,
+            dp_rank=dims.dp_rank(ranks.rank),
+            dp_size=dims.dp_size,
+            pad_token_id=model.tokenizer.pad_token_id,
+        )
         started = time.perf_counter()
         try:
             result = mean_loss(model.model, batches, model.device, model.autocast, dims.counted(ranks.rank))
             seconds = time.perf_counter() - started
-            scores = self.loaded_benchmarks().scores(
-                model.model, model.tokenizer, model.device, model.autocast, spec.data.seq_len,
-                spec.train.micro_batch_size, Shard(dims.dp_rank(ranks.rank), dims.dp_size, dims.counted(ranks.rank))
-            ) if self.benchmarks else {}
+            scores = (
+                self.loaded_benchmarks().scores(
+                    model.model,
+                    model.tokenizer,
+                    model.device,
+                    model.autocast,
+                    spec.data.seq_len,
+                    spec.train.micro_batch_size,
+                    Shard(dims.dp_rank(ranks.rank), dims.dp_size, dims.counted(ranks.rank)),
+                )
+                if self.benchmarks
+                else {}
+            )
         finally:
             model.release()
         summary = {
@@ -161,6 +184,9 @@ def table(summary: dict[str, Any]) -> list[str]:
         f"  label tokens  {summary['label_tokens']:,}",
         f"  tokens/s      {summary['tokens_per_s']:,.0f}",
         f"  peak memory   {summary['peak_memory_gib']:.2f} GiB",
-        *(f"  {name.removeprefix('bench/')}  {value:.4f}" for name, value in summary.items()
-          if name.startswith("bench/")),
+        *(
+            f"  {name.removeprefix('bench/')}  {value:.4f}"
+            for name, value in summary.items()
+            if name.startswith("bench/")
+        ),
     ]

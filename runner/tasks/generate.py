@@ -10,12 +10,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, List, Optional
 
+from runner.config.fields import setting
 from runner.config.task import InferenceTaskConfig
 from runner.errors import require
 from runner.files.paths import absolute_path
-from runner.memory.model_shapes import check_causal_lm, facts_of
 from runner.memory.inference_report import inference_answer
-from runner.config.fields import setting
+from runner.memory.model_shapes import check_causal_lm, facts_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -51,7 +51,6 @@ class GenerateTask(InferenceTaskConfig):
     split_points: List[int] = setting([], "The blocks where stages 2, 3, ... start; unset: an even split.")
     microbatches: int = setting(2, "Each batch is cut into this many micro-batches, so that the stages work at once.")
 
-
     def with_absolute_paths(self, base: Path) -> GenerateTask:
         return replace(super().with_absolute_paths(base), prompts=absolute_path(self.prompts, base))
 
@@ -63,14 +62,18 @@ class GenerateTask(InferenceTaskConfig):
         require(self.top_k >= 0, f"task.top_k={self.top_k} must be >= 0 (0: no top-k)")
         require(self.microbatches >= 1, f"task.microbatches={self.microbatches} must be at least 1")
         self.check(spec.hardware.world_size)
-        require(not spec.strategy.shards_inference,
-                f"task=generate does not shard a model (strategy={spec.strategy.name}): use strategy=ddp for "
-                "data-parallel replicas, task.pipeline_stages=N to split the model over N processes, or "
-                "task.device_map=auto")
+        require(
+            not spec.strategy.shards_inference,
+            f"task=generate does not shard a model (strategy={spec.strategy.name}): use strategy=ddp for "
+            "data-parallel replicas, task.pipeline_stages=N to split the model over N processes, or "
+            "task.device_map=auto",
+        )
         if self.pipeline_stages > 1:
-            require(spec.hardware.world_size == self.pipeline_stages,
-                    f"task.pipeline_stages={self.pipeline_stages} runs a stage per process, and the hardware gives "
-                    f"{spec.hardware.world_size}; set hardware.nproc_per_node={self.pipeline_stages} strategy=ddp")
+            require(
+                spec.hardware.world_size == self.pipeline_stages,
+                f"task.pipeline_stages={self.pipeline_stages} runs a stage per process, and the hardware gives "
+                f"{spec.hardware.world_size}; set hardware.nproc_per_node={self.pipeline_stages} strategy=ddp",
+            )
         else:
             require(not self.split_points, "task.split_points needs task.pipeline_stages of 2 or more")
         prompts = self.inputs(spec)
@@ -85,16 +88,22 @@ class GenerateTask(InferenceTaskConfig):
     def load(self, prompts: list[str]) -> dict[str, Any]:
         """What a forward holds, for the memory estimate: a batch of the longest prompt and its new tokens."""
         longest = max(len(prompt.encode()) for prompt in prompts)  # UTF-8 bytes: a bound on any tokenizer's tokens
-        return {"batch_size": min(self.batch_size, len(prompts)), "tokens": longest + self.max_new_tokens,
-                "kv_cache": True, "stages": self.pipeline_stages, "prompt_tokens": longest}
+        return {
+            "batch_size": min(self.batch_size, len(prompts)),
+            "tokens": longest + self.max_new_tokens,
+            "kv_cache": True,
+            "stages": self.pipeline_stages,
+            "prompt_tokens": longest,
+        }
 
     def inputs(self, spec: RunSpec) -> list[str]:
         from runner.generation.completions import read_prompts
 
         return read_prompts(self.prompts, self.prompt_field)
 
-    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
-            inputs: Optional[list[str]] = None) -> dict[str, Any]:
+    def run(
+        self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Optional[list[str]] = None
+    ) -> dict[str, Any]:
         from runner.generation.completions import generate_completions
 
         prompts = inputs if inputs is not None else self.inputs(spec)

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from runner.components.rewards import RewardSpec, load_reward
 from runner.config.data import DataFormat
+from runner.config.fields import setting
 from runner.config.task import PostTrainingTaskConfig
 from runner.errors import require
 from runner.planning.time_plan import TimePlan, plan
 from runner.tasks.train import estimated_or_checked, run_training, training_inputs
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from runner.distributed import Ranks
     from runner.engine.grpo_loss import GroupPolicyLoss
     from runner.engine.job import LoadedData, PreparedJob
-    from runner.memory.model_shapes import ModelFacts
     from runner.memory.breakdown import Estimate
+    from runner.memory.model_shapes import ModelFacts
 
 
 class PolicyLossKind(str, Enum):
@@ -121,6 +121,7 @@ class GRPOTask(PostTrainingTaskConfig):
 
     def with_absolute_paths(self, base: Path) -> GRPOTask:
         """A reward in a file (`path/to/file.py:function`) named from `base`."""
+
         def absolute(reward: RewardSpec) -> RewardSpec:
             where, _, name = reward.function.rpartition(":")
             if not where.endswith(".py"):
@@ -130,30 +131,46 @@ class GRPOTask(PostTrainingTaskConfig):
         return replace(self, rewards=[absolute(reward) for reward in self.rewards])
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
-        require(spec.data.format is DataFormat.prompt,
-                f"task=grpo samples completions of prompts, and data.format={spec.data.format.value} has none; set "
-                "data.format=prompt (records with a prompt, a text or a conversation, and the fields the rewards read)")
-        require(self.num_generations >= 2, f"task.num_generations={self.num_generations} must be at least 2: a "
-                                           "completion's advantage is measured against its group's")
+        require(
+            spec.data.format is DataFormat.prompt,
+            f"task=grpo samples completions of prompts, and data.format={spec.data.format.value} has none; set "
+            "data.format=prompt (records with a prompt, a text or a conversation, and the fields the rewards read)",
+        )
+        require(
+            self.num_generations >= 2,
+            f"task.num_generations={self.num_generations} must be at least 2: a "
+            "completion's advantage is measured against its group's",
+        )
         train, dims = spec.train, spec.layout
         per_rank = train.micro_batch_size * train.grad_accum_steps
-        require(per_rank % self.num_generations == 0,
-                f"each rank's {per_rank} completions a step (train.micro_batch_size {train.micro_batch_size} x "
-                f"train.grad_accum_steps {train.grad_accum_steps}) do not divide into groups of "
-                f"task.num_generations={self.num_generations}; make them a multiple of it")
-        require(self.sampling_batch_size >= 0 and self.sampling_batch_size % self.num_generations == 0
-                and per_rank % max(1, self.sampling_batch_size) == 0,
-                f"task.sampling_batch_size={self.sampling_batch_size} must be 0 or a multiple of task.num_generations="
-                f"{self.num_generations} that divides each rank's {per_rank} completions a step")
-        require(dims.pp == 1 and dims.tp == 1 and dims.cp == 1,
-                "task=grpo samples with the whole policy on each rank or sharded by FSDP or ZeRO: set "
-                "strategy.pp_size, strategy.tp_size and strategy.cp_size to 1")
-        require(self.max_completion_length >= 1, f"task.max_completion_length={self.max_completion_length} must be "
-                                                  "at least 1")
+        require(
+            per_rank % self.num_generations == 0,
+            f"each rank's {per_rank} completions a step (train.micro_batch_size {train.micro_batch_size} x "
+            f"train.grad_accum_steps {train.grad_accum_steps}) do not divide into groups of "
+            f"task.num_generations={self.num_generations}; make them a multiple of it",
+        )
+        require(
+            self.sampling_batch_size >= 0
+            and self.sampling_batch_size % self.num_generations == 0
+            and per_rank % max(1, self.sampling_batch_size) == 0,
+            f"task.sampling_batch_size={self.sampling_batch_size} must be 0 or a multiple of task.num_generations="
+            f"{self.num_generations} that divides each rank's {per_rank} completions a step",
+        )
+        require(
+            dims.pp == 1 and dims.tp == 1 and dims.cp == 1,
+            "task=grpo samples with the whole policy on each rank or sharded by FSDP or ZeRO: set "
+            "strategy.pp_size, strategy.tp_size and strategy.cp_size to 1",
+        )
+        require(
+            self.max_completion_length >= 1,
+            f"task.max_completion_length={self.max_completion_length} must be at least 1",
+        )
         require(self.temperature > 0, f"task.temperature={self.temperature} must be > 0")
         require(0 < self.top_p <= 1, f"task.top_p={self.top_p} must be in (0, 1]")
-        require(self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0),
-                "task.epsilon and task.epsilon_high must be >= 0")
+        require(
+            self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0),
+            "task.epsilon and task.epsilon_high must be >= 0",
+        )
         require(self.beta >= 0, f"task.beta={self.beta} must be >= 0")
         require(self.num_iterations >= 1, f"task.num_iterations={self.num_iterations} must be at least 1")
         require(bool(self.rewards), "task.rewards is empty: name at least one reward (module:function)")
@@ -174,26 +191,34 @@ class GRPOTask(PostTrainingTaskConfig):
         _, train_set, eval_set = loaded
         train, dims = spec.train, spec.layout
         per_step = train.micro_batch_size * dims.dp_size * train.grad_accum_steps // self.num_generations
-        require(len(train_set) >= per_step,
-                f"the training split has {len(train_set)} prompts, fewer than the {per_step} of one step (the "
-                f"global batch's completions over task.num_generations={self.num_generations}); add prompts or "
-                "lower train.micro_batch_size or train.grad_accum_steps")
-        require(len(eval_set) >= dims.dp_size,
-                f"the eval split has {len(eval_set)} prompts, fewer than the {dims.dp_size} data-parallel ranks; "
-                "raise data.eval_fraction")
+        require(
+            len(train_set) >= per_step,
+            f"the training split has {len(train_set)} prompts, fewer than the {per_step} of one step (the "
+            f"global batch's completions over task.num_generations={self.num_generations}); add prompts or "
+            "lower train.micro_batch_size or train.grad_accum_steps",
+        )
+        require(
+            len(eval_set) >= dims.dp_size,
+            f"the eval split has {len(eval_set)} prompts, fewer than the {dims.dp_size} data-parallel ranks; "
+            "raise data.eval_fraction",
+        )
         needed = {name for reward in self.rewards for name in fields_read(reward)}
         for prompt in train_set.prompts + eval_set.prompts:
             missing = sorted(needed - set(prompt.fields))
-            require(not missing, f"data.files: {prompt.where} has no field {', '.join(missing)}, which "
-                                 f"task.rewards read")
-            require(len(prompt.ids) + self.max_completion_length <= spec.data.seq_len,
-                    f"data.files: {prompt.where} has a prompt of {len(prompt.ids)} tokens, which leaves no room in "
-                    f"data.seq_len={spec.data.seq_len} for a completion of task.max_completion_length="
-                    f"{self.max_completion_length}; raise data.seq_len or shorten it")
+            require(
+                not missing, f"data.files: {prompt.where} has no field {', '.join(missing)}, which task.rewards read"
+            )
+            require(
+                len(prompt.ids) + self.max_completion_length <= spec.data.seq_len,
+                f"data.files: {prompt.where} has a prompt of {len(prompt.ids)} tokens, which leaves no room in "
+                f"data.seq_len={spec.data.seq_len} for a completion of task.max_completion_length="
+                f"{self.max_completion_length}; raise data.seq_len or shorten it",
+            )
         return loaded
 
-    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
-            inputs: Optional[LoadedData] = None) -> dict[str, Any]:
+    def run(
+        self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Optional[LoadedData] = None
+    ) -> dict[str, Any]:
         return run_training(spec, run_dir, ranks, identity, inputs, self.objective)
 
     def memory_terms(self, spec: RunSpec, facts: ModelFacts, estimate: Estimate) -> Estimate:
@@ -202,15 +227,19 @@ class GRPOTask(PostTrainingTaskConfig):
         step, its prompts and completions at their longest (data.seq_len)."""
         from runner.memory.breakdown import Part, dtype_name, reference_model
 
-        reference = reference_model(spec, facts.parameters, facts.buffer_bytes) if self.beta else \
-            Part(0, "none (task.beta=0)")
+        reference = (
+            reference_model(spec, facts.parameters, facts.buffer_bytes) if self.beta else Part(0, "none (task.beta=0)")
+        )
         rows = self.sampling_batch_size or spec.train.micro_batch_size * spec.train.grad_accum_steps
         length = spec.data.seq_len
         compute = spec.precision.compute_dtype.bytes
         cache = 2 * facts.layers * rows * length * facts.layer.kv_heads * facts.layer.head_dim * compute
         logits = rows * facts.vocab * (compute + 4)  # the last position's, and their fp32 copy
-        sampling = Part(cache + logits, f"the KV cache of the {rows} completions sampled at once, {length} tokens "
-                                        f"each, {dtype_name(compute)}, and their next token's logits")
+        sampling = Part(
+            cache + logits,
+            f"the KV cache of the {rows} completions sampled at once, {length} tokens "
+            f"each, {dtype_name(compute)}, and their next token's logits",
+        )
         return replace(estimate, reference=reference, sampling=sampling)
 
     def objective(self, job: PreparedJob) -> GroupPolicyLoss:
@@ -219,15 +248,33 @@ class GRPOTask(PostTrainingTaskConfig):
         from runner.generation.decoding import Decoding
         from runner.generation.rollout import Rollout
 
-        settings = PolicyLoss(self.loss.value, self.importance_sampling_level.value, self.epsilon,
-                              self.epsilon if self.epsilon_high is None else self.epsilon_high, self.beta,
-                              self.max_completion_length, self.temperature)
-        decoding = Decoding(self.max_completion_length, do_sample=True, temperature=self.temperature,
-                            top_p=self.top_p, pad_token_id=job.tokenizer.pad_token_id)
+        settings = PolicyLoss(
+            self.loss.value,
+            self.importance_sampling_level.value,
+            self.epsilon,
+            self.epsilon if self.epsilon_high is None else self.epsilon_high,
+            self.beta,
+            self.max_completion_length,
+            self.temperature,
+        )
+        decoding = Decoding(
+            self.max_completion_length,
+            do_sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            pad_token_id=job.tokenizer.pad_token_id,
+        )
         rewards = [(reward_name(reward), load_reward(reward), reward.weight) for reward in self.rewards]
         reference = reference_logps(job, self.temperature) if self.beta else None
-        rollout = Rollout(self.num_generations, decoding, self.sampling_batch_size, self.scale_rewards.value, rewards,
-                          reference, keep_old_logps=self.num_iterations > 1)
+        rollout = Rollout(
+            self.num_generations,
+            decoding,
+            self.sampling_batch_size,
+            self.scale_rewards.value,
+            rewards,
+            reference,
+            keep_old_logps=self.num_iterations > 1,
+        )
         return GroupPolicyLoss(settings, rollout, self.num_iterations)
 
 
@@ -243,10 +290,14 @@ def fields_read(reward: RewardSpec) -> list[str]:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         return []
-    return [parameter.name for parameter in parameters
-            if parameter.default is inspect.Parameter.empty and parameter.name not in GIVEN
-            and parameter.name not in reward.args
-            and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    return [
+        parameter.name
+        for parameter in parameters
+        if parameter.default is inspect.Parameter.empty
+        and parameter.name not in GIVEN
+        and parameter.name not in reward.args
+        and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
 
 
 def reference_logps(job: PreparedJob, temperature: float):
@@ -258,11 +309,12 @@ def reference_logps(job: PreparedJob, temperature: float):
     from runner.strategies.strategy_protocol import unwrapped
 
     if job.spec.adapter.active:
+
         def with_adapters_off(job: PreparedJob, micro_batch) -> Any:
             with adapters_off(unwrapped(job.model)):
                 return token_logps(job.model, micro_batch, temperature)
+
         return with_adapters_off
     model = placed_model(job.spec, job.ranks, job.device, job.tokenizer, training=False, frozen=True).model
     model.eval()
     return lambda job, micro_batch: token_logps(model, micro_batch, temperature)
-

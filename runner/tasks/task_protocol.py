@@ -30,8 +30,9 @@ class Task(Protocol):
         so that unreadable input stops the job at once (SpecError); a job of one process gets it back in `run`."""
         ...
 
-    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Any = None
-            ) -> dict[str, Any]:
+    def run(
+        self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Any = None
+    ) -> dict[str, Any]:
         """The job, on each of its ranks (in a process group when there are several); its summary, whose
         `objective` (a loss, or None) a sweeper reads. `inputs`: what `inputs` returned in this process, if it ran
         here."""

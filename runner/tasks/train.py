@@ -12,6 +12,7 @@ from runner.compat import dtensor_flattens_a_sharded_sequence, pipeline_passes_i
 from runner.components.lora import targets
 from runner.components.trackers import check_services
 from runner.config.data import DataFormat
+from runner.config.fields import setting
 from runner.config.task import PostTrainingTaskConfig, TaskConfig
 from runner.engine.checkpoint import check_resumable
 from runner.errors import require
@@ -20,7 +21,6 @@ from runner.memory.model_shapes import check_causal_lm, fp8_linears, meta_model
 from runner.memory.report import report
 from runner.parallel.tensor import block_plan
 from runner.planning.time_plan import plan
-from runner.config.fields import setting
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -44,20 +44,25 @@ class TrainTask(TaskConfig):
     trains: ClassVar[bool] = True
 
     def before_launch(self, spec: RunSpec) -> Optional[str]:
-        require(spec.data.format is not DataFormat.preference,
-                "data.format=preference holds pairs of responses, which task=dpo trains on; task=train trains on "
-                "text, instruction or chat data")
-        require(spec.data.format is not DataFormat.prompt,
-                "data.format=prompt holds prompts, whose completions task=grpo samples and trains on; task=train "
-                "trains on text, instruction or chat data")
+        require(
+            spec.data.format is not DataFormat.preference,
+            "data.format=preference holds pairs of responses, which task=dpo trains on; task=train trains on "
+            "text, instruction or chat data",
+        )
+        require(
+            spec.data.format is not DataFormat.prompt,
+            "data.format=prompt holds prompts, whose completions task=grpo samples and trains on; task=train "
+            "trains on text, instruction or chat data",
+        )
         check_training(spec, self.fit_check)
         return None
 
     def inputs(self, spec: RunSpec) -> LoadedData:
         return training_inputs(spec)
 
-    def run(self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity,
-            inputs: Optional[LoadedData] = None) -> dict[str, Any]:
+    def run(
+        self, spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Optional[LoadedData] = None
+    ) -> dict[str, Any]:
         return run_training(spec, run_dir, ranks, identity, inputs)
 
 
@@ -69,8 +74,14 @@ def training_inputs(spec: RunSpec) -> LoadedData:
     return load_data(spec)
 
 
-def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdentity, inputs: Optional[LoadedData],
-                 objective: Optional[Callable[[PreparedJob], Objective]] = None) -> dict[str, Any]:
+def run_training(
+    spec: RunSpec,
+    run_dir: Path,
+    ranks: Ranks,
+    identity: RunIdentity,
+    inputs: Optional[LoadedData],
+    objective: Optional[Callable[[PreparedJob], Objective]] = None,
+) -> dict[str, Any]:
     """A training task's job on this rank: the prepared job, with the task's objective where it has its own (the
     next-token loss otherwise), trained; its summary, whose eval loss a sweeper minimises."""
     from runner.engine.job import prepare_job
@@ -84,8 +95,9 @@ def run_training(spec: RunSpec, run_dir: Path, ranks: Ranks, identity: RunIdenti
     try:
         benchmarks = training_benchmarks(spec)
         scores, tokens = (None, None) if benchmarks is None else scoring(benchmarks)
-        job = prepare_job(spec, run_dir, ranks, identity, inputs, objective, scores, tokens,
-                          kept_best(spec, benchmarks))
+        job = prepare_job(
+            spec, run_dir, ranks, identity, inputs, objective, scores, tokens, kept_best(spec, benchmarks)
+        )
         summary = train(job)
     finally:
         watch.close()
@@ -140,14 +152,18 @@ def check_benchmarks(spec: RunSpec, benchmarks: Benchmarks) -> None:
     from runner.generation.benchmarks import check_lengths
 
     dims = spec.layout
-    require(dims.pp == 1 and dims.cp == 1, f"train.benchmarks with strategy.pp_size={dims.pp} and strategy.cp_size="
-            f"{dims.cp}: the benchmarks run whole forwards of the model on each rank; score them with pp_size and "
-            "cp_size 1, or on the trained model (task=evaluate task.benchmarks=...)")
+    require(
+        dims.pp == 1 and dims.cp == 1,
+        f"train.benchmarks with strategy.pp_size={dims.pp} and strategy.cp_size="
+        f"{dims.cp}: the benchmarks run whole forwards of the model on each rank; score them with pp_size and "
+        "cp_size 1, or on the trained model (task=evaluate task.benchmarks=...)",
+    )
     check_lengths(benchmarks, build_tokenizer(spec.model), spec.data.seq_len, "train.benchmarks")
 
 
-def scoring(benchmarks: Benchmarks) -> tuple[Callable[[PreparedJob], dict[str, float]],
-                                             Callable[[PreTrainedTokenizerBase], int]]:
+def scoring(
+    benchmarks: Benchmarks,
+) -> tuple[Callable[[PreparedJob], dict[str, float]], Callable[[PreTrainedTokenizerBase], int]]:
     """The benchmarks' scores of a job's model as the strategy placed it, each data-parallel rank answering its
     share of the requests; and what one scoring passes forward, counted with the job's tokenizer."""
     from runner.generation.benchmark_model import Shard
@@ -155,8 +171,15 @@ def scoring(benchmarks: Benchmarks) -> tuple[Callable[[PreparedJob], dict[str, f
 
     def scores(job: PreparedJob) -> dict[str, float]:
         shard = Shard(job.dims.dp_rank(job.ranks.rank), job.dims.dp_size, job.counted)
-        return benchmarks.scores(job.model, job.tokenizer, job.device, job.autocast, job.spec.data.seq_len,
-                                 job.spec.train.micro_batch_size, shard)
+        return benchmarks.scores(
+            job.model,
+            job.tokenizer,
+            job.device,
+            job.autocast,
+            job.spec.data.seq_len,
+            job.spec.train.micro_batch_size,
+            shard,
+        )
 
     return scores, partial(forward_tokens, benchmarks)
 
@@ -169,8 +192,10 @@ def kept_best(spec: RunSpec, benchmarks: Optional[Benchmarks]) -> Optional[KeepB
     if name is None:
         return None
     directions = {**spec.task.eval_metrics, **(benchmarks.higher_is_better if benchmarks is not None else {})}
-    require(name in directions, f"train.keep_best={name} is not a metric this run logs; it logs "
-            f"{', '.join(sorted(directions))}")
+    require(
+        name in directions,
+        f"train.keep_best={name} is not a metric this run logs; it logs {', '.join(sorted(directions))}",
+    )
     return KeepBest(name, directions[name])
 
 
@@ -178,10 +203,14 @@ def check_torch_features(spec: RunSpec, tp: int, pp: int) -> None:
     """What the installed torch cannot do of what the spec asks (torch 2.11 and 2.12, which pyproject accepts)."""
     import torch
 
-    require(tp == 1 or not spec.adapter.active or dtensor_flattens_a_sharded_sequence(),
-            f"adapter=lora with strategy.tp_size={tp}: torch {torch.__version__}'s DTensor cannot apply LoRA's B to "
-            "the sequence-split output of an A split by rows (torch 2.13's can); use strategy.tp_size=1, or torch "
-            ">= 2.13")
-    require(pp == 1 or pipeline_passes_integer_tensors(),
-            f"strategy.pp_size={pp}: torch {torch.__version__}'s pipeline stages cannot pass on the labels and "
-            "positions from stage to stage (torch 2.13's can); use strategy.pp_size=1, or torch >= 2.13")
+    require(
+        tp == 1 or not spec.adapter.active or dtensor_flattens_a_sharded_sequence(),
+        f"adapter=lora with strategy.tp_size={tp}: torch {torch.__version__}'s DTensor cannot apply LoRA's B to "
+        "the sequence-split output of an A split by rows (torch 2.13's can); use strategy.tp_size=1, or torch "
+        ">= 2.13",
+    )
+    require(
+        pp == 1 or pipeline_passes_integer_tensors(),
+        f"strategy.pp_size={pp}: torch {torch.__version__}'s pipeline stages cannot pass on the labels and "
+        "positions from stage to stage (torch 2.13's can); use strategy.pp_size=1, or torch >= 2.13",
+    )

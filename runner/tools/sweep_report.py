@@ -17,8 +17,21 @@ from omegaconf import DictConfig
 from runner.errors import Stopped
 from runner.processes.cluster import is_first_task
 
-COLUMNS = ["job", "swept", "overrides", "status", "train_loss", "eval_loss", "tokens_per_s", "peak_memory_gib",
-           "wall_time_s", "predicted_wall_time_s", "gpu_hours", "predicted_gpu_hours", "error"]
+COLUMNS = [
+    "job",
+    "swept",
+    "overrides",
+    "status",
+    "train_loss",
+    "eval_loss",
+    "tokens_per_s",
+    "peak_memory_gib",
+    "wall_time_s",
+    "predicted_wall_time_s",
+    "gpu_hours",
+    "predicted_gpu_hours",
+    "error",
+]
 # The objective's own metrics (task=dpo's, task=grpo's), after eval_loss where a job has them.
 OBJECTIVE_COLUMNS = ["eval_rewards/accuracies", "eval_rewards/margins", "eval_reward"]
 # Where a job set hardware.cost_per_gpu_hour: its cost, and the one its plan predicted.
@@ -70,28 +83,40 @@ def job_rows(sweep_dir: Path, ended: bool, not_started: list[list[str]]) -> list
     import yaml
 
     rows = []
-    for job_dir in sorted((p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
-                          key=lambda p: int(p.name) if p.name.isdigit() else p.name):
+    for job_dir in sorted(
+        (p.parent.parent for p in sweep_dir.glob("*/.hydra/overrides.yaml")),
+        key=lambda p: int(p.name) if p.name.isdigit() else p.name,
+    ):
         overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
         summary_file = job_dir / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
         error_file = job_dir / ERROR_FILE
         error = error_file.read_text().strip() if error_file.exists() else None
         predicted = summary.get("predicted") or {}
-        rows.append({
-            "job": job_dir.name,
-            "overrides": " ".join(overrides),
-            "swept": overrides,
-            "status": "completed" if summary else status_of(error) if error else "failed" if ended else "running",
-            **{key: summary.get(key) for key in [*COLUMNS[4:-1], "cost"]},
-            **{f"predicted_{key}": predicted.get(key) for key in ("wall_time_s", "gpu_hours", "cost")},
-            **{key: summary[key] for key in OBJECTIVE_COLUMNS if key in summary},
-            **{key: value for key, value in summary.items() if key.startswith(SCORES)},
-            "error": error,
-        })
+        rows.append(
+            {
+                "job": job_dir.name,
+                "overrides": " ".join(overrides),
+                "swept": overrides,
+                "status": "completed" if summary else status_of(error) if error else "failed" if ended else "running",
+                **{key: summary.get(key) for key in [*COLUMNS[4:-1], "cost"]},
+                **{f"predicted_{key}": predicted.get(key) for key in ("wall_time_s", "gpu_hours", "cost")},
+                **{key: summary[key] for key in OBJECTIVE_COLUMNS if key in summary},
+                **{key: value for key, value in summary.items() if key.startswith(SCORES)},
+                "error": error,
+            }
+        )
     first = int(rows[-1]["job"]) + 1 if rows and rows[-1]["job"].isdigit() else 0
-    rows += [{"job": str(first + i), "overrides": " ".join(point), "swept": point, "status": "not started",
-              **{key: None for key in COLUMNS[4:]}} for i, point in enumerate(not_started)]
+    rows += [
+        {
+            "job": str(first + i),
+            "overrides": " ".join(point),
+            "swept": point,
+            "status": "not started",
+            **{key: None for key in COLUMNS[4:]},
+        }
+        for i, point in enumerate(not_started)
+    ]
     # What tells the jobs apart: the overrides not shared by all of them.
     shared = set.intersection(*(set(row["swept"]) for row in rows)) if rows else set()
     for row in rows:
@@ -137,16 +162,19 @@ def plot_curves(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
     except ImportError:
         return
     files = {row["job"]: sweep_dir / row["job"] / "metrics.jsonl" for row in rows}
-    records = {job: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-               for job, path in files.items()}
+    records = {
+        job: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        for job, path in files.items()
+    }
     labels = {row["job"]: f"{row['job']}: {row['swept']}"[:80] for row in rows}
     figure, axes = plt.subplots(figsize=(8, 5))
     draw(axes, records, labels, "step", "loss", "training loss")
     axes.set_title(str(sweep_dir))
     figure.savefig(sweep_dir / "loss_curves.png", dpi=100, bbox_inches="tight")
     plt.close(figure)
-    scores = sorted({key for logged in records.values() for record in logged for key in record
-                     if key.startswith(SCORES)})
+    scores = sorted(
+        {key for logged in records.values() for record in logged for key in record if key.startswith(SCORES)}
+    )
     if not scores:
         return
     columns = min(3, len(scores))
@@ -154,15 +182,16 @@ def plot_curves(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
     figure, panels = plt.subplots(lines, columns, figsize=(5 * columns, 3.5 * lines), squeeze=False)
     for score, axes in zip(scores, panels.flat):
         draw(axes, records, labels, "tokens_seen", score, score.removeprefix(SCORES))
-    for axes in panels.flat[len(scores):]:
+    for axes in panels.flat[len(scores) :]:
         axes.set_visible(False)
     figure.suptitle(str(sweep_dir))
     figure.savefig(sweep_dir / BENCHMARKS_PLOT, dpi=100, bbox_inches="tight")
     plt.close(figure)
 
 
-def draw(axes: Any, records: dict[str, list[dict[str, Any]]], labels: dict[str, str], x: str, y: str,
-         name: str) -> None:
+def draw(
+    axes: Any, records: dict[str, list[dict[str, Any]]], labels: dict[str, str], x: str, y: str, name: str
+) -> None:
     """`y` against `x` for each job that logged both in one record, each job in its own colour in every panel."""
     for number, (job, logged) in enumerate(records.items()):
         points = [(record[x], record[y]) for record in logged if x in record and y in record]

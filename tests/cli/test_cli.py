@@ -40,8 +40,9 @@ def test_cfg_job_prints_the_resolved_spec_without_torch(workdir):
 
 
 def test_cfg_job_refuses_what_the_run_would_refuse(workdir):
-    result = run_cli("--cfg", "job", "strategy=ddp", "hardware.nproc_per_node=2", "strategy.bucket_cap_mb=-5",
-                     cwd=workdir)
+    result = run_cli(
+        "--cfg", "job", "strategy=ddp", "hardware.nproc_per_node=2", "strategy.bucket_cap_mb=-5", cwd=workdir
+    )
     assert result.returncode == 2
     assert result.stderr.strip() == "run: error: strategy.bucket_cap_mb=-5 must be > 0"
     assert result.stdout == ""
@@ -49,8 +50,10 @@ def test_cfg_job_refuses_what_the_run_would_refuse(workdir):
 
 
 def test_help_does_not_import_torch(workdir):
-    probe = ('import sys; sys.argv = ["run", "--help"]; from runner.cli.main import main; main(); '
-             'print("torch" in sys.modules)')
+    probe = (
+        'import sys; sys.argv = ["run", "--help"]; from runner.cli.main import main; main(); '
+        'print("torch" in sys.modules)'
+    )
     result = subprocess.run([sys.executable, "-c", probe], cwd=workdir, capture_output=True, text=True)
     assert result.stdout.strip().endswith("False")
 
@@ -70,7 +73,10 @@ COUNT_COLLECTIONS = """
 
 
 def test_the_collector_pauses_once_and_leaves_a_disabled_collector_disabled(workdir):
-    stdout = in_a_new_interpreter(workdir, COUNT_COLLECTIONS, """
+    stdout = in_a_new_interpreter(
+        workdir,
+        COUNT_COLLECTIONS,
+        """
         import os
         from runner.framework_imports import collector_paused
         collections.clear()
@@ -89,23 +95,30 @@ def test_the_collector_pauses_once_and_leaves_a_disabled_collector_disabled(work
                 print("forked:", gc.isenabled(), flush=True)
             os._exit(0)
         os.wait()
-    """)
+    """,
+    )
     assert stdout.splitlines() == ["first: True 0 True True", "then: True True", "forked: True"]
-    stdout = in_a_new_interpreter(workdir, """
+    stdout = in_a_new_interpreter(
+        workdir,
+        """
         import gc
         from runner.framework_imports import collector_paused
         gc.disable()
         with collector_paused():
             pass
         print("disabled:", gc.isenabled(), gc.get_freeze_count() > 0)
-    """)
+    """,
+    )
     assert stdout.strip() == "disabled: False True"
 
 
 @pytest.mark.slow
 def test_a_jobs_checks_import_torch_and_transformers_without_a_collection(workdir):
     """A task's checks before launch are where `run` and a cluster job's tasks first import the frameworks."""
-    stdout = in_a_new_interpreter(workdir, COUNT_COLLECTIONS, """
+    stdout = in_a_new_interpreter(
+        workdir,
+        COUNT_COLLECTIONS,
+        """
         import sys
         from pathlib import Path
         from runner.cli.app import task_checked, validated
@@ -114,7 +127,8 @@ def test_a_jobs_checks_import_torch_and_transformers_without_a_collection(workdi
         collections.clear()
         task_checked(spec)
         print("transformers.modeling_utils" in sys.modules, collections, gc.isenabled(), gc.get_freeze_count() > 0)
-    """)
+    """,
+    )
     assert stdout.strip() == "True [] True True"
 
 
@@ -125,18 +139,25 @@ def test_installed_package_carries_conf_and_recipes(tmp_path):
     target = tmp_path / "site"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(repo)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert install.returncode == 0, install.stderr[-2000:]
     for source, shipped in (("conf", "conf"), ("recipes", "recipes")):
         expected = {p.relative_to(repo / source) for p in (repo / source).rglob("*.yaml")}
-        assert {p.relative_to(target / "runner" / shipped)
-                for p in (target / "runner" / shipped).rglob("*.yaml")} == expected
+        assert {
+            p.relative_to(target / "runner" / shipped) for p in (target / "runner" / shipped).rglob("*.yaml")
+        } == expected
     assert (target / "runner" / "planning" / "measured_mfu.yaml").exists()  # the plan's table of GPU figures
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-m", "runner", "recipe=cpu_quick", "--cfg", "job"], cwd=elsewhere,
-                            capture_output=True, text=True, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "runner", "recipe=cpu_quick", "--cfg", "job"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert "max_steps: 30" in result.stdout

@@ -13,8 +13,8 @@ from runner.cli.compose import CONF_DIR, RECIPES_DIR
 from runner.config.hardware import Accelerator
 from runner.config.spec import RunSpec, validate
 from runner.memory.advice import check_fit, fit
-from runner.memory.model_shapes import facts_of
 from runner.memory.breakdown import estimate
+from runner.memory.model_shapes import facts_of
 from tests.support import DATA
 from tests.support.command import run_cli
 from tests.support.specs import composed
@@ -30,16 +30,25 @@ def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
     """What `model.pretrained` points at, as far as validation reads it: the config.json of the published model
     (the architecture the model group of the same name describes)."""
     model = Path(spec.model.pretrained).name.lower().replace("meta-", "").replace("-", "")
-    name = {"llama38b": "llama3_8b", "llama38binstruct": "llama3_8b", "llama370b": "llama3_70b",
-            "llama3.170b": "llama3_1_70b", "llama3.21binstruct": "llama3_2_1b"}[model]
+    name = {
+        "llama38b": "llama3_8b",
+        "llama38binstruct": "llama3_8b",
+        "llama370b": "llama3_70b",
+        "llama3.170b": "llama3_1_70b",
+        "llama3.21binstruct": "llama3_2_1b",
+    }[model]
     architecture = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())["architecture"]
     (tmp / "config.json").write_text(json.dumps(architecture))
     return tmp
 
 
-PARAMETERS = {"meta-llama/Meta-Llama-3-8B": 8_030_261_248, "meta-llama/Meta-Llama-3-8B-Instruct": 8_030_261_248,
-              "meta-llama/Meta-Llama-3-70B": 70_553_706_496, "meta-llama/Llama-3.1-70B": 70_553_706_496,
-              "meta-llama/Llama-3.2-1B-Instruct": 1_235_814_400}
+PARAMETERS = {
+    "meta-llama/Meta-Llama-3-8B": 8_030_261_248,
+    "meta-llama/Meta-Llama-3-8B-Instruct": 8_030_261_248,
+    "meta-llama/Meta-Llama-3-70B": 70_553_706_496,
+    "meta-llama/Llama-3.1-70B": 70_553_706_496,
+    "meta-llama/Llama-3.2-1B-Instruct": 1_235_814_400,
+}
 
 
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
@@ -53,8 +62,9 @@ def test_gpu_recipe_validates_and_fits_its_hardware(recipe, tmp_path):
     # An estimate validates everything but the presence of the GPUs, which this machine may not have: task=estimate,
     # or the recipe's own task's estimate_only where it sets that task's keys.
     estimate_only = "task.estimate_only=true" if hasattr(planned.task, "estimate_only") else "task=estimate"
-    spec = validate(composed([f"recipe={recipe}", f"model.pretrained={checkpoint}", f"data.files={pairs}",
-                              estimate_only]))
+    spec = validate(
+        composed([f"recipe={recipe}", f"model.pretrained={checkpoint}", f"data.files={pairs}", estimate_only])
+    )
     assert facts_of(spec.model).parameters == PARAMETERS[planned.model.pretrained]
     trained = replace(spec, task=planned.task)  # the recipe's task (train, dpo), as the launch checks it
     check_fit(trained)  # the check every launch runs: raises if it does not fit
@@ -70,17 +80,23 @@ def test_the_70b_recipe_splits_its_blocks_because_fsdp_alone_would_not_fit(tmp_p
     pairs.write_text('{"prompt": "2 + 2 =", "response": " 4"}\n')
     recipe = "recipe=llama3_1_70b_fsdp_tp_8xh100"
     checkpoint = local_checkpoint(tmp_path, composed([recipe]))
-    spec = validate(composed([recipe, f"model.pretrained={checkpoint}", f"data.files={pairs}", "task=estimate",
-                              "strategy.tp_size=1"]))
+    spec = validate(
+        composed(
+            [recipe, f"model.pretrained={checkpoint}", f"data.files={pairs}", "task=estimate", "strategy.tp_size=1"]
+        )
+    )
     with pytest.raises(SpecError, match=r"it fits with: strategy\.tp_size=2 \("):
         check_fit(replace(spec, task=composed([recipe]).task))
 
 
 def test_recipes_set_what_their_names_say():
     two_cards = composed(["recipe=llama3_8b_full_2x4090"])
-    assert (two_cards.strategy.sharding_strategy.value, two_cards.strategy.offload_params,
-            two_cards.strategy.cpu_ram_efficient_loading,
-            two_cards.hardware.nproc_per_node) == ("FULL_SHARD", True, True, 2)
+    assert (
+        two_cards.strategy.sharding_strategy.value,
+        two_cards.strategy.offload_params,
+        two_cards.strategy.cpu_ram_efficient_loading,
+        two_cards.hardware.nproc_per_node,
+    ) == ("FULL_SHARD", True, True, 2)
     one_h100 = composed(["recipe=llama3_8b_full_1xh100"])
     assert (one_h100.hardware.nproc_per_node, one_h100.strategy.offload_optimizer.value) == (1, "cpu")
     assert composed(["recipe=llama3_8b_fsdp_8xh100"]).hardware.nproc_per_node == 8
@@ -98,8 +114,11 @@ def trained_recipe(recipe: str, workdir: Path) -> Path:
     summary = json.loads(summary_file.read_text())
     planned = composed([f"recipe={recipe}", *data])
     assert summary["steps"] == planned.train.max_steps
-    evaluations = [json.loads(line) for line in summary_file.with_name("metrics.jsonl").read_text().splitlines()
-                   if "eval_loss" in line]
+    evaluations = [
+        json.loads(line)
+        for line in summary_file.with_name("metrics.jsonl").read_text().splitlines()
+        if "eval_loss" in line
+    ]
     if planned.data.format.value == "prompt":  # the held-out prompts' greedy completions earn more
         assert evaluations[-1]["eval_reward"] >= evaluations[0]["eval_reward"] + 1.0
     elif planned.data.format.value == "preference":  # the held-out pairs' rewards rank chosen over rejected
@@ -164,10 +183,10 @@ def test_a_copied_recipe_is_edited_and_run_in_place_of_the_original(workdir):
 def test_a_project_recipe_shadows_the_bundled_one_and_a_search_path_adds_more(workdir, tmp_path_factory):
     (workdir / "recipes").mkdir()
     (workdir / "recipes" / "cpu_quick.yaml").write_text(
-        "# @package _global_\n# my own quick run\ntrain:\n  max_steps: 5\n")
+        "# @package _global_\n# my own quick run\ntrain:\n  max_steps: 5\n"
+    )
     elsewhere = tmp_path_factory.mktemp("team_recipes")
-    (elsewhere / "team.yaml").write_text("# @package _global_\n# the team's run\ndefaults:\n"
-                                         "  - override /optim: sgd\n")
+    (elsewhere / "team.yaml").write_text("# @package _global_\n# the team's run\ndefaults:\n  - override /optim: sgd\n")
     env = {recipes.SEARCH_PATH_VARIABLE: str(elsewhere)}
     assert "max_steps: 5" in run_cli("recipe=cpu_quick", "--cfg", "job", cwd=workdir).stdout
     shown = run_cli("recipe=team", "--cfg", "job", cwd=workdir, env=env)
@@ -187,18 +206,29 @@ def test_a_command_writes_recipes_only_under_plain_names_in_recipes(command, nam
     (workdir / "recipes" if recipes_exist else workdir).mkdir(parents=True)
     result = run_cli(*command, name, cwd=workdir)
     assert result.returncode == 2
-    assert result.stderr.startswith(f"run: error: {name} cannot name a recipe: use letters, digits, _ and -; run "
-                                    f"{command[0]} ") and result.stderr.count("\n") == 1, result.stderr
+    assert (
+        result.stderr.startswith(
+            f"run: error: {name} cannot name a recipe: use letters, digits, _ and -; run {command[0]} "
+        )
+        and result.stderr.count("\n") == 1
+    ), result.stderr
     assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == (
-        [Path("a"), Path("a/b"), Path("a/b/recipes")] if recipes_exist else [Path("a"), Path("a/b")])
+        [Path("a"), Path("a/b"), Path("a/b/recipes")] if recipes_exist else [Path("a"), Path("a/b")]
+    )
 
 
-@pytest.mark.parametrize("args,message", [
-    (["recipe=no_such"], "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_dpo, cpu_fsdp, cpu_grpo, "
-                         "cpu_lora, cpu_qlora, cpu_quick"),
-    (["--copy-recipe", "no_such"], "no recipe named no_such"),
-    (["--copy-recipe"], "usage: run --copy-recipe <name> [<new name>]"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["recipe=no_such"],
+            "recipe=no_such is not an option; choose one of: cpu_ddp, cpu_dpo, cpu_fsdp, cpu_grpo, "
+            "cpu_lora, cpu_qlora, cpu_quick",
+        ),
+        (["--copy-recipe", "no_such"], "no recipe named no_such"),
+        (["--copy-recipe"], "usage: run --copy-recipe <name> [<new name>]"),
+    ],
+)
 def test_recipe_errors_are_one_line(args, message, workdir):
     result = run_cli(*args, cwd=workdir)
     assert result.returncode == 2
@@ -225,5 +255,13 @@ def test_tab_completion_offers_the_recipes(flag, workdir):
     typed = {"COMP_LINE": "run recipe=cpu_", "COMP_POINT": "15"}
     result = run_cli(flag, "query=bash", cwd=workdir, env=typed)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["recipe=cpu_ddp", "recipe=cpu_dpo", "recipe=cpu_fsdp", "recipe=cpu_grpo",
-                                     "recipe=cpu_lora", "recipe=cpu_mine", "recipe=cpu_qlora", "recipe=cpu_quick"]
+    assert result.stdout.split() == [
+        "recipe=cpu_ddp",
+        "recipe=cpu_dpo",
+        "recipe=cpu_fsdp",
+        "recipe=cpu_grpo",
+        "recipe=cpu_lora",
+        "recipe=cpu_mine",
+        "recipe=cpu_qlora",
+        "recipe=cpu_quick",
+    ]

@@ -16,18 +16,33 @@ from tests.support.specs import QUICK, composed
 
 pytestmark = pytest.mark.slow
 
-SHORT = [*QUICK, "train.max_steps=4", "train.log_every=2", "train.eval_every=0", "train.eval_batches=2",
-         "train.save_model=false"]
+SHORT = [
+    *QUICK,
+    "train.max_steps=4",
+    "train.log_every=2",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.save_model=false",
+]
 
 
 def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     """Each job's predicted and measured time, GPU-hours and cost (a declared peak and price), and its benchmark
     scores, in the report and in benchmarks.png."""
     # 4 query heads cannot share 3 key-value heads: that job fails in its first forward; the other three train.
-    result = run_cli("-m", *SHORT, "hardware.peak_bf16_tflops=1", "hardware.cost_per_gpu_hour=2",
-                     "train.benchmarks=[local_copa]", "train.benchmark_limit=8", "train.benchmark_every=2",
-                     "model.architecture.hidden_size=96", "model.architecture.num_attention_heads=6,4",
-                     "model.architecture.num_key_value_heads=2,3", cwd=workdir)
+    result = run_cli(
+        "-m",
+        *SHORT,
+        "hardware.peak_bf16_tflops=1",
+        "hardware.cost_per_gpu_hour=2",
+        "train.benchmarks=[local_copa]",
+        "train.benchmark_limit=8",
+        "train.benchmark_every=2",
+        "model.architecture.hidden_size=96",
+        "model.architecture.num_attention_heads=6,4",
+        "model.architecture.num_key_value_heads=2,3",
+        cwd=workdir,
+    )
     assert result.returncode != 0
     [sweep_dir] = workdir.glob("outputs/multirun/*/*")
     rows = list(csv.DictReader((sweep_dir / "report.csv").open()))
@@ -35,7 +50,8 @@ def test_two_by_two_sweep_reports_four_jobs_one_failed(workdir):
     failed = [row for row in rows if row["status"] == "failed"]
     assert len(failed) == 1
     assert failed[0]["overrides"].endswith(
-        "model.architecture.num_attention_heads=4 model.architecture.num_key_value_heads=3")
+        "model.architecture.num_attention_heads=4 model.architecture.num_key_value_heads=3"
+    )
     assert "the job failed" in (sweep_dir / failed[0]["job"] / "run.log").read_text()  # when it failed, not at the end
     assert failed[0]["error"].startswith("RuntimeError: The size of tensor a (4) must match the size of tensor b (3)")
     assert all(float(row["eval_loss"]) > 0 and float(row["tokens_per_s"]) > 0 for row in rows if row not in failed)
@@ -81,8 +97,15 @@ def test_ctrl_c_stops_the_whole_sweep_with_a_checkpoint(workdir):
 
 
 def test_optuna_sweeper_minimises_the_eval_loss(workdir):
-    result = run_cli("-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.seed=0",
-                     "optim.lr=interval(0.0005,0.01)", *SHORT, cwd=workdir)
+    result = run_cli(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.sampler.seed=0",
+        "optim.lr=interval(0.0005,0.01)",
+        *SHORT,
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "setup plugin" not in result.stdout + result.stderr  # alembic's chatter, under Optuna
     assert "\x1b[" not in result.stdout + result.stderr  # Optuna's colours, not on a terminal
@@ -102,7 +125,8 @@ def test_an_estimate_sweep_over_glob_estimates_every_option_and_trains_nothing(w
     assert result.returncode == 0, result.stderr[-2000:]
     assert [line for line in result.stdout.splitlines() if line.startswith("== ")] == [
         "== task=estimate strategy=ddp hardware.nproc_per_node=2",
-        "== task=estimate strategy=fsdp hardware.nproc_per_node=2"]
+        "== task=estimate strategy=fsdp hardware.nproc_per_node=2",
+    ]
     assert not (workdir / "outputs").exists()
 
 
@@ -112,13 +136,17 @@ def test_a_sweep_set_by_hydra_mode_in_a_recipe_or_on_the_command_line_sweeps_wit
     (workdir / "recipes").mkdir()
     (workdir / "recipes" / "two_strategies.yaml").write_text(
         "# @package _global_\n# a sweep declared in a recipe\ndefaults:\n  - override /task: estimate\n"
-        "hardware: {nproc_per_node: 2}\nhydra: {mode: MULTIRUN, sweeper: {params: {strategy: 'ddp,fsdp'}}}\n")
-    for args in (["recipe=two_strategies"],
-                 ["hydra.mode=MULTIRUN", "task=estimate", "hardware.nproc_per_node=2", "strategy=ddp,fsdp"]):
+        "hardware: {nproc_per_node: 2}\nhydra: {mode: MULTIRUN, sweeper: {params: {strategy: 'ddp,fsdp'}}}\n"
+    )
+    for args in (
+        ["recipe=two_strategies"],
+        ["hydra.mode=MULTIRUN", "task=estimate", "hardware.nproc_per_node=2", "strategy=ddp,fsdp"],
+    ):
         result = run_cli(*args, cwd=workdir)
         assert result.returncode == 0, result.stderr[-2000:]
-        jobs = [re.search(r"strategy=\w+", line).group() for line in result.stdout.splitlines()
-                if line.startswith("== ")]
+        jobs = [
+            re.search(r"strategy=\w+", line).group() for line in result.stdout.splitlines() if line.startswith("== ")
+        ]
         assert jobs == ["strategy=ddp", "strategy=fsdp"], (args, result.stdout[-2000:])
 
 
@@ -131,16 +159,21 @@ def test_an_estimate_sweep_prints_each_jobs_plan_and_their_total(workdir):
     result = run_cli("-m", *job, "train.max_steps=10000,20000,40000", cwd=workdir)
     assert result.returncode == 0, result.stderr[-2000:]
     assert not (workdir / "outputs").exists()
-    plans = [plan(validate(composed([*job, f"train.max_steps={steps}"]), on_this_machine=False),
-                  runs_dir=workdir / "outputs") for steps in (10000, 20000, 40000)]
+    plans = [
+        plan(
+            validate(composed([*job, f"train.max_steps={steps}"]), on_this_machine=False), runs_dir=workdir / "outputs"
+        )
+        for steps in (10000, 20000, 40000)
+    ]
     lines = result.stdout.strip().splitlines()
     shown = [line for line in lines if line.startswith("time: ")]
     assert shown == [planned.line() for planned in plans]
     assert lines[-1] == sweep_line(plans)
 
     def hours_and_cost(line):
-        return [float(value.replace(",", ""))
-                for value in re.search(r"([\d.,]+) GPU-hours, \$([\d.,]+)", line).groups()]
+        return [
+            float(value.replace(",", "")) for value in re.search(r"([\d.,]+) GPU-hours, \$([\d.,]+)", line).groups()
+        ]
 
     # the total is the sum of the jobs' plans as their lines show them (to their rounding)
     jobs = [hours_and_cost(line) for line in shown]

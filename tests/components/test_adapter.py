@@ -17,12 +17,25 @@ from tests.support.specs import QUICK, resolved_spec
 from tests.support.workers import train_in_workers
 
 STEPS = 8
-BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.micro_batch_size=2", "data.seq_len=64"]
+BASE = [
+    *QUICK,
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+]
 LORA = [*BASE, "adapter=lora", "adapter.rank=4", "train.save_model=false"]
 # A tiny model wide enough for every adapted weight to split into whole NF4 scale blocks on two processes.
-QLORA = [*BASE, "adapter=qlora", "adapter.rank=4", "train.save_model=false", "model.architecture.hidden_size=256",
-         "model.architecture.intermediate_size=1024"]
+QLORA = [
+    *BASE,
+    "adapter=qlora",
+    "adapter.rank=4",
+    "train.save_model=false",
+    "model.architecture.hidden_size=256",
+    "model.architecture.intermediate_size=1024",
+]
 
 
 def stored(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -42,12 +55,13 @@ def base_and_adapters(model: torch.nn.Module) -> tuple[dict[str, list], dict[str
 
 @pytest.mark.parametrize("kind", ["lora", "qlora"])
 def test_only_the_adapters_train_and_the_base_stays_bit_identical(kind, tmp_path):
-    overrides = (LORA if kind == "lora" else QLORA)
+    overrides = LORA if kind == "lora" else QLORA
     job = prepare_job(resolved_spec([*overrides, "train.checkpoint_every=4"]), tmp_path)
     base, adapters = base_and_adapters(job.model)
     assert adapters and all(".lora_" in name for name in adapters)
     assert {id(p) for group in job.optimizer.param_groups for p in group["params"]} == {
-        id(p) for p in adapters.values()}
+        id(p) for p in adapters.values()
+    }
     before = {name: p.detach().clone() for name, p in adapters.items()}
     summary = train(job)
     assert summary["train_loss"] < summary["first_eval_loss"] + 1.0
@@ -81,8 +95,9 @@ def test_the_exported_adapter_and_merged_model_give_the_trained_logits(tmp_path)
 def test_the_merged_qlora_model_gives_the_trained_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    job = prepare_job(resolved_spec([*QLORA, "train.max_steps=4", "train.save_model=true", "adapter.merge=true"]),
-                      tmp_path)
+    job = prepare_job(
+        resolved_spec([*QLORA, "train.max_steps=4", "train.save_model=true", "adapter.merge=true"]), tmp_path
+    )
     train(job)
     tokens = torch.randint(3, 200, (2, 64), generator=torch.Generator().manual_seed(1))
     job.model.eval()
@@ -92,14 +107,21 @@ def test_the_merged_qlora_model_gives_the_trained_logits(tmp_path):
     torch.testing.assert_close(merged, trained, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["adapter=lora", "adapter.target_modules=[q_proj,qkv]"],
-     "adapter.target_modules: qkv is not a linear layer of the model's blocks, which has q_proj"),
-    (["adapter=lora", "adapter.rank=0"], "adapter.rank=0 must be >= 1"),
-    (["adapter=qlora", "strategy=deepspeed"], "adapter=qlora runs under strategy=single, ddp and fsdp"),
-    (["adapter=qlora", "strategy=fsdp", "strategy.cpu_ram_efficient_loading=true"],
-     "adapter=qlora with strategy.cpu_ram_efficient_loading=true"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["adapter=lora", "adapter.target_modules=[q_proj,qkv]"],
+            "adapter.target_modules: qkv is not a linear layer of the model's blocks, which has q_proj",
+        ),
+        (["adapter=lora", "adapter.rank=0"], "adapter.rank=0 must be >= 1"),
+        (["adapter=qlora", "strategy=deepspeed"], "adapter=qlora runs under strategy=single, ddp and fsdp"),
+        (
+            ["adapter=qlora", "strategy=fsdp", "strategy.cpu_ram_efficient_loading=true"],
+            "adapter=qlora with strategy.cpu_ram_efficient_loading=true",
+        ),
+    ],
+)
 def test_bad_adapter_settings_are_one_line(overrides, message):
     with pytest.raises(SpecError, match=message.replace("[", r"\[").replace("=", "=")):
         resolved_spec([*BASE, *overrides])
@@ -110,7 +132,8 @@ def test_an_unknown_target_stops_the_command_in_one_line_writing_nothing(tmp_pat
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         "run: error: adapter.target_modules: q_prj is not a linear layer of the model's blocks, which has q_proj, "
-        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; did you mean q_proj?"]
+        "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; did you mean q_proj?"
+    ]
     assert not (tmp_path / "outputs").exists()
 
 
@@ -133,10 +156,14 @@ def test_lora_and_qlora_have_the_losses_of_one_process_under_every_strategy(tmp_
         references[name] = step_losses(tmp_path / name)
         assert references[name][-1] < references[name][0]
     # QLoRA first: once DeepSpeed ZeRO-3 has run in a worker, its own F.linear stays in place there.
-    runs = {**{name: [*QLORA, *o] for name, o in QLORA_VARIANTS.items()},
-            **{name: [*LORA, *o] for name, o in LORA_VARIANTS.items()}}
-    specs = [resolved_spec([*overrides, "hardware.nproc_per_node=2", "train.grad_accum_steps=2"])
-             for overrides in runs.values()]
+    runs = {
+        **{name: [*QLORA, *o] for name, o in QLORA_VARIANTS.items()},
+        **{name: [*LORA, *o] for name, o in LORA_VARIANTS.items()},
+    }
+    specs = [
+        resolved_spec([*overrides, "hardware.nproc_per_node=2", "train.grad_accum_steps=2"])
+        for overrides in runs.values()
+    ]
     dirs = [tmp_path / str(i) for i in range(len(specs))]
     train_in_workers(specs, dirs)
     for name, run_dir in zip(runs, dirs):
@@ -164,9 +191,16 @@ def exported_logits(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("strategy", ["single", pytest.param("fsdp", marks=pytest.mark.distributed)])
 def test_a_lora_run_killed_and_resumed_has_the_uninterrupted_losses(strategy, tmp_path, tmp_path_factory):
 
-    args = [*BASE, "adapter=lora", "adapter.rank=4", "train.max_steps=10", "train.checkpoint_every=2",
-            "train.save_model=false", f"strategy={strategy}",
-            *(["hardware.nproc_per_node=2", "strategy.state_dict_type=SHARDED"] if strategy == "fsdp" else [])]
+    args = [
+        *BASE,
+        "adapter=lora",
+        "adapter.rank=4",
+        "train.max_steps=10",
+        "train.checkpoint_every=2",
+        "train.save_model=false",
+        f"strategy={strategy}",
+        *(["hardware.nproc_per_node=2", "strategy.state_dict_type=SHARDED"] if strategy == "fsdp" else []),
+    ]
     expected, resumed = killed_and_resumed(args, tmp_path, 5, tmp_path_factory)
     assert resumed == expected
     refused = run_cli("resume=auto", "adapter=none", cwd=tmp_path)

@@ -28,9 +28,18 @@ from tests.support.workers import run_in_workers
 
 STEPS = 6
 OVERFLOW_STEP = 3
-BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", "scheduler=constant",
-        "scheduler.warmup_steps=0"]
+BASE = [
+    *QUICK,
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.save_model=false",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+    "scheduler=constant",
+    "scheduler.warmup_steps=0",
+]
 TWO_RANKS = ["hardware.nproc_per_node=2"]
 # A small initial loss scale, so that the only overflow is the one the test injects.
 FP16 = ["precision=fp16", "precision.initial_loss_scale=1024"]
@@ -48,8 +57,14 @@ CASES = {
     "fsdp": {
         **{name: ["strategy=fsdp", *TWO_RANKS, *overrides] for name, overrides in PRECISIONS.items()},
         # float8 all-gather weights are tensor subclasses: checkpoints and the saved model must still be plain.
-        "fp8 float8 all-gather": ["strategy=fsdp", *TWO_RANKS, *FP8, "precision.fp8.all_gather=true",
-                                  "strategy.state_dict_type=SHARDED", "train.save_model=true"],
+        "fp8 float8 all-gather": [
+            "strategy=fsdp",
+            *TWO_RANKS,
+            *FP8,
+            "precision.fp8.all_gather=true",
+            "strategy.state_dict_type=SHARDED",
+            "train.save_model=true",
+        ],
         "bf16 reduced in bf16": ["strategy=fsdp", *TWO_RANKS, "precision=bf16", "precision.reduce_dtype=bf16"],
     },
     # DeepSpeed's fp16 needs a GPU and it keeps fp32 master weights itself (pure bf16 is refused); see below.
@@ -73,8 +88,9 @@ def _train_and_inspect(ranks, specs, run_dirs):
             # An infinite activation gradient at one step: every gradient after it overflows.
             backward_calls = itertools.count(1)
             mlp.register_full_backward_pre_hook(
-                lambda module, grads: tuple(g * math.inf for g in grads) if next(backward_calls) == OVERFLOW_STEP
-                else None
+                lambda module, grads: (
+                    tuple(g * math.inf for g in grads) if next(backward_calls) == OVERFLOW_STEP else None
+                )
             )
         summary = train(job)
         facts[name] = {
@@ -85,8 +101,9 @@ def _train_and_inspect(ranks, specs, run_dirs):
             "state_dtypes": {v.dtype for state in job.optimizer.state.values() for v in state.values() if v.ndim},
             "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in job.model.modules()),
             # On a GPU, _scaled_mm needs the weight gradient's inner dimension, the tokens, in multiples of 16.
-            "fp8_pads_tokens": all(m.config.pad_inner_dim for m in job.model.modules()
-                                   if type(m).__name__ == "Float8Linear"),
+            "fp8_pads_tokens": all(
+                m.config.pad_inner_dim for m in job.model.modules() if type(m).__name__ == "Float8Linear"
+            ),
             "scheduler_steps": job.scheduler.last_epoch,
             "summary": summary,
             "records": [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()],
@@ -94,9 +111,13 @@ def _train_and_inspect(ranks, specs, run_dirs):
     return facts
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(strategy, marks=pytest.mark.slow if strategy == "single" else pytest.mark.distributed)
-    for strategy in CASES])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(strategy, marks=pytest.mark.slow if strategy == "single" else pytest.mark.distributed)
+        for strategy in CASES
+    ],
+)
 def strategy_facts(request, tmp_path_factory):
     strategy = request.param
     specs = {name: resolved_spec([*BASE, *overrides]) for name, overrides in CASES[strategy].items()}
@@ -165,8 +186,9 @@ def test_float8_all_gather_saves_plain_checkpoints_and_model(strategy_facts):
     assert type(model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # Read back into the float8 weights (a resume): the trained model's weights again.
-    spec = resolved_spec([*BASE, *CASES["fsdp"]["fp8 float8 all-gather"], f"resume={checkpoint}",
-                          f"train.max_steps={STEPS + 1}"])
+    spec = resolved_spec(
+        [*BASE, *CASES["fsdp"]["fp8 float8 all-gather"], f"resume={checkpoint}", f"train.max_steps={STEPS + 1}"]
+    )
     resumed = run_in_workers(_resumed_weights, spec, summary["run_dir"], nproc=2)[0]
     for name, weight in model.state_dict().items():
         torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
@@ -188,8 +210,14 @@ def test_fp16_loss_scale_survives_a_checkpoint(tmp_path):
 
 
 def test_deepspeed_precision_blocks_come_from_the_spec():
-    fp16 = composed(["strategy=deepspeed", "precision=fp16", "precision.initial_loss_scale=4096",
-                     "precision.loss_scale_growth_interval=500"])
+    fp16 = composed(
+        [
+            "strategy=deepspeed",
+            "precision=fp16",
+            "precision.initial_loss_scale=4096",
+            "precision.loss_scale_growth_interval=500",
+        ]
+    )
     config = deepspeed_config(fp16)
     assert config["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500}
     assert config["bf16"] == {"enabled": False}
@@ -207,7 +235,8 @@ def test_fp8_leaves_small_layers_and_the_lm_head_alone():
     larger = fp8_layer_names(model, Float8Config(min_features=100))
     assert len(larger) == 2 * 5 and not any(name.endswith(("k_proj", "v_proj")) for name in larger)
     assert fp8_layer_names(model, Float8Config(min_features=16, skip=["mlp.up_proj", "lm_head"])) == [
-        name for name in names if not name.endswith("up_proj")]
+        name for name in names if not name.endswith("up_proj")
+    ]
     with pytest.raises(SpecError, match="no linear layer to convert"):
         fp8_layer_names(model, Float8Config(min_features=4096))
 
@@ -218,12 +247,16 @@ REFUSED = {
     "DeepSpeed fp16 on a CPU": (["strategy=deepspeed", "precision=fp16"], "DeepSpeed's CPU accelerator has no fp16"),
     "DeepSpeed pure bf16": (["strategy=deepspeed", "precision=pure_bf16"], "keeps fp32 master weights itself"),
     "float8 all-gather without FSDP": ([*FP8, "precision.fp8.all_gather=true"], "needs strategy=fsdp"),
-    "float8 all-gather rowwise": (["strategy=fsdp", *TWO_RANKS, *FP8, "precision.fp8.all_gather=true",
-                                   "precision.fp8.recipe=rowwise"], "needs precision.fp8.recipe=tensorwise"),
+    "float8 all-gather rowwise": (
+        ["strategy=fsdp", *TWO_RANKS, *FP8, "precision.fp8.all_gather=true", "precision.fp8.recipe=rowwise"],
+        "needs precision.fp8.recipe=tensorwise",
+    ),
     "TransformerEngine missing": ([*FP8, "precision.fp8.backend=transformer_engine"], "needs TransformerEngine"),
     "loss scale not a power of two": ([*FP16[:1], "precision.initial_loss_scale=1000"], "must be a power of two"),
-    "DDP bf16 reduce on a CPU": (["strategy=ddp", *TWO_RANKS, "precision=bf16", "precision.reduce_dtype=bf16"],
-                                "needs NCCL"),
+    "DDP bf16 reduce on a CPU": (
+        ["strategy=ddp", *TWO_RANKS, "precision=bf16", "precision.reduce_dtype=bf16"],
+        "needs NCCL",
+    ),
 }
 
 
@@ -245,11 +278,25 @@ def test_impossible_precisions_are_refused(case):
 def test_transformer_engines_delayed_scaling_comes_from_the_spec_and_torchao_refuses_it():
     from runner.config.float8 import delayed_scaling
 
-    spec = composed(["precision=fp8", "precision.fp8.format=e4m3", "precision.fp8.amax_history_len=16",
-                     "precision.fp8.amax_compute_algo=most_recent", "precision.fp8.margin=1"])
-    assert delayed_scaling(spec.precision.fp8) == {"fp8_format": "E4M3", "amax_history_len": 16,
-                                                   "amax_compute_algo": "most_recent", "margin": 1}
-    with pytest.raises(SpecError, match="precision.fp8.format, precision.fp8.amax_history_len, "
-                                        "precision.fp8.amax_compute_algo, precision.fp8.margin set Transformer "
-                                        "Engine's delayed scaling; torchao scales each tensor from its current amax"):
+    spec = composed(
+        [
+            "precision=fp8",
+            "precision.fp8.format=e4m3",
+            "precision.fp8.amax_history_len=16",
+            "precision.fp8.amax_compute_algo=most_recent",
+            "precision.fp8.margin=1",
+        ]
+    )
+    assert delayed_scaling(spec.precision.fp8) == {
+        "fp8_format": "E4M3",
+        "amax_history_len": 16,
+        "amax_compute_algo": "most_recent",
+        "margin": 1,
+    }
+    with pytest.raises(
+        SpecError,
+        match="precision.fp8.format, precision.fp8.amax_history_len, "
+        "precision.fp8.amax_compute_algo, precision.fp8.margin set Transformer "
+        "Engine's delayed scaling; torchao scales each tensor from its current amax",
+    ):
         validate(replace(spec, precision=replace(spec.precision, fp8=replace(spec.precision.fp8, emulate=True))))

@@ -14,8 +14,14 @@ from tests.support.specs import QUICK
 
 pytestmark = pytest.mark.slow
 
-ARGS = [*QUICK, "train.max_steps=6", "train.log_every=2", "train.eval_every=3", "train.eval_batches=2",
-        "train.micro_batch_size=4"]
+ARGS = [
+    *QUICK,
+    "train.max_steps=6",
+    "train.log_every=2",
+    "train.eval_every=3",
+    "train.eval_batches=2",
+    "train.micro_batch_size=4",
+]
 LOGGED = {"loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "peak_memory_gib"}
 # A benchmark scored at steps 3 and 6 (tests/generation/test_benchmarks.py checks its scores): each score is a metric.
 BENCHMARK = str(DATA / "benchmarks" / "copa_loglikelihood.yaml")
@@ -30,8 +36,12 @@ def jsonl_steps(run_dir: Path, key: str) -> list[int]:
 def wandb_records(run_dir: Path) -> list[dict]:
     """Every record of the run's offline .wandb file, as wandb's own `leet inspect` prints them."""
     [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -57,16 +67,26 @@ def each_tracker_logged(run_dir: Path, names: list[str], monkeypatch) -> None:
 
 def wandb_summary(run_dir: Path) -> dict:
     [path] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(path)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--summary", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out)
 
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("tracked")
-    result = run_cli(*ARGS, "tracker=[wandb,tensorboard,mlflow]", f"train.benchmarks=[{BENCHMARK}]",
-                     "train.benchmark_limit=4", "train.benchmark_every=3", cwd=cwd)
+    result = run_cli(
+        *ARGS,
+        "tracker=[wandb,tensorboard,mlflow]",
+        f"train.benchmarks=[{BENCHMARK}]",
+        "train.benchmark_limit=4",
+        "train.benchmark_every=3",
+        cwd=cwd,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "wandb:" not in result.stdout + result.stderr  # the trackers keep quiet
     return run_dirs(cwd)[0]
@@ -108,12 +128,16 @@ def test_mlflow_run_matches_metrics_jsonl(tracked, monkeypatch):
 
 def test_api_keys_appear_in_no_file_of_the_run_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_API_KEY", "env-secret-0123456789")
-    result = run_cli(*ARGS, "tracker=[wandb,tensorboard,mlflow]", "tracker.wandb.api_key=spec-secret-9876543210",
-                     cwd=tmp_path)
+    result = run_cli(
+        *ARGS, "tracker=[wandb,tensorboard,mlflow]", "tracker.wandb.api_key=spec-secret-9876543210", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = run_dirs(tmp_path)
-    leaks = [p for p in run_dir.rglob("*") if p.is_file() and
-             any(s in p.read_bytes() for s in (b"env-secret-0123456789", b"spec-secret-9876543210"))]
+    leaks = [
+        p
+        for p in run_dir.rglob("*")
+        if p.is_file() and any(s in p.read_bytes() for s in (b"env-secret-0123456789", b"spec-secret-9876543210"))
+    ]
     assert leaks == []
     assert "api_key: <redacted>" in (run_dir / "spec.yaml").read_text()
 
@@ -138,8 +162,14 @@ def test_a_terminal_gets_a_progress_bar_and_mfu_where_the_peak_is_known(tmp_path
     import pty
 
     controller, terminal = pty.openpty()
-    job = subprocess.Popen([sys.executable, "-m", "runner", *ARGS, "hardware.peak_bf16_tflops=0.001"],
-                           cwd=tmp_path, stdin=terminal, stdout=terminal, stderr=terminal, close_fds=True)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "runner", *ARGS, "hardware.peak_bf16_tflops=0.001"],
+        cwd=tmp_path,
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        close_fds=True,
+    )
     os.close(terminal)
     screen = b""
     while True:

@@ -18,8 +18,10 @@ from tests.support.specs import composed
 
 def config_dir(tmp: Path) -> Path:
     """A directory with nothing but a transformers config.json: what validation reads of a pretrained model."""
-    (tmp / "config.json").write_text('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, '
-                                     '"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}')
+    (tmp / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, '
+        '"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 300}'
+    )
     return tmp
 
 
@@ -29,16 +31,13 @@ REQUIRED = {
     ("data", "text_files"): lambda tmp: [f"data.files={Path(__file__)}"],
     ("data", "instruction_files"): lambda tmp: [f"data.files={Path(__file__)}"],
     ("data", "chat_files"): lambda tmp: [f"data.files={Path(__file__)}"],
-    ("data", "preference_files"): lambda tmp: [
-        f"data.files={DATA / 'trl' / 'preference_standard.jsonl'}"],
-    ("data", "prompt_files"): lambda tmp: [
-        f"data.files={DATA / 'gsm8k' / 'test_head.jsonl'}"],
+    ("data", "preference_files"): lambda tmp: [f"data.files={DATA / 'trl' / 'preference_standard.jsonl'}"],
+    ("data", "prompt_files"): lambda tmp: [f"data.files={DATA / 'gsm8k' / 'test_head.jsonl'}"],
     ("data", "hub"): lambda tmp: ["data.hub_dataset=stanfordnlp/imdb"],
     # This machine has no fp8: the emulation is what runs here, on the default tiny model's small layers.
     ("precision", "fp8"): lambda tmp: ["precision.fp8.emulate=true", "precision.fp8.min_features=16"],
 }
-OPTIONS = [(group.name, option.stem) for group in GROUP_DIRS
-           for option in sorted(group.glob("*.yaml"))]
+OPTIONS = [(group.name, option.stem) for group in GROUP_DIRS for option in sorted(group.glob("*.yaml"))]
 
 
 def test_every_group_has_options():
@@ -76,8 +75,10 @@ def test_composing_leaves_the_config_store_whole_and_does_not_copy_it():
     composed(["strategy=fsdp"])
     assert copy.deepcopy(store) is store
     before = OmegaConf.to_yaml(store.load("schema/strategy/fsdp.yaml").node)
-    assert composed(["strategy=fsdp", "strategy.sharding_strategy=NO_SHARD"]).strategy.sharding_strategy.value == \
-        "NO_SHARD"
+    assert (
+        composed(["strategy=fsdp", "strategy.sharding_strategy=NO_SHARD"]).strategy.sharding_strategy.value
+        == "NO_SHARD"
+    )
     assert OmegaConf.to_yaml(store.load("schema/strategy/fsdp.yaml").node) == before
 
 

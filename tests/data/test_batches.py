@@ -43,8 +43,9 @@ def reference_collate(rows: dict, pad_token_id: int) -> MicroBatch:
         inputs["position_ids"] = torch.tensor([list(p) + list(range(length - len(p))) for p in rows["position_ids"]])
     elif any(len(ids) < length for ids in rows["input_ids"]):
         inputs["attention_mask"] = padded([[1] * len(ids) for ids in rows["input_ids"]], 0)
-    return MicroBatch(inputs, padded(rows["labels"], IGNORE), sum(rows["tokens"]), sum(rows["label_tokens"]),
-                      rows.get("store_row"))
+    return MicroBatch(
+        inputs, padded(rows["labels"], IGNORE), sum(rows["tokens"]), sum(rows["label_tokens"]), rows.get("store_row")
+    )
 
 
 def assert_same(got: MicroBatch, expected: MicroBatch) -> None:
@@ -53,18 +54,26 @@ def assert_same(got: MicroBatch, expected: MicroBatch) -> None:
         assert got.inputs[key].dtype == expected.inputs[key].dtype == torch.int64
         assert torch.equal(got.inputs[key], expected.inputs[key]), key
     assert got.labels.dtype == torch.int64 and torch.equal(got.labels, expected.labels)
-    assert (got.tokens, got.label_tokens, got.store_rows) == (expected.tokens, expected.label_tokens,
-                                                              expected.store_rows)
+    assert (got.tokens, got.label_tokens, got.store_rows) == (
+        expected.tokens,
+        expected.label_tokens,
+        expected.store_rows,
+    )
 
 
 def data(kind: str, packing: bool) -> DataConfig:
     if kind == "text":
         return DataConfig(files=str(STDLIB / "email" / "*.py"), seq_len=128, packing=packing)
     if kind == "instruction":
-        return DataConfig(files=str(ALPACA), format=DataFormat.instruction, prompt_field="instruction",
-                          response_field="output", seq_len=256, packing=packing)
-    return DataConfig(files=str(CHATS), format=DataFormat.chat, chat_template=str(LLAMA3), seq_len=256,
-                      packing=packing)
+        return DataConfig(
+            files=str(ALPACA),
+            format=DataFormat.instruction,
+            prompt_field="instruction",
+            response_field="output",
+            seq_len=256,
+            packing=packing,
+        )
+    return DataConfig(files=str(CHATS), format=DataFormat.chat, chat_template=str(LLAMA3), seq_len=256, packing=packing)
 
 
 def chat_tokenizer(template: str):
@@ -94,16 +103,22 @@ def test_the_global_batches_are_a_plain_collates_in_the_same_order(splits):
     kind, packing, pad, rows, evaluated = splits
     size, accum, seed = 2, 2, 3
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).numpy()
-    plain = train_batches(rows, micro_batch_size=size, grad_accum_steps=accum, dp_rank=1, dp_size=2, seed=seed,
-                          pad_token_id=pad)
-    prefetched = ahead(train_batches(rows, micro_batch_size=size, grad_accum_steps=accum, dp_rank=1, dp_size=2,
-                                     seed=seed, pad_token_id=pad))
+    plain = train_batches(
+        rows, micro_batch_size=size, grad_accum_steps=accum, dp_rank=1, dp_size=2, seed=seed, pad_token_id=pad
+    )
+    prefetched = ahead(
+        train_batches(
+            rows, micro_batch_size=size, grad_accum_steps=accum, dp_rank=1, dp_size=2, seed=seed, pad_token_id=pad
+        )
+    )
     for step in range(3):
         first = step * size * accum * 2 + size * accum  # rank 1's slice of the step's global batch
         everyone = order[step * size * accum * 2 : (step + 1) * size * accum * 2]
         for batch in (next(plain), next(prefetched)):
-            assert (batch.tokens, batch.label_tokens) == (int(rows.tokens[everyone].sum()),
-                                                          int(rows.label_tokens[everyone].sum()))
+            assert (batch.tokens, batch.label_tokens) == (
+                int(rows.tokens[everyone].sum()),
+                int(rows.label_tokens[everyone].sum()),
+            )
             for i, micro_batch in enumerate(batch.micro_batches):
                 indices = order[first + i * size : first + (i + 1) * size]
                 assert_same(micro_batch, reference_collate(rows.batch(indices), pad))
@@ -123,14 +138,23 @@ def test_streamed_batches_built_ahead_are_the_streams_own():
 
     tokenizer = chat_tokenizer(LLAMA3.read_text())
     config = replace(data("chat", packing=False), streaming=True)
-    plain, prefetched = (streamed_batches(StreamedRows(config, tokenizer, 0, 0, 1), micro_batch_size=2,
-                                          grad_accum_steps=2, pad_token_id=tokenizer.pad_token_id)
-                         for _ in range(2))
+    plain, prefetched = (
+        streamed_batches(
+            StreamedRows(config, tokenizer, 0, 0, 1),
+            micro_batch_size=2,
+            grad_accum_steps=2,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for _ in range(2)
+    )
     prefetched = ahead(prefetched)
     for _ in range(3):
         expected, got = next(plain), next(prefetched)
-        assert (got.tokens, got.label_tokens, got.stream_position) == (expected.tokens, expected.label_tokens,
-                                                                       expected.stream_position)
+        assert (got.tokens, got.label_tokens, got.stream_position) == (
+            expected.tokens,
+            expected.label_tokens,
+            expected.stream_position,
+        )
         for a, b in zip(got.micro_batches, expected.micro_batches, strict=True):
             assert_same(a, b)
     prefetched.close()
@@ -153,11 +177,10 @@ def test_an_attention_mask_only_where_a_row_is_padded(splits):
 
 def test_an_unpadded_batch_has_the_loss_and_gradients_it_has_with_an_all_ones_mask():
     """What transformers does with an all-ones mask is what it does with none: the same summed loss, exactly."""
-    from tests.support.specs import QUICK, resolved_spec
-
     from runner.components.modeling import build_model
     from runner.config.training import LossKind
     from runner.engine.loss import with_summed_loss
+    from tests.support.specs import QUICK, resolved_spec
 
     tokenizer = byte_tokenizer()
     rows, _ = token_splits(data("text", packing=False), tokenizer, seed=0)
@@ -182,10 +205,15 @@ def test_a_pipeline_takes_an_unpadded_micro_batch_without_a_mask():
     """The pipeline pads every micro batch to one shape: an unpadded one's mask is ones, then the padding's zeros."""
     from runner.parallel.pipeline.schedule import Pipeline
 
-    pipeline = Pipeline(None, first=True, last=True, microbatches=1, rows=2, length=5, pad_token_id=0, pp_group=None,
-                        leads_stage=True)
-    unpadded = MicroBatch({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 4]])},
-                          torch.tensor([[IGNORE, 6, 7], [IGNORE, 9, 4]]), tokens=6, label_tokens=4)
+    pipeline = Pipeline(
+        None, first=True, last=True, microbatches=1, rows=2, length=5, pad_token_id=0, pp_group=None, leads_stage=True
+    )
+    unpadded = MicroBatch(
+        {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 4]])},
+        torch.tensor([[IGNORE, 6, 7], [IGNORE, 9, 4]]),
+        tokens=6,
+        label_tokens=4,
+    )
     input_ids, labels, positions, mask = pipeline._stacked([unpadded])
     assert input_ids.tolist() == [[5, 6, 7, 0, 0], [8, 9, 4, 0, 0]]
     assert mask.tolist() == [[1, 1, 1, 0, 0]] * 2
@@ -193,6 +221,7 @@ def test_a_pipeline_takes_an_unpadded_micro_batch_without_a_mask():
 
 
 # --- the batches ahead of the loop ---
+
 
 def _threads(name: str) -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name == f"{name} ahead"]
@@ -299,8 +328,9 @@ def test_the_thread_ahead_runs_torch_on_one_core_and_leaves_the_loops_threads_al
     step took 1.5 times as long (runner/data/prefetch.py's `ahead`). The loop's thread keeps its two threads, even
     when its first parallel kernel comes after the thread ahead lowered torch's default."""
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
-    done = subprocess.run([sys.executable, "-c", ONE_CORE_PROBE], env=env, capture_output=True, text=True,
-                          timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_CORE_PROBE], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     # The second thread ahead adds itself alone, no OpenMP worker of its own.
     new_threads, on_the_first, on_the_second, on_the_loop = map(int, done.stdout.split())
     assert (new_threads, on_the_first, on_the_second, on_the_loop) == (1, 1, 1, 2)
@@ -339,6 +369,13 @@ def test_on_cuda_batches_are_pinned_and_copied_without_waiting():
     batch = collate(rows.batch(range(4)), tokenizer.pad_token_id, pin=True)
     assert all(t.is_pinned() for t in [*batch.inputs.values(), batch.labels])
     on_device = batch.to(torch.device("cuda"))
-    assert_same(MicroBatch({k: v.cpu() for k, v in on_device.inputs.items()}, on_device.labels.cpu(), batch.tokens,
-                           batch.label_tokens, batch.store_rows), reference_collate(rows.batch(range(4)),
-                                                                                    tokenizer.pad_token_id))
+    assert_same(
+        MicroBatch(
+            {k: v.cpu() for k, v in on_device.inputs.items()},
+            on_device.labels.cpu(),
+            batch.tokens,
+            batch.label_tokens,
+            batch.store_rows,
+        ),
+        reference_collate(rows.batch(range(4)), tokenizer.pad_token_id),
+    )

@@ -27,13 +27,17 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> Path:
     """Prompt/response pairs from the standard library's lines, in two JSON Lines files."""
-    lines = [line for path in sorted((STDLIB / "json").glob("*.py")) for line in path.read_text().splitlines()
-             if line.strip()]
+    lines = [
+        line
+        for path in sorted((STDLIB / "json").glob("*.py"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
     folder = tmp_path_factory.mktemp("pairs")
     for part in range(2):
         with (folder / f"part{part}.jsonl").open("w") as out:
             for at in range(part, len(lines) - 3, 2):
-                out.write(json.dumps({"prompt": lines[at], "response": "\n".join(lines[at + 1:at + 3])}) + "\n")
+                out.write(json.dumps({"prompt": lines[at], "response": "\n".join(lines[at + 1 : at + 3])}) + "\n")
     return folder
 
 
@@ -42,8 +46,9 @@ def all_rows(data: DataConfig) -> list:
     return [list(evaluation), list(train)]
 
 
-@pytest.mark.parametrize("format_,packing", [("text", False), ("text", True), ("instruction", False),
-                                             ("instruction", True)])
+@pytest.mark.parametrize(
+    "format_,packing", [("text", False), ("text", True), ("instruction", False), ("instruction", True)]
+)
 def test_the_tokens_are_the_same_whatever_the_number_of_processes(format_, packing, pairs, tmp_path, monkeypatch):
     monkeypatch.setattr(read, "ITEM_BYTES", 8192)  # many work items, for the processes to share
     files = str(pairs / "*.jsonl") if format_ == "instruction" else str(STDLIB / "json" / "*.py")
@@ -92,8 +97,11 @@ def test_a_writer_that_finds_another_at_work_says_whom_it_waits_for_then_reads_i
         (root / "documents.partial-1").mkdir()  # what that writer leaves if it is killed
         (root / "documents.partial-1" / "tokens.bin").write_bytes(b"half")
         waiting = start_cli("--prepare-data", *overrides, cwd=workdir)
-        wait_until(lambda: "waiting for process 1 on the other node, which is writing the token store" in
-                   waiting.stderr(), "the waiting writer's report", job=waiting)
+        wait_until(
+            lambda: "waiting for process 1 on the other node, which is writing the token store" in waiting.stderr(),
+            "the waiting writer's report",
+            job=waiting,
+        )
         assert not (root / "documents").exists()
         fcntl.flock(lock, fcntl.LOCK_UN)
     stdout, stderr = waiting.communicate(timeout=300)
@@ -113,8 +121,9 @@ def test_a_corpus_whose_store_would_not_fit_on_the_disk_is_refused_before_tokeni
         huge.truncate(free // 2 + 1)
     result = run_cli("data=text_files", f"data.files={corpus}", "data.cache_dir=cache", cwd=workdir)
     assert result.returncode == 2
-    assert result.stderr.startswith(f"run: error: the token store of {(free // 2 + 1) / 1e9:,.1f} GB of text needs "
-                                    f"up to ")
+    assert result.stderr.startswith(
+        f"run: error: the token store of {(free // 2 + 1) / 1e9:,.1f} GB of text needs up to "
+    )
     assert f" GB in {workdir / 'cache'}, which has " in result.stderr
     assert result.stderr.endswith(" GB free; free space there or set data.cache_dir to a larger disk\n")
     assert result.stderr.count("\n") == 1
@@ -130,8 +139,11 @@ def test_the_stores_tokens_are_the_tokenizers_own(tmp_path):
     [documents] = tmp_path.glob("*/documents")
     meta = json.loads((documents / "meta.json").read_text())
     stored = np.fromfile(documents / "tokens.bin", dtype=meta["dtype"])
-    expected = [token for path in files for token in tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
-                + [tokenizer.eos_token_id]]
+    expected = [
+        token
+        for path in files
+        for token in tokenizer(path.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ]
     assert meta["dtype"] == "uint16" and stored.tolist() == expected
     assert np.load(documents / "lengths.npy").tolist() == [len(path.read_bytes()) + 1 for path in files]
     assert os.path.getsize(documents / "tokens.bin") == 2 * len(expected)
@@ -144,18 +156,29 @@ def test_the_rows_are_those_of_datasets_own_split_and_map(tmp_path):
 
     tokenizer = byte_tokenizer()
     data = DataConfig(files=str(STDLIB / "email" / "*.py"), seq_len=128, cache_dir=str(tmp_path / "store"))
-    documents = datasets.load_dataset("text", data_files=sorted(map(str, (STDLIB / "email").glob("*.py"))),
-                                      split="train", sample_by="document", cache_dir=str(tmp_path / "datasets"))
-    splits = documents.train_test_split(test_size=max(1, round(len(documents) * data.eval_fraction)), shuffle=True,
-                                        seed=0)
+    documents = datasets.load_dataset(
+        "text",
+        data_files=sorted(map(str, (STDLIB / "email").glob("*.py"))),
+        split="train",
+        sample_by="document",
+        cache_dir=str(tmp_path / "datasets"),
+    )
+    splits = documents.train_test_split(
+        test_size=max(1, round(len(documents) * data.eval_fraction)), shuffle=True, seed=0
+    )
 
     def blocks(batch):
-        stream = [token for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-                  for token in ids + [tokenizer.eos_token_id]]
-        return {"input_ids": [stream[i:i + 128] for i in range(0, len(stream) // 128 * 128, 128)]}
+        stream = [
+            token
+            for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+            for token in ids + [tokenizer.eos_token_id]
+        ]
+        return {"input_ids": [stream[i : i + 128] for i in range(0, len(stream) // 128 * 128, 128)]}
 
-    expected = [split.map(blocks, batched=True, remove_columns=["text"])["input_ids"]
-                for split in (splits["train"], splits["test"])]
+    expected = [
+        split.map(blocks, batched=True, remove_columns=["text"])["input_ids"]
+        for split in (splits["train"], splits["test"])
+    ]
     train, evaluation = token_splits(data, tokenizer, seed=0)
     assert [[row["input_ids"] for row in rows] for rows in (train, evaluation)] == expected
 
@@ -173,8 +196,11 @@ def test_a_writer_that_holds_the_lock_and_writes_nothing_ends_the_wait(tmp_path,
         fcntl.flock(lock, fcntl.LOCK_EX)
         lock.write("process 1 on the other node")
         lock.flush()
-        with pytest.raises(WorkerFailed, match=rf"^process 1 on the other node has held the token store {final} for "
-                                               r"\d+ s, writing nothing for the last 1 s; if it is stuck, end it"):
+        with pytest.raises(
+            WorkerFailed,
+            match=rf"^process 1 on the other node has held the token store {final} for "
+            r"\d+ s, writing nothing for the last 1 s; if it is stuck, end it",
+        ):
             with store.turn(final):
                 pass
     assert "waiting for process 1 on the other node, which is writing the token store" in caplog.text
@@ -211,8 +237,14 @@ def test_the_tokenizing_processes_end_with_the_run_that_started_them(workdir):
     text = "".join(path.read_text() for path in sorted((STDLIB / "email").glob("*.py")))
     for part in range(12):  # a few seconds of work a process: they are at work when the run is killed
         (corpus / f"part{part}.txt").write_text(text * 2)
-    job = start_cli("--prepare-data", "data=text_files", f"data.files={corpus}", "data.num_proc=2",
-                    f"data.cache_dir={workdir / 'cache'}", cwd=workdir)
+    job = start_cli(
+        "--prepare-data",
+        "data=text_files",
+        f"data.files={corpus}",
+        "data.num_proc=2",
+        f"data.cache_dir={workdir / 'cache'}",
+        cwd=workdir,
+    )
     run = psutil.Process(job.pid)
 
     def both_tokenizing_processes():  # the pool starts them one after the other: wait for the second too

@@ -41,8 +41,12 @@ DOLLY_HHRLHF = DATA / "llm_foundry" / "dolly_hhrlhf_train_small.jsonl"
 def pairs(tmp_path_factory) -> Path:
     """Prompt/response pairs of very different lengths, from the standard library's own lines: a line, then the
     next 1 to 6 lines."""
-    lines = [line for path in sorted((STDLIB / "email").glob("*.py")) for line in path.read_text().splitlines()
-             if line.strip()]
+    lines = [
+        line
+        for path in sorted((STDLIB / "email").glob("*.py"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
     with path.open("w") as out:
@@ -99,21 +103,26 @@ def test_packed_rows_keep_every_example_whole_with_its_own_positions(pairs):
 def test_a_packed_batch_gives_each_example_its_unpacked_loss(pairs, chat):
     """Instruction pairs, and LLaMA-Factory's Alpaca demo as conversations."""
     tokenizer = byte_tokenizer()
-    data = DataConfig(files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.chat, seq_len=1024) if chat else \
-        instruction_data(pairs, packing=False)
+    data = (
+        DataConfig(files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.chat, seq_len=1024)
+        if chat
+        else instruction_data(pairs, packing=False)
+    )
     padded, _ = token_splits(replace(data, packing=False), tokenizer, seed=0)
     packed, _ = token_splits(replace(data, packing=True), tokenizer, seed=0)
     rows = packed.batch(range(4))
     unpacked = {tuple(example["input_ids"]): i for i, example in enumerate(padded)}
-    indices = [unpacked[tuple(ids[start:end])] for ids, tokens, positions in
-               zip(rows["input_ids"], rows["tokens"], rows["position_ids"])
-               for start, end in segments({"position_ids": positions, "tokens": tokens})]
+    indices = [
+        unpacked[tuple(ids[start:end])]
+        for ids, tokens, positions in zip(rows["input_ids"], rows["tokens"], rows["position_ids"])
+        for start, end in segments({"position_ids": positions, "tokens": tokens})
+    ]
     assert len(indices) > 6
     model = tiny_model()
     pad = tokenizer.pad_token_id
     with torch.no_grad():
         packed_sum = summed_loss(model, rows, pad)
-        one_per_row = sum(summed_loss(model, padded.batch(indices[i:i + 4]), pad) for i in range(0, len(indices), 4))
+        one_per_row = sum(summed_loss(model, padded.batch(indices[i : i + 4]), pad) for i in range(0, len(indices), 4))
     assert packed_sum.item() == pytest.approx(one_per_row.item(), rel=1e-5)
 
 
@@ -121,18 +130,30 @@ def test_a_packed_batch_gives_each_example_its_unpacked_loss(pairs, chat):
 # byte tokenizer's own chat template; each at row lengths that hold several of its examples (a byte is a token here:
 # dolly's 2048-byte rows are about 512 tokens of a subword tokenizer).
 INSTRUCTION_LIKE = {
-    "LLaMA-Factory alpaca_en_demo, instruction": (DataConfig(
-        files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.instruction, prompt_field="instruction",
-        response_field="output", packing=True), (512, 2048)),
-    "LLaMA-Factory alpaca_en_demo, chat": (DataConfig(files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.chat,
-                                                     packing=True), (512, 2048)),
-    "llm-foundry dolly_hhrlhf_train_small, instruction": (DataConfig(
-        files=str(DOLLY_HHRLHF), format=DataFormat.instruction, packing=True), (2048, 4096)),
+    "LLaMA-Factory alpaca_en_demo, instruction": (
+        DataConfig(
+            files=str(LLAMA_FACTORY_ALPACA),
+            format=DataFormat.instruction,
+            prompt_field="instruction",
+            response_field="output",
+            packing=True,
+        ),
+        (512, 2048),
+    ),
+    "LLaMA-Factory alpaca_en_demo, chat": (
+        DataConfig(files=str(LLAMA_FACTORY_ALPACA), format=DataFormat.chat, packing=True),
+        (512, 2048),
+    ),
+    "llm-foundry dolly_hhrlhf_train_small, instruction": (
+        DataConfig(files=str(DOLLY_HHRLHF), format=DataFormat.instruction, packing=True),
+        (2048, 4096),
+    ),
 }
 
 
-@pytest.mark.parametrize("name,seq_len", [(name, seq_len) for name, (_, lengths) in INSTRUCTION_LIKE.items()
-                                          for seq_len in lengths])
+@pytest.mark.parametrize(
+    "name,seq_len", [(name, seq_len) for name, (_, lengths) in INSTRUCTION_LIKE.items() for seq_len in lengths]
+)
 def test_packed_instruction_and_chat_rows_are_at_least_95_percent_full(name, seq_len):
     """Packed in order, LLaMA-Factory's Alpaca demo fills 83% of 512-token rows; best-fit-decreasing fills them.
     The rows of both splits together: a split of a few rows ends on a part-filled one."""
@@ -167,14 +188,16 @@ def test_without_the_boundaries_a_token_would_see_its_neighbour(pairs):
 
     def second_example_loss(input_ids, position_ids):
         with torch.no_grad():
-            return model(input_ids=torch.tensor([input_ids]), position_ids=torch.tensor([position_ids]),
-                         loss_labels=labels).item()
+            return model(
+                input_ids=torch.tensor([input_ids]), position_ids=torch.tensor([position_ids]), loss_labels=labels
+            ).item()
 
     kept = row["position_ids"]
     assert second_example_loss(changed, kept) == pytest.approx(second_example_loss(row["input_ids"], kept), rel=1e-6)
     running_on = list(range(len(kept)))
     assert second_example_loss(changed, running_on) != pytest.approx(
-        second_example_loss(row["input_ids"], running_on), rel=1e-6)
+        second_example_loss(row["input_ids"], running_on), rel=1e-6
+    )
 
 
 def test_per_example_attention_is_the_block_diagonal_mask_without_its_cost(pairs, tmp_path):
@@ -230,21 +253,31 @@ def test_the_chunked_loss_is_the_full_loss_with_its_gradients(pairs):
 
 
 def test_the_loss_in_effect_follows_the_model_type_and_its_vocabulary():
-    gpt2 = build_model(ModelConfig(architecture={"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
-                                                 "vocab_size": 32_000}, tokenizer="bytes"), byte_tokenizer())
+    gpt2 = build_model(
+        ModelConfig(
+            architecture={"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 32_000},
+            tokenizer="bytes",
+        ),
+        byte_tokenizer(),
+    )
     assert with_summed_loss(gpt2, LossKind.auto, 1024) is LossKind.full  # not on the list of plain heads
     llama = tiny_model()
     assert llama.config.model_type == "llama"
     assert with_summed_loss(llama, LossKind.auto, 1024) is LossKind.full  # 259 byte tokens: no logits worth chunking
-    large = build_model(ModelConfig(architecture={**resolved_spec(QUICK).model.architecture, "vocab_size": 32_000},
-                                    tokenizer="bytes"), byte_tokenizer())
+    large = build_model(
+        ModelConfig(architecture={**resolved_spec(QUICK).model.architecture, "vocab_size": 32_000}, tokenizer="bytes"),
+        byte_tokenizer(),
+    )
     assert with_summed_loss(large, LossKind.auto, 1024) is LossKind.chunked
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.loss_chunk_tokens=0", "train.loss_chunk_tokens=0 must be a positive integer"),
-    ("train.loss=fused", "train.loss"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.loss_chunk_tokens=0", "train.loss_chunk_tokens=0 must be a positive integer"),
+        ("train.loss=fused", "train.loss"),
+    ],
+)
 def test_bad_loss_settings_are_one_line(override, message):
     with pytest.raises(Exception, match=message):
         resolved_spec([*QUICK, override])
@@ -256,14 +289,21 @@ def test_compile_under_deepspeed_is_refused_in_one_line():
 
 
 def test_the_estimate_counts_one_chunk_of_logits_under_the_chunked_loss():
+    from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
     from tests.support.specs import composed
 
-    from runner.memory.model_shapes import facts_of
-    from runner.memory.breakdown import estimate
-
     def estimated(loss):
-        spec = composed(["model=llama3_8b", "hardware=h100_80gb", "precision=bf16", f"train.loss={loss}",
-                         "train.micro_batch_size=2", "data.seq_len=4096"])
+        spec = composed(
+            [
+                "model=llama3_8b",
+                "hardware=h100_80gb",
+                "precision=bf16",
+                f"train.loss={loss}",
+                "train.micro_batch_size=2",
+                "data.seq_len=4096",
+            ]
+        )
         return estimate(spec, facts_of(spec.model))
 
     full, chunked = estimated("full"), estimated("chunked")
@@ -277,8 +317,16 @@ def test_the_estimate_counts_one_chunk_of_logits_under_the_chunked_loss():
 # --- training runs ---
 
 STEPS = 8
-BASE = [f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.eval_fraction=0.1", *TWO_BLOCKS]
+BASE = [
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.save_model=false",
+    "train.micro_batch_size=2",
+    "data.eval_fraction=0.1",
+    *TWO_BLOCKS,
+]
 
 
 def packed_run(pairs: Path) -> list[str]:
@@ -300,15 +348,24 @@ def test_packed_training_has_the_losses_of_one_process_under_every_strategy(pair
     reference_dir.mkdir()
     train(prepare_job(resolved_spec([*packed_run(pairs), "train.grad_accum_steps=4"]), reference_dir))
     reference = step_losses(reference_dir)
-    specs = [resolved_spec([*packed_run(pairs), "hardware.nproc_per_node=2", "train.grad_accum_steps=2", *overrides])
-             for overrides in PACKED_VARIANTS.values()]
+    specs = [
+        resolved_spec([*packed_run(pairs), "hardware.nproc_per_node=2", "train.grad_accum_steps=2", *overrides])
+        for overrides in PACKED_VARIANTS.values()
+    ]
     dirs = [tmp_path / str(i) for i in range(len(specs))]
     train_in_workers(specs, dirs)
     for name, run_dir in zip(PACKED_VARIANTS, dirs):
         assert step_losses(run_dir) == pytest.approx(reference, rel=1e-4), name
     # Two pipeline stages: the rows' positions pass from the first to the second with the hidden states.
-    pipelined = resolved_spec([*packed_run(pairs), "hardware.nproc_per_node=2", "train.grad_accum_steps=4",
-                               "strategy=fsdp", "strategy.pp_size=2"])
+    pipelined = resolved_spec(
+        [
+            *packed_run(pairs),
+            "hardware.nproc_per_node=2",
+            "train.grad_accum_steps=4",
+            "strategy=fsdp",
+            "strategy.pp_size=2",
+        ]
+    )
     train_in_workers([pipelined], [tmp_path / "pp 2"])
     assert step_losses(tmp_path / "pp 2") == pytest.approx(reference, rel=1e-4)
     assert reference[-1] < reference[0]
@@ -335,8 +392,10 @@ def test_compiled_blocks_keep_the_eager_losses_and_report_the_compile_time(tmp_p
     eager = step_losses(eager_dir)
     assert step_losses(compiled_dir) == pytest.approx(eager, rel=1e-4, abs=1e-4)
     assert summary["compile_time_s"] > 0
-    specs = [resolved_spec([*args, "hardware.nproc_per_node=2", "train.compile=true", *overrides])
-             for overrides in COMPILE_VARIANTS.values()]
+    specs = [
+        resolved_spec([*args, "hardware.nproc_per_node=2", "train.compile=true", *overrides])
+        for overrides in COMPILE_VARIANTS.values()
+    ]
     dirs = [tmp_path / name for name in COMPILE_VARIANTS]
     summaries = train_in_workers(specs, dirs)
     for name, run_dir, run_summary in zip(COMPILE_VARIANTS, dirs, summaries):
@@ -350,12 +409,20 @@ def test_a_128k_vocabulary_step_peaks_lower_with_the_chunked_loss_as_the_estimat
     own process: the chunked loss saves most of what the estimate says the logits cost. (A step's peak is its
     forward and backward, where the logits live; the optimizer's states, made at the step's end, add the same to
     both losses.)"""
-    from runner.memory.model_shapes import facts_of
     from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
 
-    args = [*QUICK, "+model.architecture.vocab_size=128256", "train.max_steps=1", "train.eval_every=0",
-            "train.eval_batches=1", "train.save_model=false", "train.micro_batch_size=8", "train.loss_chunk_tokens=256",
-            "hardware=cpu"]
+    args = [
+        *QUICK,
+        "+model.architecture.vocab_size=128256",
+        "train.max_steps=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.save_model=false",
+        "train.micro_batch_size=8",
+        "train.loss_chunk_tokens=256",
+        "hardware=cpu",
+    ]
     measured, estimated = {}, {}
     for loss in ("full", "chunked"):
         cwd = tmp_path / loss
@@ -410,12 +477,22 @@ def test_a_step_issues_no_collective_of_its_own(pairs, tmp_path):
 def test_padded_rows_through_a_pipeline_have_the_losses_of_one_process(pairs, tmp_path):
     """Instruction rows padded to their micro batch's longest (and, in the pipeline, to seq_len, with an attention
     mask that hides the padding): 2 pipeline stages train and evaluate as one process does."""
-    padded = [*BASE, "data=instruction_files", f"data.files={pairs}", "data.seq_len=256", "data.packing=false",
-              "train.eval_every=4", "train.eval_batches=3", "train.grad_accum_steps=4"]
+    padded = [
+        *BASE,
+        "data=instruction_files",
+        f"data.files={pairs}",
+        "data.seq_len=256",
+        "data.packing=false",
+        "train.eval_every=4",
+        "train.eval_batches=3",
+        "train.grad_accum_steps=4",
+    ]
     (tmp_path / "single").mkdir()
     train(prepare_job(resolved_spec(padded), tmp_path / "single"))
-    train_in_workers([resolved_spec([*padded, "hardware.nproc_per_node=2", "strategy=fsdp", "strategy.pp_size=2"])],
-                     [tmp_path / "pp 2"])
+    train_in_workers(
+        [resolved_spec([*padded, "hardware.nproc_per_node=2", "strategy=fsdp", "strategy.pp_size=2"])],
+        [tmp_path / "pp 2"],
+    )
     assert step_losses(tmp_path / "pp 2") == pytest.approx(step_losses(tmp_path / "single"), rel=1e-4)
     evaluated, expected = logged(tmp_path / "pp 2", "eval_loss"), logged(tmp_path / "single", "eval_loss")
     assert list(evaluated) == list(expected) == [0, 4, 8]

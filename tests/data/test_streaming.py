@@ -86,11 +86,11 @@ def test_a_stream_goes_on_from_any_saved_position_exactly(lines_corpus):
     chunk_ends = [i for i in range(1, len(rows)) if positions[i].document != positions[i - 1].document]
     for taken in [1, 777, chunk_ends[0], chunk_ends[2] + 3]:
         again = list(itertools.islice(stream.rows(positions[taken - 1]), 50))
-        assert again == rows[taken:taken + 50]
+        assert again == rows[taken : taken + 50]
     # An epoch's rows come from the same documents in a new order.
     first_epoch = [row for row, position in rows if position.epoch == 0]
-    second_epoch = [row for row, position in rows if position.epoch == 1][:len(first_epoch)]
-    assert first_epoch != second_epoch[:len(first_epoch)]
+    second_epoch = [row for row, position in rows if position.epoch == 1][: len(first_epoch)]
+    assert first_epoch != second_epoch[: len(first_epoch)]
 
 
 def test_the_held_out_documents_never_train(lines_corpus):
@@ -103,10 +103,21 @@ def test_the_held_out_documents_never_train(lines_corpus):
     assert len(stream.eval_rows(10)) == 10
 
 
-STREAMED = [*(arg for arg in QUICK if not arg.startswith("data.files=")), "data.streaming=true", "data.seq_len=32",
-            "data.eval_fraction=0.25", "train.max_steps=12",
-            "train.log_every=1", "train.eval_every=0", "train.eval_batches=2", "train.micro_batch_size=2",
-            "train.checkpoint_every=3", "train.keep_checkpoints=4", "hardware.nproc_per_node=2", "strategy=ddp"]
+STREAMED = [
+    *(arg for arg in QUICK if not arg.startswith("data.files=")),
+    "data.streaming=true",
+    "data.seq_len=32",
+    "data.eval_fraction=0.25",
+    "train.max_steps=12",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.micro_batch_size=2",
+    "train.checkpoint_every=3",
+    "train.keep_checkpoints=4",
+    "hardware.nproc_per_node=2",
+    "strategy=ddp",
+]
 
 
 @pytest.mark.distributed

@@ -33,8 +33,16 @@ from tests.support.workers import run_in_workers
 STEPS = 12
 TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=1"]
 ONE_RANK = ["hardware.nproc_per_node=1", "train.grad_accum_steps=2"]  # the same global batch
-ARGS = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.checkpoint_every=3"]
+ARGS = [
+    *QUICK,
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.micro_batch_size=2",
+    "train.grad_accum_steps=2",
+    "train.checkpoint_every=3",
+]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -70,9 +78,20 @@ def test_a_killed_run_keeps_its_best_checkpoint_and_value_across_the_resume(tmp_
     """train.keep_best=eval_loss with a learning rate whose eval loss is lowest at step 2 and higher after: killed at
     step 5 and resumed, the run still names step 2 the best (a best forgotten in the resume would take step 6's
     worse loss), keeps its checkpoint beside the last one, and reports what the uninterrupted run reports."""
-    args = [*QUICK, "train.max_steps=8", "train.log_every=1", "train.eval_every=2", "train.eval_batches=1",
-            "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.keep_best=eval_loss", "optim.lr=0.03",
-            "scheduler=constant", "scheduler.warmup_steps=0", "train.save_model=false"]
+    args = [
+        *QUICK,
+        "train.max_steps=8",
+        "train.log_every=1",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1",
+        "train.keep_best=eval_loss",
+        "optim.lr=0.03",
+        "scheduler=constant",
+        "scheduler.warmup_steps=0",
+        "train.save_model=false",
+    ]
     (tmp_path / "uninterrupted").mkdir()
     uninterrupted = run_cli(*args, cwd=tmp_path / "uninterrupted")
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
@@ -110,16 +129,22 @@ def test_tensors_read_from_a_checkpoint_are_the_process_s_own_memory(tmp_path):
     from runner.files.tensor_io import read_tensors
 
     path = tmp_path / "optimizer.safetensors"
-    written = {"state/w/exp_avg": torch.randn(3, 5), "state/w/step": torch.tensor(7.0),
-               "state/b/exp_avg": torch.randn(4).bfloat16(), "rng": torch.get_rng_state(),
-               "mask": torch.tensor([True, False]), "empty": torch.zeros(0, 4)}
+    written = {
+        "state/w/exp_avg": torch.randn(3, 5),
+        "state/w/step": torch.tensor(7.0),
+        "state/b/exp_avg": torch.randn(4).bfloat16(),
+        "rng": torch.get_rng_state(),
+        "mask": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 4),
+    }
     save_file(written, path)
     read = read_tensors(path)
     of_w = read_tensors(path, {"w"}, lambda key: key.split("/")[1] if "/" in key else key)
     path.unlink()
     assert str(path) not in Path("/proc/self/maps").read_text()
-    assert {key: (t.dtype, t.shape) for key, t in read.items()} == {key: (t.dtype, t.shape)
-                                                                 for key, t in written.items()}
+    assert {key: (t.dtype, t.shape) for key, t in read.items()} == {
+        key: (t.dtype, t.shape) for key, t in written.items()
+    }
     assert all(torch.equal(read[key], written[key]) for key in written)
     assert sorted(of_w) == ["state/w/exp_avg", "state/w/step"]
 
@@ -155,14 +180,31 @@ def _fsdp_checkpoint_files(ranks, spec, run_dir):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("state_dict_type,files", [
-    ("FULL", {"model.safetensors", "optimizer.safetensors"}),
-    ("SHARDED", {f"{state}/shard-0000{rank}-model-00001-of-00001.safetensors" for state in ("model", "optimizer")
-                 for rank in (1, 2)}),
-])
+@pytest.mark.parametrize(
+    "state_dict_type,files",
+    [
+        ("FULL", {"model.safetensors", "optimizer.safetensors"}),
+        (
+            "SHARDED",
+            {
+                f"{state}/shard-0000{rank}-model-00001-of-00001.safetensors"
+                for state in ("model", "optimizer")
+                for rank in (1, 2)
+            },
+        ),
+    ],
+)
 def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, files, tmp_path):
-    spec = resolved_spec([*ARGS, "train.max_steps=2", "strategy=fsdp", "hardware.nproc_per_node=2",
-                          f"strategy.state_dict_type={state_dict_type}", "train.save_model=false"])
+    spec = resolved_spec(
+        [
+            *ARGS,
+            "train.max_steps=2",
+            "strategy=fsdp",
+            "hardware.nproc_per_node=2",
+            f"strategy.state_dict_type={state_dict_type}",
+            "train.save_model=false",
+        ]
+    )
     run_in_workers(_fsdp_checkpoint_files, spec, str(tmp_path), nproc=2)
     [checkpoint] = (tmp_path / "checkpoints").glob("step_*")
     written = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*.safetensors") if "rng" not in p.name}
@@ -172,13 +214,17 @@ def test_fsdp_state_dict_type_chooses_whole_or_per_rank_files(state_dict_type, f
 
 @pytest.mark.distributed
 @pytest.mark.signals
-@pytest.mark.parametrize("strategy,resume_on,tolerance", [
-    (["strategy=ddp"], TWO_RANKS, 0),
-    (["strategy=fsdp", "strategy.state_dict_type=SHARDED"], TWO_RANKS, 1e-5),
-    (["strategy=fsdp", "strategy.state_dict_type=FULL"], ONE_RANK, 1e-5),  # a FULL checkpoint reshards
-    (["strategy=deepspeed", "strategy.zero_stage=2"], TWO_RANKS, 1e-5),
-    (["strategy=deepspeed", "strategy.zero_stage=3", "strategy.offload_optimizer=cpu"], TWO_RANKS, 1e-5),
-], ids=["ddp", "fsdp sharded", "fsdp full, resumed on one process", "deepspeed zero-2", "deepspeed zero-3 offload"])
+@pytest.mark.parametrize(
+    "strategy,resume_on,tolerance",
+    [
+        (["strategy=ddp"], TWO_RANKS, 0),
+        (["strategy=fsdp", "strategy.state_dict_type=SHARDED"], TWO_RANKS, 1e-5),
+        (["strategy=fsdp", "strategy.state_dict_type=FULL"], ONE_RANK, 1e-5),  # a FULL checkpoint reshards
+        (["strategy=deepspeed", "strategy.zero_stage=2"], TWO_RANKS, 1e-5),
+        (["strategy=deepspeed", "strategy.zero_stage=3", "strategy.offload_optimizer=cpu"], TWO_RANKS, 1e-5),
+    ],
+    ids=["ddp", "fsdp sharded", "fsdp full, resumed on one process", "deepspeed zero-2", "deepspeed zero-3 offload"],
+)
 def test_multi_process_kill_and_resume(strategy, resume_on, tolerance, uninterrupted, uninterrupted_ddp, tmp_path):
     """Exactly the losses of the same strategy uninterrupted (ddp), or within 1e-5 of one process (sharded). Once the
     checkpoint it resumed from is rotated out, no process of the resumed run maps a deleted file of the run: what it
@@ -200,18 +246,25 @@ def test_multi_process_kill_and_resume(strategy, resume_on, tolerance, uninterru
         assert resumed[step] == pytest.approx(loss, rel=tolerance, abs=0)
 
 
-@pytest.mark.parametrize("layout,file,refusal", [
-    ("engine", "zero.safetensors", "holds 2 ranks' shards (engine) and this run has 1 processes"),
-    ("sharded", "model-rank0.safetensors", "holds SHARDED files of an earlier runner"),
-], ids=["deepspeed's own, on another process count", "sharded, written before DCP"])
+@pytest.mark.parametrize(
+    "layout,file,refusal",
+    [
+        ("engine", "zero.safetensors", "holds 2 ranks' shards (engine) and this run has 1 processes"),
+        ("sharded", "model-rank0.safetensors", "holds SHARDED files of an earlier runner"),
+    ],
+    ids=["deepspeed's own, on another process count", "sharded, written before DCP"],
+)
 def test_a_checkpoint_that_cannot_move_is_refused_before_launch(layout, file, refusal, tmp_path):
     from runner.errors import SpecError
 
     checkpoint = tmp_path / "checkpoints" / "step_00000003"
     checkpoint.mkdir(parents=True)
     (checkpoint / file).write_bytes(b"")
-    (checkpoint / "meta.json").write_text(json.dumps(
-        {"step": 3, "world_size": 2, "layout": layout, "strategy": "deepspeed" if layout == "engine" else "fsdp"}))
+    (checkpoint / "meta.json").write_text(
+        json.dumps(
+            {"step": 3, "world_size": 2, "layout": layout, "strategy": "deepspeed" if layout == "engine" else "fsdp"}
+        )
+    )
     strategy = "strategy=deepspeed" if layout == "engine" else "strategy=fsdp"
     with pytest.raises(SpecError, match=re.escape(refusal)):
         resolved_spec([*ARGS, strategy, f"resume={checkpoint}", "train.max_steps=6"])
@@ -228,18 +281,24 @@ def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, caplog):
     assert json.loads((checkpoint / "meta.json").read_text())["global_batch"] == 4
     (tmp_path / "resumed").mkdir()
     with caplog.at_level(logging.WARNING, logger="runner"):
-        train(prepare_job(resolved_spec([*ARGS, "train.max_steps=4", "train.micro_batch_size=4",
-                                         f"resume={checkpoint}"]), tmp_path / "resumed"))
+        train(
+            prepare_job(
+                resolved_spec([*ARGS, "train.max_steps=4", "train.micro_batch_size=4", f"resume={checkpoint}"]),
+                tmp_path / "resumed",
+            )
+        )
     [warning] = [record for record in caplog.records if "global batch" in record.getMessage()]
-    assert warning.getMessage().startswith("resuming with a global batch of 8 (micro batch 4 x 1 data-parallel ranks "
-                                           "x 2 accumulation steps) where the checkpoint's run had 4")
+    assert warning.getMessage().startswith(
+        "resuming with a global batch of 8 (micro batch 4 x 1 data-parallel ranks "
+        "x 2 accumulation steps) where the checkpoint's run had 4"
+    )
 
 
 @pytest.mark.signals
-@pytest.mark.parametrize("strategy", [[], pytest.param(["strategy=ddp", *TWO_RANKS], marks=pytest.mark.distributed)],
-                         ids=["single", "ddp"])
-def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninterrupted, uninterrupted_ddp,
-                                                               tmp_path):
+@pytest.mark.parametrize(
+    "strategy", [[], pytest.param(["strategy=ddp", *TWO_RANKS], marks=pytest.mark.distributed)], ids=["single", "ddp"]
+)
+def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninterrupted, uninterrupted_ddp, tmp_path):
     job = start_cli(*ARGS, *strategy, "train.checkpoint_every=100", cwd=tmp_path, stop_at_step=4)
     try:
         run_dir, _ = hold_at_step(job, tmp_path)
@@ -249,8 +308,11 @@ def test_sigterm_checkpoints_the_step_and_exits_3_then_resumes(strategy, uninter
             # so that they stop after the step they are in, however long the passing on takes.
             workers = [worker_pid(run_dir, rank) for rank in range(2)]
             os.kill(job.pid, signal.SIGCONT)
-            wait_until(lambda: all(signal.SIGTERM in pending_signals(pid) for pid in workers),
-                       "the run to pass SIGTERM on to its workers", job)
+            wait_until(
+                lambda: all(signal.SIGTERM in pending_signals(pid) for pid in workers),
+                "the run to pass SIGTERM on to its workers",
+                job,
+            )
         job.resume()
         assert job.wait(timeout=120) == 3
     finally:

@@ -27,11 +27,25 @@ from tests.support.workers import run_in_workers
 ALPACA = DATA / "llama_factory" / "alpaca_en_demo.json"  # tests/support/data/llama_factory/SOURCE.md
 DPO_DEMO = DATA / "llama_factory" / "dpo_en_demo.json"
 STEPS, LOG_EVERY = 6, 3
-BASE = [*QUICK, f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}", "train.eval_every=0",
-        "train.checkpoint_every=0", "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64",
-        "train.grad_accum_steps=2", "train.eval_batches=1"]
-INSTRUCTION = ["data=instruction_files", f"data.files={ALPACA}", "data.prompt_field=instruction",
-               "data.response_field=output", "data.seq_len=256"]
+BASE = [
+    *QUICK,
+    f"train.max_steps={STEPS}",
+    f"train.log_every={LOG_EVERY}",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.save_model=false",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+    "train.grad_accum_steps=2",
+    "train.eval_batches=1",
+]
+INSTRUCTION = [
+    "data=instruction_files",
+    f"data.files={ALPACA}",
+    "data.prompt_field=instruction",
+    "data.response_field=output",
+    "data.seq_len=256",
+]
 HOST_SIDE = ("/torch/optim/", "/runner/processes/signals.py", "/runner/data/", "/runner/engine/attention.py")
 DEEPSPEEDS_OWN = ("/deepspeed/runtime/",)
 
@@ -43,6 +57,7 @@ def reads_by_step(ranks, spec, run_dir) -> dict[int, dict[str, int]]:
 
     own_step, marks = loop.train_step, []
     with counting_host_reads(leave_out=HOST_SIDE + DEEPSPEEDS_OWN) as counter:
+
         def marked_step(job, batch):
             marks.append(counter.snapshot())
             return own_step(job, batch)
@@ -68,13 +83,20 @@ SINGLE = {
     "text, full loss": ["train.loss=full"],
     "instruction rows, padded": INSTRUCTION,
     "instruction rows, packed": [*INSTRUCTION, "data.packing=true"],
-    "dpo": ["task=dpo", "data=preference_files", f"data.files={DPO_DEMO}", "data.drop_long_prompts=true",
-            "data.seq_len=256"],
+    "dpo": [
+        "task=dpo",
+        "data=preference_files",
+        f"data.files={DPO_DEMO}",
+        "data.drop_long_prompts=true",
+        "data.seq_len=256",
+    ],
 }
 
 
-@pytest.mark.parametrize("variant", [pytest.param(variant, marks=[] if index == 0 else [pytest.mark.slow])
-                                     for index, variant in enumerate(SINGLE)])
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param(variant, marks=[] if index == 0 else [pytest.mark.slow]) for index, variant in enumerate(SINGLE)],
+)
 def test_a_single_process_step_reads_nothing_from_the_device_between_log_steps(variant, tmp_path):
     spec = resolved_spec([*BASE, *SINGLE[variant]])
     from runner.distributed import Ranks
@@ -100,8 +122,10 @@ def reads_of_each(ranks, specs, run_dirs) -> list[dict[int, dict[str, int]]]:
 
 @pytest.mark.distributed
 def test_a_data_parallel_step_reads_nothing_from_the_device_between_log_steps(tmp_path):
-    specs = [resolved_spec([*BASE, *overrides, "hardware.nproc_per_node=2", "train.grad_accum_steps=1"])
-             for overrides in DISTRIBUTED.values()]
+    specs = [
+        resolved_spec([*BASE, *overrides, "hardware.nproc_per_node=2", "train.grad_accum_steps=1"])
+        for overrides in DISTRIBUTED.values()
+    ]
     run_dirs = [tmp_path / str(index) for index in range(len(specs))]
     for run_dir in run_dirs:
         run_dir.mkdir()

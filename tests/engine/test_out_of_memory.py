@@ -8,8 +8,15 @@ from tests.support.command import start_cli
 from tests.support.specs import QUICK
 
 # Micro batches of 4: a smaller one is then among what needs less.
-RUN = [*QUICK, "train.micro_batch_size=4", "train.max_steps=6", "train.log_every=1", "train.eval_every=0",
-       "train.eval_batches=1", "train.save_model=false"]
+RUN = [
+    *QUICK,
+    "train.micro_batch_size=4",
+    "train.max_steps=6",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.save_model=false",
+]
 
 
 @pytest.mark.distributed

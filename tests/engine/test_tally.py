@@ -13,8 +13,9 @@ from tests.support.workers import run_in_workers
 def test_a_reading_sums_the_steps_since_the_last_one():
     tally = DeviceTally(torch.device("cpu"))
     for step, loss in enumerate([2.0, 1.5, 1.0], start=1):
-        tally.add(step, torch.tensor(loss), {"rewards/margins": torch.tensor(step / 10)}, torch.tensor(0.5 * step),
-                  tokens=100)
+        tally.add(
+            step, torch.tensor(loss), {"rewards/margins": torch.tensor(step / 10)}, torch.tensor(0.5 * step), tokens=100
+        )
     reading = tally.read()
     assert (reading.steps, reading.loss, reading.tokens, reading.first_non_finite) == (3, 4.5, 300, None)
     assert reading.grad_norm == 1.5  # the last step's

@@ -22,8 +22,16 @@ from tests.support.specs import QUICK, composed
 pytestmark = pytest.mark.slow
 
 MIB = 2**20
-RUN = [*QUICK, "train.max_steps=6", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
-       "train.checkpoint_every=3", "train.keep_checkpoints=1", "train.save_model=false"]
+RUN = [
+    *QUICK,
+    "train.max_steps=6",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.checkpoint_every=3",
+    "train.keep_checkpoints=1",
+    "train.save_model=false",
+]
 STRATEGIES = {
     "single": [],
     "fsdp SHARDED": ["strategy=fsdp", "hardware.nproc_per_node=2", "strategy.state_dict_type=SHARDED"],
@@ -35,8 +43,9 @@ STRATEGIES = {
 def small_filesystem(path: Path, size: int):
     """A tmpfs of `size` bytes mounted at `path` (root, or a user allowed to mount), unmounted after."""
     path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if mounted.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     try:
@@ -104,8 +113,10 @@ def test_a_run_directory_that_cannot_be_written_is_refused_before_launch(tmp_pat
         subprocess.run(["mount", "-o", "remount,ro", str(read_only)], check=True)
         result = run_cli(*RUN, f"hydra.run.dir={read_only}/run", cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip() == (f"run: error: the run directory {read_only}/run cannot be written ({read_only} is "
-                                     "not writable); choose another with hydra.run.dir=<a directory>")
+    assert result.stderr.strip() == (
+        f"run: error: the run directory {read_only}/run cannot be written ({read_only} is "
+        "not writable); choose another with hydra.run.dir=<a directory>"
+    )
 
 
 def test_a_disk_that_fills_at_the_export_says_the_last_checkpoint_holds_the_training(tmp_path):
@@ -157,8 +168,9 @@ def test_torch_save_cut_short_by_a_full_filesystem_is_a_refused_write_even_once_
         (partial / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
         assert refused_write(cut_short.value)
         line = write_failed_line(cut_short.value, partial, "the checkpoint of step 6", small / "run", needed=MIB)
-    assert line.startswith(f"writing the checkpoint of step 6 failed: No space left on device ({partial}); it needs "
-                           "about 1.0 MiB and "), line
+    assert line.startswith(
+        f"writing the checkpoint of step 6 failed: No space left on device ({partial}); it needs about 1.0 MiB and "
+    ), line
     assert refused_write(OSError(28, "No space left on device")) and not refused_write(ValueError("a bug"))
 
 
@@ -203,8 +215,12 @@ def test_a_rank_whose_checkpoint_a_peer_removed_ends_with_the_refused_write(room
 def test_a_tracker_that_cannot_write_is_reported_once_and_training_goes_on(tmp_path):
     """MLflow's file store on a filesystem that turns read-only mid-run: one warning names the tracker and the
     error, and the run trains to its end, its checkpoint and metrics.jsonl (elsewhere) whole."""
-    overrides = [*RUN, "train.checkpoint_every=0", "tracker=mlflow",
-                 f"tracker.mlflow.tracking_uri=file://{tmp_path / 'small' / 'mlruns'}"]
+    overrides = [
+        *RUN,
+        "train.checkpoint_every=0",
+        "tracker=mlflow",
+        f"tracker.mlflow.tracking_uri=file://{tmp_path / 'small' / 'mlruns'}",
+    ]
     with small_filesystem(tmp_path / "small", 4 * MIB) as small:
         job = start_cli(*overrides, cwd=tmp_path / "work", env={"MLFLOW_ALLOW_FILE_STORE": "true"}, stop_at_step=2)
         try:

@@ -16,8 +16,10 @@ from tests.support.command import run_cli
 from tests.support.specs import TWO_BLOCKS
 
 TASK_FILES = DATA / "benchmarks"
-BENCHMARKS = ["local_copa", *(str(TASK_FILES / f"copa_{kind}.yaml") for kind in ("loglikelihood", "rolling",
-                                                                                     "generate"))]
+BENCHMARKS = [
+    "local_copa",
+    *(str(TASK_FILES / f"copa_{kind}.yaml") for kind in ("loglikelihood", "rolling", "generate")),
+]
 DOCUMENTS = 12
 # Weights drawn wider than the default's: greedy answers that differ from query to query, where the default's, a
 # few steps in, repeat one token whatever the query (and so would hide a query that attends to its padding).
@@ -70,16 +72,25 @@ def test_each_request_is_answered_as_lm_evals_hflm_answers_it(tmp_path):
 
     tokenizer = byte_tokenizer()
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    ).eval()
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     attend_causally_unmasked(model)
     tasks = load_benchmarks(BENCHMARKS, "train.benchmarks", DOCUMENTS).tasks
-    placed = PlacedModelLM(model, tokenizer, torch.device("cpu"), contextlib.nullcontext, SEQ_LEN, 4,
-                           Shard(0, 1, True))
+    placed = PlacedModelLM(model, tokenizer, torch.device("cpu"), contextlib.nullcontext, SEQ_LEN, 4, Shard(0, 1, True))
     mine = evaluator.evaluate(placed, tasks, limit=DOCUMENTS, bootstrap_iters=0, log_samples=True)
     theirs = hflm_results(tmp_path / "model", tasks, samples=True)
     assert_same_answers(answers(mine), answers(theirs))
@@ -93,18 +104,29 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
     FSDP2 over two, each rank answering half the requests); the last scores are HFLM's on the saved model, and
     train.keep_best keeps the checkpoint of the best local_copa accuracy besides the last one; task=evaluate gives
     the saved model the same scores. The run's time plan counts the benchmarks' forwards."""
-    from tests.support.specs import resolved_spec
-    from tests.support.workers import train_in_workers
-
     from runner.components.modeling import build_tokenizer
     from runner.generation.benchmarks import forward_tokens, load_benchmarks
     from runner.planning.time_plan import flops_per_token, plan
+    from tests.support.specs import resolved_spec
+    from tests.support.workers import train_in_workers
 
-    overrides = ["train.max_steps=6", "train.log_every=2", "train.eval_every=2", "train.eval_batches=2",
-                 "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.benchmark_every=2",
-                 f"train.benchmarks=[{','.join(BENCHMARKS)}]", f"train.benchmark_limit={DOCUMENTS}",
-                 "train.keep_best=bench/local_copa/acc", "optim.lr=0.01", "hardware.peak_bf16_tflops=1",
-                 f"hardware.measured_runs={tmp_path / 'no runs'}", *TWO_BLOCKS, *VARIED_GENERATIONS]
+    overrides = [
+        "train.max_steps=6",
+        "train.log_every=2",
+        "train.eval_every=2",
+        "train.eval_batches=2",
+        "train.checkpoint_every=2",
+        "train.keep_checkpoints=1",
+        "train.benchmark_every=2",
+        f"train.benchmarks=[{','.join(BENCHMARKS)}]",
+        f"train.benchmark_limit={DOCUMENTS}",
+        "train.keep_best=bench/local_copa/acc",
+        "optim.lr=0.01",
+        "hardware.peak_bf16_tflops=1",
+        f"hardware.measured_runs={tmp_path / 'no runs'}",
+        *TWO_BLOCKS,
+        *VARIED_GENERATIONS,
+    ]
     spec = resolved_spec(overrides)
     train_in_workers([spec], [tmp_path / "single"], nproc=1)
     predicted = json.loads((tmp_path / "single" / "summary.json").read_text())["predicted"]
@@ -113,8 +135,7 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
     assert predicted["flops"] == pytest.approx(plan(spec, benchmark_tokens=tokens).flops)
     # scored at steps 2, 4 and 6, each a forward (a third of a trained token's work) of every request's tokens
     assert predicted["flops"] - plan(spec).flops == pytest.approx(3 * tokens * flops_per_token(spec) / 3)
-    train_in_workers([resolved_spec([*overrides, "strategy=fsdp", "hardware.nproc_per_node=2"])],
-                     [tmp_path / "fsdp"])
+    train_in_workers([resolved_spec([*overrides, "strategy=fsdp", "hardware.nproc_per_node=2"])], [tmp_path / "fsdp"])
     tasks = load_benchmarks(BENCHMARKS, "train.benchmarks", DOCUMENTS).tasks
     for run in ("single", "fsdp"):
         run_dir = tmp_path / run
@@ -135,8 +156,13 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
         kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
         assert kept == sorted({f"step_{best_step:08d}", "step_00000006"}), run
     # task=evaluate scores what the run saved as the loop scored it last
-    result = run_cli("task=evaluate", f"task.trained={tmp_path / 'single' / 'model'}",
-                     f"task.benchmarks=[{','.join(BENCHMARKS)}]", f"task.benchmark_limit={DOCUMENTS}", cwd=tmp_path)
+    result = run_cli(
+        "task=evaluate",
+        f"task.trained={tmp_path / 'single' / 'model'}",
+        f"task.benchmarks=[{','.join(BENCHMARKS)}]",
+        f"task.benchmark_limit={DOCUMENTS}",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     [evaluated] = (tmp_path / "outputs").glob("*/*/eval.json")
     scores = {key: value for key, value in json.loads(evaluated.read_text()).items() if key.startswith("bench/")}
@@ -145,25 +171,41 @@ def test_scores_in_the_loop_are_lm_evals_on_the_saved_model_under_single_and_fsd
 
 
 BAD_RUNS = {
-    "a task lm-eval does not know": (["train.benchmarks=[no_such_benchmark]"],
-                                     "train.benchmarks: no_such_benchmark is neither a task YAML file nor a task "
-                                     "lm-eval knows"),
-    "a task file that is not there": (["train.benchmarks=[missing.yaml]"],
-                                      "train.benchmarks: missing.yaml: no such task file"),
-    "a task file lm-eval cannot load": (["train.benchmarks=[{cwd}/broken.yaml]"],
-                                        "train.benchmarks: lm-eval cannot load {cwd}/broken.yaml"),
-    "prompts longer than data.seq_len": (["train.benchmarks=[local_boolq]"],
-                                         "more than data.seq_len=256; raise data.seq_len, or limit the "
-                                         "documents"),
-    "a metric never logged": (["train.benchmarks=[local_copa]", "train.keep_best=bench/local_copa/f1"],
-                              "train.keep_best=bench/local_copa/f1 is not a metric this run logs; it logs "
-                              "bench/local_copa/acc, bench/local_copa/acc_norm, eval_loss"),
-    "no benchmark under pipeline parallelism": (["train.benchmarks=[local_copa]", "hardware.nproc_per_node=2",
-                                                 "strategy=fsdp", "strategy.pp_size=2",
-                                                 "strategy.pp_schedule=GPipe"],
-                                                "train.benchmarks with strategy.pp_size=2"),
-    "a negative limit": (["train.benchmarks=[local_copa]", "train.benchmark_limit=-1"],
-                         "train.benchmark_limit=-1 must be a positive number of documents"),
+    "a task lm-eval does not know": (
+        ["train.benchmarks=[no_such_benchmark]"],
+        "train.benchmarks: no_such_benchmark is neither a task YAML file nor a task lm-eval knows",
+    ),
+    "a task file that is not there": (
+        ["train.benchmarks=[missing.yaml]"],
+        "train.benchmarks: missing.yaml: no such task file",
+    ),
+    "a task file lm-eval cannot load": (
+        ["train.benchmarks=[{cwd}/broken.yaml]"],
+        "train.benchmarks: lm-eval cannot load {cwd}/broken.yaml",
+    ),
+    "prompts longer than data.seq_len": (
+        ["train.benchmarks=[local_boolq]"],
+        "more than data.seq_len=256; raise data.seq_len, or limit the documents",
+    ),
+    "a metric never logged": (
+        ["train.benchmarks=[local_copa]", "train.keep_best=bench/local_copa/f1"],
+        "train.keep_best=bench/local_copa/f1 is not a metric this run logs; it logs "
+        "bench/local_copa/acc, bench/local_copa/acc_norm, eval_loss",
+    ),
+    "no benchmark under pipeline parallelism": (
+        [
+            "train.benchmarks=[local_copa]",
+            "hardware.nproc_per_node=2",
+            "strategy=fsdp",
+            "strategy.pp_size=2",
+            "strategy.pp_schedule=GPipe",
+        ],
+        "train.benchmarks with strategy.pp_size=2",
+    ),
+    "a negative limit": (
+        ["train.benchmarks=[local_copa]", "train.benchmark_limit=-1"],
+        "train.benchmark_limit=-1 must be a positive number of documents",
+    ),
 }
 
 
@@ -171,8 +213,11 @@ BAD_RUNS = {
 INDEXES_THE_REGISTRY = "a task lm-eval does not know"
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, marks=[pytest.mark.slow] if case == INDEXES_THE_REGISTRY else [])
-                                  for case in BAD_RUNS], ids=list(BAD_RUNS))
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(case, marks=[pytest.mark.slow] if case == INDEXES_THE_REGISTRY else []) for case in BAD_RUNS],
+    ids=list(BAD_RUNS),
+)
 def test_bad_benchmarks_are_refused_in_one_line_before_anything_starts(case, workdir):
     (workdir / "broken.yaml").write_text("task: broken\ndataset_path: json\noutput_type: no_such_type\n")
     overrides, error = BAD_RUNS[case]
@@ -204,18 +249,35 @@ def test_the_scores_are_the_same_under_zero3_tensor_parallelism_and_lora(tmp_pat
     from tests.support.specs import resolved_spec
     from tests.support.workers import train_in_workers
 
-    base = ["train.max_steps=1", "train.eval_batches=1", "train.save_model=false", f"train.benchmark_limit={DOCUMENTS}",
-            f"train.benchmarks=[{','.join(BENCHMARKS[:3])}]", "train.micro_batch_size=4", *TWO_BLOCKS]
+    base = [
+        "train.max_steps=1",
+        "train.eval_batches=1",
+        "train.save_model=false",
+        f"train.benchmark_limit={DOCUMENTS}",
+        f"train.benchmarks=[{','.join(BENCHMARKS[:3])}]",
+        "train.micro_batch_size=4",
+        *TWO_BLOCKS,
+    ]
     twice = [*base, "train.grad_accum_steps=2"]
     singles = {"full": resolved_spec(twice), "lora": resolved_spec([*twice, "adapter=lora"])}
-    runs = {"zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),
-            "tp": ("full", ["strategy=fsdp", "strategy.tp_size=2", "train.grad_accum_steps=2"]),
-            "lora-fsdp": ("lora", ["strategy=fsdp", "adapter=lora"])}
+    runs = {
+        "zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),
+        "tp": ("full", ["strategy=fsdp", "strategy.tp_size=2", "train.grad_accum_steps=2"]),
+        "lora-fsdp": ("lora", ["strategy=fsdp", "adapter=lora"]),
+    }
     train_in_workers(list(singles.values()), [tmp_path / name for name in singles], nproc=1)
-    train_in_workers([resolved_spec([*base, "hardware.nproc_per_node=2", *more]) for _, more in runs.values()],
-                     [tmp_path / name for name in runs])
-    scores = {name: {key: value for key, value in json.loads((tmp_path / name / "summary.json").read_text()).items()
-                     if key.startswith("bench/")} for name in [*singles, *runs]}
+    train_in_workers(
+        [resolved_spec([*base, "hardware.nproc_per_node=2", *more]) for _, more in runs.values()],
+        [tmp_path / name for name in runs],
+    )
+    scores = {
+        name: {
+            key: value
+            for key, value in json.loads((tmp_path / name / "summary.json").read_text()).items()
+            if key.startswith("bench/")
+        }
+        for name in [*singles, *runs]
+    }
     assert len(scores["full"]) == 7
     for name, (single, _) in runs.items():
         assert scores[name] == pytest.approx(scores[single], rel=1e-4), name

@@ -22,12 +22,21 @@ from tests.support import REPO
 CONF = REPO / "conf" / "model"
 # tiny_llama's architecture, with a larger init than the default 0.02: its greedy tokens then vary from step to
 # step instead of repeating one token, so a wrong weight would show in them.
-TINY = ModelConfig(tokenizer="bytes", architecture={
-    **yaml.safe_load((CONF / "tiny_llama.yaml").read_text())["architecture"], "initializer_range": 0.2})
+TINY = ModelConfig(
+    tokenizer="bytes",
+    architecture={**yaml.safe_load((CONF / "tiny_llama.yaml").read_text())["architecture"], "initializer_range": 0.2},
+)
 # Half the decoder layers and the final norm on disk, the rest in RAM; lm_head stays with the embeddings it is tied to.
-HALF_ON_DISK = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-                "model.layers.1": "cpu", "model.layers.2": "disk", "model.layers.3": "disk", "model.norm": "disk",
-                "lm_head": "cpu"}
+HALF_ON_DISK = {
+    "model.embed_tokens": "cpu",
+    "model.rotary_emb": "cpu",
+    "model.layers.0": "cpu",
+    "model.layers.1": "cpu",
+    "model.layers.2": "disk",
+    "model.layers.3": "disk",
+    "model.norm": "disk",
+    "lm_head": "cpu",
+}
 PROMPTS = ["Hello, world", "def add(a, b):", "The"]
 SEED = 3
 
@@ -72,8 +81,14 @@ def test_random_init_is_transformers_init_of_every_weight(whole_model):
 
 def test_split_between_ram_and_disk_gives_the_whole_models_tokens(tokenizer, batch, whole_tokens, tmp_path, caplog):
     caplog.set_level(logging.WARNING)
-    model, device_map = place_for_inference(TINY, tokenizer, memory_limits(None, 0, 1.0, MaxMemory()),
-                                            tmp_path / "offload", seed=SEED, device_map=HALF_ON_DISK)
+    model, device_map = place_for_inference(
+        TINY,
+        tokenizer,
+        memory_limits(None, 0, 1.0, MaxMemory()),
+        tmp_path / "offload",
+        seed=SEED,
+        device_map=HALF_ON_DISK,
+    )
 
     assert device_map == HALF_ON_DISK
     assert model.model.layers[3].mlp.up_proj.weight.device.type == "meta"  # held on disk, not in RAM
@@ -87,13 +102,15 @@ def test_split_between_ram_and_disk_gives_the_whole_models_tokens(tokenizer, bat
 
 
 def test_a_saved_model_split_between_ram_and_disk_gives_the_whole_models_tokens(
-        whole_model, tokenizer, batch, whole_tokens, tmp_path, caplog):
+    whole_model, tokenizer, batch, whole_tokens, tmp_path, caplog
+):
     caplog.set_level(logging.WARNING)
     whole_model.save_pretrained(tmp_path / "saved")
     limits = memory_limits(None, 0, 1.0, MaxMemory())
 
-    model, _ = place_for_inference(TINY, tokenizer, limits, tmp_path / "offload", weights_dir=tmp_path / "saved",
-                                   device_map=HALF_ON_DISK)
+    model, _ = place_for_inference(
+        TINY, tokenizer, limits, tmp_path / "offload", weights_dir=tmp_path / "saved", device_map=HALF_ON_DISK
+    )
 
     assert model.model.layers[3].mlp.up_proj.weight.device.type == "meta"
     assert torch.equal(greedy(model, tokenizer, batch), whole_tokens)
@@ -138,8 +155,11 @@ def test_a_device_map_that_splits_tied_weights_is_refused(tokenizer, tmp_path):
 def test_memory_limits_per_device_with_overrides():
     assert memory_limits(None, 0, 24.0, MaxMemory()) == {"cpu": 24 * GIB}
     assert memory_limits(80.0, 2, 64.0, MaxMemory()) == {0: 80 * GIB, 1: 80 * GIB, "cpu": 64 * GIB}
-    assert memory_limits(80.0, 2, 64.0, MaxMemory(gpu=40, cpu=16.5)) == {0: 40 * GIB, 1: 40 * GIB,
-                                                                          "cpu": int(16.5 * GIB)}
+    assert memory_limits(80.0, 2, 64.0, MaxMemory(gpu=40, cpu=16.5)) == {
+        0: 40 * GIB,
+        1: 40 * GIB,
+        "cpu": int(16.5 * GIB),
+    }
     assert memory_limits(None, 1, 64.0, MaxMemory(gpu=20)) == {0: 20 * GIB, "cpu": 64 * GIB}
 
 
@@ -152,8 +172,9 @@ def test_memory_limits_refuse_gpus_of_unknown_memory():
 def test_llama_3_2_1b_with_less_ram_than_the_model_generates_from_ram_and_disk(tmp_path):
     """Llama-3.2-1B's architecture in bf16 (2.3 GiB of weights) with 1 GiB of RAM for them: the rest goes to disk."""
     started = time.perf_counter()
-    config = ModelConfig(tokenizer="bytes",
-                         architecture=yaml.safe_load((CONF / "llama3_2_1b.yaml").read_text())["architecture"])
+    config = ModelConfig(
+        tokenizer="bytes", architecture=yaml.safe_load((CONF / "llama3_2_1b.yaml").read_text())["architecture"]
+    )
     tokenizer = build_tokenizer(config)
     limits = memory_limits(None, 0, 24.0, MaxMemory(cpu=1.0))
 

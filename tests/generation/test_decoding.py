@@ -14,21 +14,45 @@ from tests.support.specs import TWO_BLOCKS, resolved_spec
 from tests.support.workers import run_in_workers
 
 # Prompts of 2 to 40 tokens: batched, most rows are mostly padding.
-PROMPTS = ["x", "import sys, os", "class Parser:  def __init__(self, text, *, strict=True):",
-           "    return self._scanner.match(string, idx)"]
+PROMPTS = [
+    "x",
+    "import sys, os",
+    "class Parser:  def __init__(self, text, *, strict=True):",
+    "    return self._scanner.match(string, idx)",
+]
 NEW_TOKENS = 8
-GRPO = ["recipe=cpu_grpo", "task.num_generations=4", "task.max_completion_length=8", "task.temperature=0.8",
-        "train.micro_batch_size=8", "train.max_steps=1", "train.eval_every=0", "train.eval_batches=1",
-        "train.save_model=false", "+model.architecture.initializer_range=0.2", *TWO_BLOCKS]
+GRPO = [
+    "recipe=cpu_grpo",
+    "task.num_generations=4",
+    "task.max_completion_length=8",
+    "task.temperature=0.8",
+    "train.micro_batch_size=8",
+    "train.max_steps=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.save_model=false",
+    "+model.architecture.initializer_range=0.2",
+    *TWO_BLOCKS,
+]
 LORA = ["adapter=lora", "adapter.rank=4"]
 SINGLE = {"single": [], "lora": LORA, "qlora": ["adapter=qlora", "adapter.rank=4"]}
-TWO_PROCESSES = {"ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"],
-                 "zero2": ["strategy=deepspeed", "strategy.zero_stage=2"],
-                 "zero3": ["strategy=deepspeed", "strategy.zero_stage=3"],
-                 "lora, fsdp": ["strategy=fsdp", *LORA]}
+TWO_PROCESSES = {
+    "ddp": ["strategy=ddp"],
+    "fsdp": ["strategy=fsdp"],
+    "zero2": ["strategy=deepspeed", "strategy.zero_stage=2"],
+    "zero3": ["strategy=deepspeed", "strategy.zero_stage=3"],
+    "lora, fsdp": ["strategy=fsdp", *LORA],
+}
 # task=grpo keeps the policy whole or sharded by FSDP or ZeRO; tensor parallelism decodes benchmark answers.
-TENSOR_PARALLEL = ["recipe=cpu_quick", "train.max_steps=1", "train.save_model=false",
-                   "+model.architecture.initializer_range=0.2", *TWO_BLOCKS, "strategy=fsdp", "strategy.tp_size=2"]
+TENSOR_PARALLEL = [
+    "recipe=cpu_quick",
+    "train.max_steps=1",
+    "train.save_model=false",
+    "+model.architecture.initializer_range=0.2",
+    *TWO_BLOCKS,
+    "strategy=fsdp",
+    "strategy.tp_size=2",
+]
 
 
 def decoded(ranks, specs, run_dirs) -> list[dict]:
@@ -52,8 +76,11 @@ def decoded(ranks, specs, run_dirs) -> list[dict]:
         def decode(batch: list[list[int]]) -> list[list[int]]:
             return sample(unwrapped(job.model), batch, [None] * len(batch), greedy, job.device, job.autocast).tokens
 
-        result = {"lengths": [len(prompt) for prompt in prompts], "batched": decode(prompts),
-                  "alone": [decode([prompt])[0] for prompt in prompts]}
+        result = {
+            "lengths": [len(prompt) for prompt in prompts],
+            "batched": decode(prompts),
+            "alone": [decode([prompt])[0] for prompt in prompts],
+        }
         job.model.train()
         if spec.task.step_kind == "grpo":
             drawn = next(job.train_batches(1, None))
@@ -65,8 +92,10 @@ def decoded(ranks, specs, run_dirs) -> list[dict]:
                     mask = completion_mask(micro_batch)
                     logps = token_logps(job.model, micro_batch, spec.task.temperature)
                     differences.append(((logps - micro_batch.row_values["sample_logps"]).abs() * mask).max().item())
-            result |= {"prompt_lengths": sorted({len(prompt.ids) for prompt in drawn.prompts}),
-                       "logp_difference": max(differences)}
+            result |= {
+                "prompt_lengths": sorted({len(prompt.ids) for prompt in drawn.prompts}),
+                "logp_difference": max(differences),
+            }
         results.append(result)
     return results
 

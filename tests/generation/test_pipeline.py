@@ -31,15 +31,18 @@ def test_stage_bounds_follow_split_points():
     assert stage_bounds(8, 3, [2, 7]) == [(0, 2), (2, 7), (7, 8)]
 
 
-@pytest.mark.parametrize("layers, stages, points, message", [
-    (4, 2, [2, 3], "2 stages need 1"),
-    (4, 3, [3, 2], "must be increasing"),
-    (4, 3, [2, 2], "must be increasing"),
-    (4, 2, [0], "between 1 and 3"),
-    (4, 2, [4], "between 1 and 3"),
-    (2, 3, None, "need at least 3 decoder layers"),
-    (4, 0, None, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "layers, stages, points, message",
+    [
+        (4, 2, [2, 3], "2 stages need 1"),
+        (4, 3, [3, 2], "must be increasing"),
+        (4, 3, [2, 2], "must be increasing"),
+        (4, 2, [0], "between 1 and 3"),
+        (4, 2, [4], "between 1 and 3"),
+        (2, 3, None, "need at least 3 decoder layers"),
+        (4, 0, None, "at least 1"),
+    ],
+)
 def test_bad_split_points_are_refused_in_one_line(layers, stages, points, message):
     with pytest.raises(SpecError, match=message) as refused:
         stage_bounds(layers, stages, points)
@@ -60,7 +63,7 @@ def batches_of(model_config, batch_size: int) -> list:
 def rows_until_eos(new_tokens: torch.Tensor, eos_token_id) -> list[list[int]]:
     rows = []
     for row in new_tokens.tolist():
-        rows.append(row[:row.index(eos_token_id) + 1] if eos_token_id in row else row)
+        rows.append(row[: row.index(eos_token_id) + 1] if eos_token_id in row else row)
     return rows
 
 
@@ -69,10 +72,15 @@ def generated(model, batches: list, decoding: Decoding) -> list[list[int]]:
     rows = []
     with torch.no_grad():
         for batch in batches:
-            output = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                    max_new_tokens=decoding.max_new_tokens, do_sample=False,
-                                    pad_token_id=decoding.pad_token_id, eos_token_id=decoding.eos_token_id)
-            rows.extend(rows_until_eos(output[:, batch["input_ids"].shape[1]:], decoding.eos_token_id))
+            output = model.generate(
+                batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                max_new_tokens=decoding.max_new_tokens,
+                do_sample=False,
+                pad_token_id=decoding.pad_token_id,
+                eos_token_id=decoding.eos_token_id,
+            )
+            rows.extend(rows_until_eos(output[:, batch["input_ids"].shape[1] :], decoding.eos_token_id))
     return rows
 
 
@@ -88,16 +96,25 @@ def sampled(model, batches: list, decoding: Decoding, seed: int) -> list[list[in
                 logits = model(ids, attention_mask=mask, position_ids=position_ids).logits[:, -1]
                 ids = torch.cat([ids, next_tokens(logits, ids, decoding, generator)[:, None]], dim=1)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            rows.extend(ids[:, batch["input_ids"].shape[1]:].tolist())
+            rows.extend(ids[:, batch["input_ids"].shape[1] :].tolist())
     return rows
 
 
 def _pipeline_runs(ranks, model_config, runs):
     """Each run's generated rows, each run on a freshly built model (pipeline_generate consumes it)."""
-    return [pipeline_generate(tiny_model(model_config), batches_of(model_config, batch_size), decoding, ranks,
-                              stage_bounds(4, ranks.world_size), microbatches=2, seed=SEED,
-                              device=torch.device("cpu"))
-            for batch_size, decoding in runs]
+    return [
+        pipeline_generate(
+            tiny_model(model_config),
+            batches_of(model_config, batch_size),
+            decoding,
+            ranks,
+            stage_bounds(4, ranks.world_size),
+            microbatches=2,
+            seed=SEED,
+            device=torch.device("cpu"),
+        )
+        for batch_size, decoding in runs
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +131,11 @@ def generations():
     with_eos = Decoding(max_new_tokens=MAX_NEW_TOKENS, pad_token_id=pad, eos_token_id=first_rows[0][3])
     sampling = Decoding(max_new_tokens=MAX_NEW_TOKENS, pad_token_id=pad, do_sample=True, temperature=0.8, top_k=20)
     runs = [(3, greedy), (2, with_eos), (2, sampling)]
-    expected = [first_rows, generated(model, batches_of(model_config, 2), with_eos),
-                sampled(model, batches_of(model_config, 2), sampling, SEED)]
+    expected = [
+        first_rows,
+        generated(model, batches_of(model_config, 2), with_eos),
+        sampled(model, batches_of(model_config, 2), sampling, SEED),
+    ]
     per_rank = run_in_workers(_pipeline_runs, model_config, runs, nproc=2)
     return expected, per_rank
 

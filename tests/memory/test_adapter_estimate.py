@@ -14,10 +14,10 @@ from runner.cli.compose import CONF_DIR
 from runner.config.adapter import NF4_BYTES_PER_WEIGHT
 from runner.errors import SpecError
 from runner.memory.advice import changes, cheapest_fits, check_fit, fit
+from runner.memory.breakdown import estimate, sharded_elements
 from runner.memory.model_shapes import facts_of
 from runner.memory.parameters import parameters_of
 from runner.memory.report import report
-from runner.memory.breakdown import estimate, sharded_elements
 from tests.support.specs import QUICK, composed, resolved_spec
 
 GIB = 1024**3
@@ -28,8 +28,15 @@ RANK = 16
 
 def llama_adapters(hidden: int, kv: int, intermediate: int, layers: int, rank: int = RANK) -> int:
     """rank x (in + out) over every linear layer of a Llama block (q, k, v, o, gate, up, down), by hand."""
-    shapes = [(hidden, hidden), (hidden, kv), (hidden, kv), (hidden, hidden),
-              (hidden, intermediate), (hidden, intermediate), (intermediate, hidden)]
+    shapes = [
+        (hidden, hidden),
+        (hidden, kv),
+        (hidden, kv),
+        (hidden, hidden),
+        (hidden, intermediate),
+        (hidden, intermediate),
+        (intermediate, hidden),
+    ]
     return layers * rank * sum(fan_in + fan_out for fan_in, fan_out in shapes)
 
 
@@ -72,8 +79,13 @@ def estimated(spec):
 def test_llama3_8b_lora_fits_one_4090_where_the_full_fine_tune_does_not(checkpoints):
     assert T_8B == 41_943_040
     spec = recipe("llama3_8b_lora_1x4090", checkpoints)
-    assert (spec.strategy.name, spec.adapter.kind.value, spec.strategy.activation_checkpointing,
-            spec.data.seq_len, spec.hardware.nproc_per_node) == ("single", "lora", True, 2048, 1)
+    assert (
+        spec.strategy.name,
+        spec.adapter.kind.value,
+        spec.strategy.activation_checkpointing,
+        spec.data.seq_len,
+        spec.hardware.nproc_per_node,
+    ) == ("single", "lora", True, 2048, 1)
     facts = facts_of(spec.model)
     parameters = parameters_of(spec, facts)
     assert (parameters.trained, parameters.frozen_parameters) == (T_8B, P_8B)
@@ -109,7 +121,11 @@ def test_llama3_70b_qlora_fits_two_4090s_with_its_sharded_base_in_cpu_ram(checkp
     spec = recipe("llama3_70b_qlora_2x4090", checkpoints)
     strategy = spec.strategy
     assert (strategy.name, strategy.sharding_strategy.value, spec.hardware.world_size, spec.adapter.kind.value) == (
-        "fsdp", "FULL_SHARD", 2, "qlora")
+        "fsdp",
+        "FULL_SHARD",
+        2,
+        "qlora",
+    )
     assert strategy.activation_checkpointing and strategy.offload_params
     assert not strategy.cpu_ram_efficient_loading  # each process quantizes its own base
     facts = facts_of(spec.model)
@@ -146,12 +162,16 @@ def hand_count(model, rank, names=None) -> tuple[list, int]:
 
 
 @pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"]], ids=["every linear", "q and v"])
-@pytest.mark.parametrize("strategy", [
-    ["strategy=single"],
-    ["strategy=ddp", "hardware.nproc_per_node=2"],
-    ["strategy=fsdp", "hardware.nproc_per_node=2"],
-    ["strategy=deepspeed", "strategy.zero_stage=2", "hardware.nproc_per_node=2"],
-], ids=["single", "ddp", "fsdp", "deepspeed ZeRO-2"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["strategy=single"],
+        ["strategy=ddp", "hardware.nproc_per_node=2"],
+        ["strategy=fsdp", "hardware.nproc_per_node=2"],
+        ["strategy=deepspeed", "strategy.zero_stage=2", "hardware.nproc_per_node=2"],
+    ],
+    ids=["single", "ddp", "fsdp", "deepspeed ZeRO-2"],
+)
 def test_gradients_and_states_count_the_adapters_only(strategy, targets):
     chosen = [f"adapter.target_modules=[{','.join(targets)}]"] if targets else []
     spec = composed([*TINY, "adapter=lora", *chosen, *strategy])
@@ -192,8 +212,10 @@ def test_the_placed_model_holds_what_the_estimate_counts(kind):
     def stored(parameter) -> int:
         data = parameter.data
         if type(data).__name__ == "NF4Tensor":
-            return sum(t.numel() * t.element_size()
-                       for t in (data.quantized_data, data.quantized_scalers, data.quantization_factor))
+            return sum(
+                t.numel() * t.element_size()
+                for t in (data.quantized_data, data.quantized_scalers, data.quantization_factor)
+            )
         return data.numel() * data.element_size()
 
     model = placed.model
@@ -209,8 +231,7 @@ def test_nf4_holds_the_weights_that_split_into_whole_blocks_on_every_process():
     """Tiny Llama's 128 x 128 attention weights are one NF4 scale block of blocks (64 x 256): NF4 on one process,
     not on two; its narrower ones stay in the compute dtype."""
     one = parameters_of(composed([*TINY, "adapter=qlora"]), facts_of(composed(TINY).model))
-    two = parameters_of(composed([*TINY, "adapter=qlora", "hardware.nproc_per_node=2"]),
-                        facts_of(composed(TINY).model))
+    two = parameters_of(composed([*TINY, "adapter=qlora", "hardware.nproc_per_node=2"]), facts_of(composed(TINY).model))
     nf4 = {group.dtype: group.shapes for group in one.frozen}["NF4"]
     assert nf4 == ((128, 128),) * 8  # q_proj and o_proj of 4 layers
     assert [group.dtype for group in two.frozen] == ["bf16"]
@@ -218,29 +239,38 @@ def test_nf4_holds_the_weights_that_split_into_whole_blocks_on_every_process():
 
 def test_qlora_under_fsdp_shards_the_nf4_base(checkpoints):
     single = recipe("llama3_8b_qlora_1x4090", checkpoints, "train.micro_batch_size=1")
-    sharded = recipe("llama3_8b_qlora_1x4090", checkpoints, "train.micro_batch_size=1", "hardware=2xrtx4090",
-                     "strategy=fsdp")
-    replicated = recipe("llama3_8b_qlora_1x4090", checkpoints, "train.micro_batch_size=1", "hardware=2xrtx4090",
-                        "strategy=ddp")
+    sharded = recipe(
+        "llama3_8b_qlora_1x4090", checkpoints, "train.micro_batch_size=1", "hardware=2xrtx4090", "strategy=fsdp"
+    )
+    replicated = recipe(
+        "llama3_8b_qlora_1x4090", checkpoints, "train.micro_batch_size=1", "hardware=2xrtx4090", "strategy=ddp"
+    )
     facts = facts_of(single.model)
     whole = parameters_of(single, facts).frozen_bytes()
     halves = parameters_of(sharded, facts).frozen_bytes(2)
     assert whole / 2 <= halves < whole / 2 + 1  # every Llama-3-8B weight splits evenly in two
     adapters = 4 * sharded_elements(list(parameters_of(sharded, facts).trained_shapes), 2)
     assert estimated(sharded).weights.bytes == halves + adapters + facts.buffer_bytes
-    assert (estimated(replicated).weights.bytes == estimated(single).weights.bytes
-            == whole + 4 * T_8B + facts.buffer_bytes)
+    assert (
+        estimated(replicated).weights.bytes == estimated(single).weights.bytes == whole + 4 * T_8B + facts.buffer_bytes
+    )
     # A unit's all-gather carries NF4 too: a qlora block gathers about a third of a lora block's bytes.
-    lora = recipe("llama3_8b_lora_1x4090", checkpoints, "train.micro_batch_size=1", "hardware=2xrtx4090",
-                  "strategy=fsdp")
+    lora = recipe(
+        "llama3_8b_lora_1x4090", checkpoints, "train.micro_batch_size=1", "hardware=2xrtx4090", "strategy=fsdp"
+    )
     assert estimated(sharded).backward_start.bytes < estimated(lora).backward_start.bytes
     assert "bf16 + NF4 base all-gathers" in estimated(sharded).backward_start.note
 
 
 def test_deepspeed_zero3_partitions_the_frozen_base_and_zero2_keeps_it_whole(checkpoints):
     def weights(stage):
-        spec = recipe("llama3_8b_lora_1x4090", checkpoints, "hardware=2xrtx4090", "strategy=deepspeed",
-                      f"strategy.zero_stage={stage}")
+        spec = recipe(
+            "llama3_8b_lora_1x4090",
+            checkpoints,
+            "hardware=2xrtx4090",
+            "strategy=deepspeed",
+            f"strategy.zero_stage={stage}",
+        )
         return estimated(spec).weights.bytes
 
     assert weights(2) > 2 * P_8B  # the bf16 base on each GPU
@@ -302,16 +332,17 @@ def test_adapter_changes_stay_valid():
     qlora = composed(["model=llama3_8b", "hardware=rtx4090", "precision=bf16", "adapter=qlora"])
     assert not [c for c in changes(qlora) if c.overrides[0].startswith("adapter=")]
     # qlora under FSDP: each process quantizes its own base, so rank 0 alone cannot load it.
-    fsdp_qlora = composed(["model=llama3_8b", "hardware=2xrtx4090", "strategy=fsdp", "precision=bf16",
-                           "adapter=qlora"])
+    fsdp_qlora = composed(["model=llama3_8b", "hardware=2xrtx4090", "strategy=fsdp", "precision=bf16", "adapter=qlora"])
     assert ("strategy.cpu_ram_efficient_loading=true",) not in {c.overrides for c in changes(fsdp_qlora)}
 
 
 def test_the_report_says_what_trains_and_what_is_frozen(checkpoints):
     text = report(recipe("llama3_8b_qlora_1x4090", checkpoints))
-    assert (f"parameters: {T_8B:,} train (qlora adapters of rank 16 on 224 linear layers: q_proj, k_proj, v_proj, "
-            f"o_proj, gate_proj, up_proj, down_proj; fp32); {P_8B:,} frozen ({P_8B - NF4_8B:,} in bf16, "
-            f"{NF4_8B:,} in NF4)") in text
+    assert (
+        f"parameters: {T_8B:,} train (qlora adapters of rank 16 on 224 linear layers: q_proj, k_proj, v_proj, "
+        f"o_proj, gate_proj, up_proj, down_proj; fp32); {P_8B:,} frozen ({P_8B - NF4_8B:,} in bf16, "
+        f"{NF4_8B:,} in NF4)"
+    ) in text
     assert "frozen bf16 + NF4 base, fp32 adapters, whole" in text
     assert "fits: yes" in text and "the NF4 base; the bf16 base is memory-mapped" in text
     assert f"parameters: all {P_8B:,} train" in report(recipe("llama3_8b_qlora_1x4090", checkpoints, "adapter=none"))
@@ -320,8 +351,14 @@ def test_the_report_says_what_trains_and_what_is_frozen(checkpoints):
 # ---- what two ranks hold (slow tier: worker processes, one step)
 
 # Wide enough (256) for the attention and MLP weights to split into whole NF4 blocks on two ranks.
-TWO_RANK_LLAMA = [*QUICK, "model.architecture.hidden_size=256", "model.architecture.intermediate_size=512",
-                  "precision=bf16", "hardware.nproc_per_node=2", "adapter.rank=4"]
+TWO_RANK_LLAMA = [
+    *QUICK,
+    "model.architecture.hidden_size=256",
+    "model.architecture.intermediate_size=512",
+    "precision=bf16",
+    "hardware.nproc_per_node=2",
+    "adapter.rank=4",
+]
 TWO_RANK_CASES = {
     "fsdp lora": ["strategy=fsdp", "adapter=lora"],
     "fsdp qlora": ["strategy=fsdp", "adapter=qlora"],
@@ -335,8 +372,11 @@ def held_bytes(tensors) -> int:
     storages = {}
     for tensor in tensors:
         tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        inner = ((tensor.quantized_data, tensor.quantized_scalers, tensor.quantization_factor)
-                 if type(tensor).__name__ == "NF4Tensor" else (tensor,))
+        inner = (
+            (tensor.quantized_data, tensor.quantized_scalers, tensor.quantization_factor)
+            if type(tensor).__name__ == "NF4Tensor"
+            else (tensor,)
+        )
         for t in inner:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
@@ -361,8 +401,9 @@ def _held_after_a_step(ranks, specs):
             states = zero.optimizer.state
         held[name] = {
             "weights": held_bytes([*weights, *model.buffers()]),
-            "optimizer states": held_bytes(t for state in states.values() for t in state.values()
-                                           if torch.is_tensor(t) and t.dim() > 0),
+            "optimizer states": held_bytes(
+                t for state in states.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0
+            ),
         }
     return held
 

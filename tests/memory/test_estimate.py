@@ -17,9 +17,9 @@ from runner.memory import model_shapes as model_facts
 from runner.memory.accelerate_view import accelerate_bytes, accelerate_sizes, format_accelerate_view
 from runner.memory.activations import ActivationDtypes, activation_bytes, layer_activation_bytes
 from runner.memory.advice import cheapest_fits, check_fit, fit
+from runner.memory.breakdown import FP32, estimate, gib
 from runner.memory.model_shapes import LayerShape, facts_of, meta_model
 from runner.memory.report import report
-from runner.memory.breakdown import FP32, estimate, gib
 from tests.support.command import run_cli
 from tests.support.specs import QUICK, composed, resolved_spec
 from tests.support.workers import run_in_workers
@@ -32,8 +32,7 @@ GIB = 1024**3
 
 def test_accelerate_view_reproduces_the_reference_table_for_bert_base_cased():
     model = meta_model(composed(["model=bert_base_cased"]).model)
-    rows = {dtype: [accelerate_bytes(size) for size in sizes]
-            for dtype, sizes in accelerate_sizes(model).items()}
+    rows = {dtype: [accelerate_bytes(size) for size in sizes] for dtype, sizes in accelerate_sizes(model).items()}
     assert rows == {
         "float32": ["413.18 MB", "413.18 MB", "826.36 MB", "1.61 GB"],
         "float16": ["413.18 MB", "619.77 MB", "826.36 MB", "826.36 MB"],
@@ -61,9 +60,21 @@ def test_llama3_8b_counts_every_parameter_and_explains_the_slides_28_21_gb():
 def test_activation_formula_is_korthikantis_for_their_gpt_layer():
     """Korthikanti et al., 2022, eq. 1: sbh(34 + 5as/h) bytes per layer in 16-bit, with dropout and eager scores."""
     h, a, s = 1024, 16, 2048
-    gpt = LayerShape(hidden=h, heads=a, kv_heads=a, head_dim=h // a, intermediate=4 * h, gated_mlp=False,
-                            rms_norm=False, attention_projections=1, mlp_projections=1, eager_attention=True,
-                            softmax_fp32=False, attention_dropout=True, hidden_dropout=True)
+    gpt = LayerShape(
+        hidden=h,
+        heads=a,
+        kv_heads=a,
+        head_dim=h // a,
+        intermediate=4 * h,
+        gated_mlp=False,
+        rms_norm=False,
+        attention_projections=1,
+        mlp_projections=1,
+        eager_attention=True,
+        softmax_fp32=False,
+        attention_dropout=True,
+        hidden_dropout=True,
+    )
     sixteen_bit = ActivationDtypes(compute=2, stream=2, casts=False)
     assert layer_activation_bytes(gpt, s, sixteen_bit) == h * (34 + 5 * a * s / h)
     flash = layer_activation_bytes(replace(gpt, eager_attention=False), s, sixteen_bit)
@@ -93,8 +104,10 @@ def test_precisions_change_what_is_counted_as_documented():
     assert bf16.optimizer_states.bytes == fp32.optimizer_states.bytes == 8 * P
     # autocast's casts, and the chunked loss's one chunk of 16-bit logits (and their gradient) instead of fp32
     chunk_logits = 1024 * facts.vocab
-    assert (bf16.backward_start.bytes - fp32.backward_start.bytes
-            == 2 * facts.linear_parameters + 2 * (2 - 4) * chunk_logits)
+    assert (
+        bf16.backward_start.bytes - fp32.backward_start.bytes
+        == 2 * facts.linear_parameters + 2 * (2 - 4) * chunk_logits
+    )
     assert (pure.weights.bytes - buffers, pure.gradients.bytes, pure.optimizer_states.bytes) == (2 * P, 2 * P, 4 * P)
     assert fp8.activations.bytes < bf16.activations.bytes < fp32.activations.bytes  # fp8 linears keep 1-byte inputs
     assert fp8.backward_start.bytes < bf16.backward_start.bytes  # fp8 weight casts, 1 byte
@@ -142,8 +155,17 @@ def test_fit_check_accepts_it_with_offload_params():
 
 
 def test_every_proposed_change_fits_when_estimated_again():
-    spec = composed(["model=llama3_8b", "hardware=8xh100_80gb", "strategy=fsdp", "precision=bf16",
-                     "strategy.sharding_strategy=NO_SHARD", "train.micro_batch_size=1", "data.seq_len=2048"])
+    spec = composed(
+        [
+            "model=llama3_8b",
+            "hardware=8xh100_80gb",
+            "strategy=fsdp",
+            "precision=bf16",
+            "strategy.sharding_strategy=NO_SHARD",
+            "train.micro_batch_size=1",
+            "data.seq_len=2048",
+        ]
+    )
     facts = facts_of(spec.model)
     fixes = cheapest_fits(spec, facts)
     assert fixes and fixes[0][0].overrides == ("strategy.sharding_strategy=FULL_SHARD",)
@@ -197,8 +219,15 @@ def test_run_task_estimate_plans_for_gpus_this_machine_lacks(workdir):
 def test_any_local_config_json_is_estimated_without_weights(tmp_path):
     from transformers import AutoConfig
 
-    AutoConfig.for_model("qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path)
+    AutoConfig.for_model(
+        "qwen2",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    ).save_pretrained(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
     spec = composed(["task=estimate", "model=pretrained", f"model.pretrained={tmp_path}"])
     text = spec.task.before_launch(spec)
@@ -209,21 +238,34 @@ def test_any_local_config_json_is_estimated_without_weights(tmp_path):
 
 # A tiny Llama wide enough for ZeRO-3 to partition its MLP matrices and keep the small ones whole, with an
 # embedding of 259 rows that FSDP pads to equal shards.
-TINY = [*QUICK, "train.micro_batch_size=2", "model.architecture.hidden_size=192",
-        "model.architecture.intermediate_size=640"]
+TINY = [
+    *QUICK,
+    "train.micro_batch_size=2",
+    "model.architecture.hidden_size=192",
+    "model.architecture.intermediate_size=640",
+]
 TWO_RANKS = {
     "ddp": ["strategy=ddp"],
     "ddp, SGD with momentum": ["strategy=ddp", "optim=sgd"],
     "fsdp FULL_SHARD": ["strategy=fsdp"],
     "fsdp SHARD_GRAD_OP": ["strategy=fsdp", "strategy.sharding_strategy=SHARD_GRAD_OP"],
-    "fsdp NO_SHARD, SGD without momentum": ["strategy=fsdp", "strategy.sharding_strategy=NO_SHARD", "optim=sgd",
-                                            "optim.momentum=0"],
+    "fsdp NO_SHARD, SGD without momentum": [
+        "strategy=fsdp",
+        "strategy.sharding_strategy=NO_SHARD",
+        "optim=sgd",
+        "optim.momentum=0",
+    ],
     "deepspeed ZeRO-1": ["strategy=deepspeed", "strategy.zero_stage=1"],
     "deepspeed ZeRO-2, bf16": ["strategy=deepspeed", "strategy.zero_stage=2", "precision=bf16"],
     "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3"],
 }
-FOUR_RANKS = {"fsdp HYBRID_SHARD (2 x 2)": ["strategy=fsdp", "strategy.sharding_strategy=HYBRID_SHARD",
-                                            "strategy.hybrid_shard_size=2"]}
+FOUR_RANKS = {
+    "fsdp HYBRID_SHARD (2 x 2)": [
+        "strategy=fsdp",
+        "strategy.sharding_strategy=HYBRID_SHARD",
+        "strategy.hybrid_shard_size=2",
+    ]
+}
 
 
 def storage_bytes(tensors) -> int:
@@ -275,8 +317,9 @@ def _held_bytes(ranks, specs):
         held[name] = {
             "weights": storage_bytes(weights + buffers),
             "gradients": storage_bytes(gradients),
-            "optimizer states": storage_bytes(t for state in states.values() for t in state.values()
-                                              if torch.is_tensor(t) and t.dim() > 0),
+            "optimizer states": storage_bytes(
+                t for state in states.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0
+            ),
         }
     return held
 
@@ -286,8 +329,11 @@ def _compare(cases, nproc, measured_by_rank):
         spec = resolved_spec([*TINY, *overrides, f"hardware.nproc_per_node={nproc}"])
         facts = facts_of(spec.model)
         result = estimate(spec, facts)
-        estimated = {"weights": result.weights.bytes, "gradients": result.gradients.bytes,
-                     "optimizer states": result.optimizer_states.bytes}
+        estimated = {
+            "weights": result.weights.bytes,
+            "gradients": result.gradients.bytes,
+            "optimizer states": result.optimizer_states.bytes,
+        }
         for part, value in estimated.items():
             measured = max(rank[name][part] for rank in measured_by_rank)  # rank 0 holds the largest shards
             # Within padding for the torch strategies; DeepSpeed's ZeRO-1/2 keep whole gradients at partition
@@ -298,8 +344,9 @@ def _compare(cases, nproc, measured_by_rank):
 
 @pytest.fixture(scope="module")
 def held_on_two_ranks():
-    specs = {name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=2"])
-             for name, overrides in TWO_RANKS.items()}
+    specs = {
+        name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=2"]) for name, overrides in TWO_RANKS.items()
+    }
     return run_in_workers(_held_bytes, specs, nproc=2)
 
 
@@ -321,8 +368,9 @@ def test_each_rank_holds_what_the_estimate_says(case, held_on_two_ranks):
 
 @pytest.mark.distributed
 def test_hybrid_shard_shards_within_its_group_only():
-    specs = {name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=4"])
-             for name, overrides in FOUR_RANKS.items()}
+    specs = {
+        name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=4"]) for name, overrides in FOUR_RANKS.items()
+    }
     held = run_in_workers(_held_bytes, specs, nproc=4)
     _compare(FOUR_RANKS, 4, held)
     full_copy = resolved_spec([*TINY, "strategy=ddp", "hardware.nproc_per_node=4"])
@@ -340,7 +388,8 @@ def test_hybrid_shard_groups_the_processes_of_a_node_as_torch_and_accelerate_do(
     assert estimate(hybrid, facts_of(hybrid.model)).peak == estimate(full, facts_of(full.model)).peak
     assert hybrid.strategy.describe(hybrid).endswith(
         "mesh 1 x 8 (dp_replicate x dp_shard), TRANSFORMER_BASED_WRAP; one shard group of the node's 8 data-parallel "
-        "ranks is FULL_SHARD: strategy.hybrid_shard_size=<a divisor of 8> gives replicas")
+        "ranks is FULL_SHARD: strategy.hybrid_shard_size=<a divisor of 8> gives replicas"
+    )
     two_nodes = composed([*base, "strategy.sharding_strategy=HYBRID_SHARD_ZERO2", "hardware.nnodes=2"])
     assert two_nodes.layout.shape == (1, 2, 8, 1, 1)
     assert "gives replicas" not in two_nodes.strategy.describe(two_nodes)

@@ -9,7 +9,7 @@ import pytest
 
 from runner.config.task import DeviceMap
 from runner.errors import SpecError
-from runner.memory.model_shapes import facts_of
+from runner.memory.breakdown import gib
 from runner.memory.inference_estimate import (
     InferenceLoad,
     activations_part,
@@ -21,7 +21,7 @@ from runner.memory.inference_estimate import (
     stage_layers,
 )
 from runner.memory.inference_report import Options, check_inference_fit, inference_answer, inference_report
-from runner.memory.breakdown import gib
+from runner.memory.model_shapes import facts_of
 from tests.support.specs import composed
 
 GIB = 1024**3
@@ -176,8 +176,12 @@ def test_inference_answer_reports_or_checks_as_the_task_asks(llama8b):
     assert "fp32 weights" in report and "fits: NO" in report
     with pytest.raises(SpecError, match="does not fit"):
         inference_answer(fp32, replace_task(task, estimate_only=False), batch_size=1, tokens=512, kv_cache=True)
-    assert inference_answer(fp32, replace_task(task, estimate_only=False, fit_check=False), batch_size=1,
-                            tokens=512, kv_cache=True) is None
+    assert (
+        inference_answer(
+            fp32, replace_task(task, estimate_only=False, fit_check=False), batch_size=1, tokens=512, kv_cache=True
+        )
+        is None
+    )
     pipeline = inference_answer(spec, task, batch_size=1, tokens=512, kv_cache=True, stages=2)
     assert "a pipeline of 2 stages" in pipeline and "none (each step runs the whole rows)" in pipeline
 

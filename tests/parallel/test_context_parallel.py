@@ -30,11 +30,16 @@ def _slices(ranks, dims):
         local = torch.tensor(float(ranks.rank + 1), requires_grad=True)
         total = whole_loss(local)
         total.backward()
-    return {"inputs": sorted(sliced.inputs), "ids": sliced.inputs["input_ids"].tolist(),
-            "positions": sliced.inputs["position_ids"].tolist(),
-            "targets": sliced.labels.tolist(),
-            "shifted": sliced.labels_shifted, "total": total.item(), "gradient": local.grad.item(),
-            "whole_batch_untouched": ids.tolist() == [list(range(8))]}
+    return {
+        "inputs": sorted(sliced.inputs),
+        "ids": sliced.inputs["input_ids"].tolist(),
+        "positions": sliced.inputs["position_ids"].tolist(),
+        "targets": sliced.labels.tolist(),
+        "shifted": sliced.labels_shifted,
+        "total": total.item(),
+        "gradient": local.grad.item(),
+        "whole_batch_untouched": ids.tolist() == [list(range(8))],
+    }
 
 
 @pytest.mark.distributed
@@ -66,8 +71,15 @@ def test_the_attention_the_ring_takes_is_the_models_own_on_whole_rows():
     from runner.engine.attention import attend_with
     from runner.parallel.context import RingSplit, causal_unmasked_attention
 
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64, attn_implementation="sdpa")
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     own = LlamaForCausalLM(config)
     ring = LlamaForCausalLM(copy.deepcopy(config))
@@ -88,9 +100,13 @@ def test_the_attention_the_ring_takes_is_the_models_own_on_whole_rows():
 
 def _context_places(ranks, dims):
     mesh = dims.mesh("cpu")
-    return {"batch": mesh.get_local_rank("dp_shard"), "cp": mesh.get_local_rank("cp"),
-            "dp_rank": dims.dp_rank(ranks.rank), "counted": dims.counted(ranks.rank),
-            "sharded_over": dims.sharding_mesh("cpu").size()}
+    return {
+        "batch": mesh.get_local_rank("dp_shard"),
+        "cp": mesh.get_local_rank("cp"),
+        "dp_rank": dims.dp_rank(ranks.rank),
+        "counted": dims.counted(ranks.rank),
+        "sharded_over": dims.sharding_mesh("cpu").size(),
+    }
 
 
 @pytest.mark.distributed
@@ -109,19 +125,29 @@ def test_context_parallelism_is_estimated_by_its_slices_and_refused_where_it_can
     """Llama-3-70B on 8 H100s at 64k tokens: cp 2 holds half a sequence's activations, with FSDP's shards over all
     eight ranks; what torch's ring does not run yet is refused before launch."""
     from runner.errors import SpecError
-    from runner.memory.model_shapes import facts_of
     from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
 
-    overrides = ["task=estimate", "model=llama3_70b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb",
-                 "data.seq_len=65536", "train.micro_batch_size=1", "strategy.activation_checkpointing=true"]
+    overrides = [
+        "task=estimate",
+        "model=llama3_70b",
+        "strategy=fsdp",
+        "precision=bf16",
+        "hardware=8xh100_80gb",
+        "data.seq_len=65536",
+        "train.micro_batch_size=1",
+        "strategy.activation_checkpointing=true",
+    ]
     whole, sliced = resolved_spec(overrides), resolved_spec([*overrides, "strategy.cp_size=2"])
     facts = facts_of(whole.model)
     alone, split = estimate(whole, facts), estimate(sliced, facts)
     assert split.activations.bytes == pytest.approx(alone.activations.bytes / 2, rel=1e-3)
     assert split.optimizer_states.bytes == pytest.approx(alone.optimizer_states.bytes, rel=1e-3)
     assert "a 1/2 slice of each sequence (context parallel)" in split.activations.note
-    for extra, refusal in ((["data.packing=true"], "data.packing=true"),
-                           (["strategy.tp_size=2"], "strategy.tp_size=2: not composed yet"),
-                           (["strategy.pp_size=2", "train.grad_accum_steps=2"], "strategy.pp_size=2: not composed")):
+    for extra, refusal in (
+        (["data.packing=true"], "data.packing=true"),
+        (["strategy.tp_size=2"], "strategy.tp_size=2: not composed yet"),
+        (["strategy.pp_size=2", "train.grad_accum_steps=2"], "strategy.pp_size=2: not composed"),
+    ):
         with pytest.raises(SpecError, match=re.escape("strategy.cp_size=2 with ") + ".*" + re.escape(refusal)):
             resolved_spec([*overrides, "strategy.cp_size=2", *extra])

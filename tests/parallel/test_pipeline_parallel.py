@@ -20,15 +20,24 @@ from tests.support.specs import QUICK, QUICK_STEPS, resolved_spec
 from tests.support.workers import train_in_workers
 
 # (torch 2.11 and 2.12: the run refuses strategy.pp_size > 1 before launch)
-trains_a_pipeline = pytest.mark.skipif(not pipeline_passes_integer_tensors(),
-                                       reason="this torch's pipeline stages cannot pass on integer tensors")
+trains_a_pipeline = pytest.mark.skipif(
+    not pipeline_passes_integer_tensors(), reason="this torch's pipeline stages cannot pass on integer tensors"
+)
 
 STEPS = 10
 # Global batch 8: micro batch 2 x 4 accumulation steps in one process and under pp 2 alone (one data-parallel rank:
 # the schedule's 4 microbatches), x 2 data-parallel ranks x 2 steps on four processes. The default model's four
 # blocks: Interleaved1F1B cuts four stages.
-BASE = [*QUICK_STEPS, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=5", "train.eval_batches=3",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64"]
+BASE = [
+    *QUICK_STEPS,
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=5",
+    "train.eval_batches=3",
+    "train.save_model=false",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+]
 PP = ["strategy=fsdp", "strategy.pp_size=2"]
 LAYOUTS = {
     "pp 2, GPipe": (2, [*PP, "train.grad_accum_steps=4", "strategy.pp_schedule=GPipe"]),
@@ -45,8 +54,12 @@ LAYOUTS = {
 def reference(tmp_path_factory):
     """One process, its checkpoint at step 5 and its model."""
     run_dir = tmp_path_factory.mktemp("single")
-    train(prepare_job(resolved_spec([*BASE, "train.grad_accum_steps=4", "train.checkpoint_every=5",
-                                     "train.save_model=true"]), run_dir))
+    train(
+        prepare_job(
+            resolved_spec([*BASE, "train.grad_accum_steps=4", "train.checkpoint_every=5", "train.save_model=true"]),
+            run_dir,
+        )
+    )
     return run_dir
 
 
@@ -83,13 +96,27 @@ def test_checkpoints_and_the_model_move_between_a_pipeline_and_one_process(state
     saved = tmp_path / "fsdp 2 x pp 2"
     nproc, overrides = LAYOUTS["fsdp 2 x pp 2"]
     written = f"strategy.state_dict_type={state_dict_type}"
-    spec = resolved_spec([*BASE, f"hardware.nproc_per_node={nproc}", *overrides, written, "train.checkpoint_every=5",
-                          "train.save_model=true"])
+    spec = resolved_spec(
+        [
+            *BASE,
+            f"hardware.nproc_per_node={nproc}",
+            *overrides,
+            written,
+            "train.checkpoint_every=5",
+            "train.save_model=true",
+        ]
+    )
     train_in_workers([spec], [saved], nproc=nproc)
     assert_one_process_losses(saved, reference)
     source = saved if state_dict_type == "SHARDED" else reference
-    in_pipeline = resolved_spec([*BASE, "hardware.nproc_per_node=2", *LAYOUTS["pp 2, GPipe"][1],
-                                 f"resume={source / 'checkpoints' / 'step_00000005'}"])
+    in_pipeline = resolved_spec(
+        [
+            *BASE,
+            "hardware.nproc_per_node=2",
+            *LAYOUTS["pp 2, GPipe"][1],
+            f"resume={source / 'checkpoints' / 'step_00000005'}",
+        ]
+    )
     train_in_workers([in_pipeline], [tmp_path / "pp 2"], nproc=2)
     in_one = resolved_spec([*BASE, f"resume={saved / 'checkpoints' / 'step_00000005'}", "train.grad_accum_steps=4"])
     (tmp_path / "single").mkdir()
@@ -111,24 +138,32 @@ def test_the_estimate_counts_a_pipeline_rank_s_stages_and_its_microbatches_in_fl
     rank (16 layers and the embeddings) in 4 shards, about what fsdp 8 holds; its activations are those of its
     layers for each microbatch in flight: 2 under 1F1B (about fsdp 8's one microbatch of every layer), all 4 under
     GPipe, and 2 x 1.25 under Interleaved1F1B. With tp 2 inside the stages, half of them."""
-    from runner.memory.model_shapes import facts_of
     from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
 
-    overrides = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb",
-                 "data.seq_len=4096", "train.micro_batch_size=1", "train.grad_accum_steps=4"]
+    overrides = [
+        "task=estimate",
+        "model=llama3_8b",
+        "strategy=fsdp",
+        "precision=bf16",
+        "hardware=8xh100_80gb",
+        "data.seq_len=4096",
+        "train.micro_batch_size=1",
+        "train.grad_accum_steps=4",
+    ]
     fsdp = resolved_spec(overrides)
     facts = facts_of(fsdp.model)
     whole = estimate(fsdp, facts)
-    staged = {schedule: estimate(resolved_spec([*overrides, "strategy.pp_size=2",
-                                                f"strategy.pp_schedule={schedule}"]), facts)
-              for schedule in ("1F1B", "GPipe", "Interleaved1F1B")}
+    staged = {
+        schedule: estimate(resolved_spec([*overrides, "strategy.pp_size=2", f"strategy.pp_schedule={schedule}"]), facts)
+        for schedule in ("1F1B", "GPipe", "Interleaved1F1B")
+    }
     one_f_one_b = staged["1F1B"]
     assert one_f_one_b.weights.bytes == pytest.approx(whole.weights.bytes, rel=0.01)
     assert one_f_one_b.optimizer_states.bytes == pytest.approx(whole.optimizer_states.bytes, rel=0.01)
     assert one_f_one_b.activations.bytes == pytest.approx(whole.activations.bytes, rel=0.02)
     assert staged["GPipe"].activations.bytes == pytest.approx(2 * one_f_one_b.activations.bytes, rel=0.02)
-    assert staged["Interleaved1F1B"].activations.bytes == pytest.approx(1.25 * one_f_one_b.activations.bytes,
-                                                                        rel=1e-6)
+    assert staged["Interleaved1F1B"].activations.bytes == pytest.approx(1.25 * one_f_one_b.activations.bytes, rel=1e-6)
     assert "16 of 32 layers (pipeline rank 0 of 2)" in one_f_one_b.activations.note
     # fsdp 2 x pp 2 x tp 2: the same eighth of the weights, each block's activations split over the tp ranks
     split = estimate(resolved_spec([*overrides, "strategy.pp_size=2", "strategy.tp_size=2"]), facts)
@@ -144,19 +179,29 @@ def test_a_pipeline_pads_each_micro_batch_to_one_shape_without_changing_its_loss
     from runner.data.rows import IGNORE
     from runner.parallel.pipeline.schedule import Pipeline
 
-    pipeline = Pipeline(None, first=True, last=True, microbatches=1, rows=3, length=6, pad_token_id=0, pp_group=None,
-                        leads_stage=True)
-    padded = MicroBatch({"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]),
-                         "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},
-                        torch.tensor([[IGNORE, 6, 7], [IGNORE, 9, IGNORE]]), tokens=5, label_tokens=3)
+    pipeline = Pipeline(
+        None, first=True, last=True, microbatches=1, rows=3, length=6, pad_token_id=0, pp_group=None, leads_stage=True
+    )
+    padded = MicroBatch(
+        {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])},
+        torch.tensor([[IGNORE, 6, 7], [IGNORE, 9, IGNORE]]),
+        tokens=5,
+        label_tokens=3,
+    )
     input_ids, labels, positions, mask = pipeline._stacked([padded])
     assert input_ids.tolist() == [[5, 6, 7, 0, 0, 0], [8, 9, 0, 0, 0, 0], [5, 6, 7, 0, 0, 0]]
     assert labels.tolist() == [[IGNORE, 6, 7] + [IGNORE] * 3, [IGNORE, 9] + [IGNORE] * 4, [IGNORE] * 6]
     assert mask.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
     assert positions.tolist() == [list(range(6))] * 3
-    packed = MicroBatch({"input_ids": torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]]),
-                         "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3], [0, 1, 2, 3]])},
-                        torch.tensor([[IGNORE, 6, IGNORE, 8], [IGNORE, 2, 3, 4], [IGNORE, 9, 9, 9]]), 12, 8)
+    packed = MicroBatch(
+        {
+            "input_ids": torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4], [9, 9, 9, 9]]),
+            "position_ids": torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3], [0, 1, 2, 3]]),
+        },
+        torch.tensor([[IGNORE, 6, IGNORE, 8], [IGNORE, 2, 3, 4], [IGNORE, 9, 9, 9]]),
+        12,
+        8,
+    )
     input_ids, labels, positions, mask = pipeline._stacked([packed])
     assert positions.tolist() == [[0, 1, 0, 1, 0, 1], [0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 0, 1]]
     assert mask.tolist() == [[1] * 6] * 3
@@ -169,10 +214,9 @@ def test_stages_are_balanced_by_the_parameters_they_hold():
     split by layers. The tiny model's ends weigh little: its split is the even one."""
     import math
 
-    from tests.support.specs import composed
-
     from runner.memory.model_shapes import meta_model
     from runner.parallel.pipeline.layout import balanced_bounds, stage_bounds, stage_parameters
+    from tests.support.specs import composed
 
     model = meta_model(composed(["model=llama3_8b"]).model)
     shapes = [tuple(parameter.shape) for parameter in model.parameters()]
@@ -192,12 +236,21 @@ def test_stages_are_balanced_by_the_parameters_they_hold():
 def test_a_pipeline_of_split_stages_prints_no_library_warning(tmp_path):
     """pp 2 x tp 2 from the command line: a stage passes on a copy of its local part of the hidden states, not a
     view of it, on which FSDP warns that its backward hooks would not hold."""
-    result = run_cli(*QUICK, "strategy=fsdp", "strategy.pp_size=2", "strategy.tp_size=2", "hardware.nproc_per_node=4",
-                     "train.grad_accum_steps=2", "data.seq_len=64", "train.max_steps=2", "train.eval_every=0",
-                     "train.save_model=false", cwd=tmp_path)
+    result = run_cli(
+        *QUICK,
+        "strategy=fsdp",
+        "strategy.pp_size=2",
+        "strategy.tp_size=2",
+        "hardware.nproc_per_node=4",
+        "train.grad_accum_steps=2",
+        "data.seq_len=64",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "train.save_model=false",
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "done: train loss" in output
     for noise in ("Warning", "Traceback"):
         assert noise not in output, noise
-

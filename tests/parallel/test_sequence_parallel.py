@@ -23,14 +23,26 @@ STEPS = 6
 # in halves.
 # SGD without clipping: each update is proportional to the gradient, so that a gradient off by the group's size
 # shows in the losses (Adam's and clipping's scale invariance would hide it).
-BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64", "optim=sgd", "train.max_grad_norm=0"]
+BASE = [
+    *QUICK,
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.save_model=false",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+    "optim=sgd",
+    "train.max_grad_norm=0",
+]
 SP = ["strategy=deepspeed", "strategy.sp_size=2"]
 LAYOUTS = {
     "sp 2, ZeRO-2": (2, [*SP, "train.grad_accum_steps=4"]),
     # Each block recomputed in backward, its all-to-alls with it.
-    "sp 2, ZeRO-2, activation checkpointing": (2, [*SP, "train.grad_accum_steps=4",
-                                                   "strategy.activation_checkpointing=true"]),
+    "sp 2, ZeRO-2, activation checkpointing": (
+        2,
+        [*SP, "train.grad_accum_steps=4", "strategy.activation_checkpointing=true"],
+    ),
     # The layout of the public accelerate files (tests/support/data/accelerate_corpus: TRL's alst_ulysses_4gpu.yaml).
     "ZeRO-3, dp 2 x sp 2": (4, [*SP, "strategy.zero_stage=3", "train.grad_accum_steps=2"]),
 }
@@ -57,8 +69,14 @@ def test_ulysses_gives_one_process_losses_and_gradient_norms(layout, reference, 
 
 
 ALPACA = DATA / "llama_factory" / "alpaca_en_demo.json"
-PACKED = ["data=instruction_files", f"data.files={ALPACA}", "data.prompt_field=instruction",
-          "data.response_field=output", "data.seq_len=512", "data.packing=true"]
+PACKED = [
+    "data=instruction_files",
+    f"data.files={ALPACA}",
+    "data.prompt_field=instruction",
+    "data.response_field=output",
+    "data.seq_len=512",
+    "data.packing=true",
+]
 
 
 @pytest.mark.distributed
@@ -82,8 +100,9 @@ def _ulysses_slices(ranks, length):
     ids = torch.arange(length).view(1, length)
     labels = ids.clone()
     labels[0, :2] = IGNORE
-    batch = MicroBatch({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels, tokens=length,
-                       label_tokens=length - 2)
+    batch = MicroBatch(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, labels, tokens=length, label_tokens=length - 2
+    )
     losses = {}
     for whole_gradients in (False, True):
         with UlyssesSplit(sequence_parallel_group(2), whole_gradients).split(batch) as (sliced, whole_loss):
@@ -91,13 +110,21 @@ def _ulysses_slices(ranks, length):
             total = whole_loss(local)
             total.backward()
         losses[whole_gradients] = (total.item(), local.grad.item())
-    packed = MicroBatch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])}, labels,
-                        tokens=length, label_tokens=length - 2)
+    packed = MicroBatch(
+        {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])},
+        labels,
+        tokens=length,
+        label_tokens=length - 2,
+    )
     with UlyssesSplit(sequence_parallel_group(2), False).split(packed) as (packed_slice, _):
         pass
-    return {"inputs": sorted(sliced.inputs), "positions": sliced.inputs["position_ids"].tolist(),
-            "targets": sliced.labels.tolist(), "losses": losses,
-            "packed positions": packed_slice.inputs["position_ids"].tolist()}
+    return {
+        "inputs": sorted(sliced.inputs),
+        "positions": sliced.inputs["position_ids"].tolist(),
+        "targets": sliced.labels.tolist(),
+        "losses": losses,
+        "packed positions": packed_slice.inputs["position_ids"].tolist(),
+    }
 
 
 @pytest.mark.distributed
@@ -120,22 +147,35 @@ def test_each_rank_gets_a_contiguous_slice_padded_to_equal_length():
 def test_ulysses_is_estimated_by_its_slices_and_refused_where_it_cannot_split():
     """Llama-3-70B at 64k tokens under ZeRO-3 on 8 H100s: sp 2 holds half a sequence's activations; what Ulysses
     cannot split is refused before launch, in one line."""
-    from runner.memory.model_shapes import facts_of
     from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
 
-    overrides = ["task=estimate", "model=llama3_70b", "strategy=deepspeed", "strategy.zero_stage=3",
-                 "precision=bf16", "hardware=8xh100_80gb", "data.seq_len=65536", "train.micro_batch_size=1",
-                 "strategy.activation_checkpointing=true"]
+    overrides = [
+        "task=estimate",
+        "model=llama3_70b",
+        "strategy=deepspeed",
+        "strategy.zero_stage=3",
+        "precision=bf16",
+        "hardware=8xh100_80gb",
+        "data.seq_len=65536",
+        "train.micro_batch_size=1",
+        "strategy.activation_checkpointing=true",
+    ]
     whole, sliced = resolved_spec(overrides), resolved_spec([*overrides, "strategy.sp_size=2"])
     facts = facts_of(whole.model)
     alone, split = estimate(whole, facts), estimate(sliced, facts)
     assert split.activations.bytes == pytest.approx(alone.activations.bytes / 2, rel=1e-3)
     assert "a 1/2 slice of each sequence (context parallel)" in split.activations.note
-    assert sliced.strategy.describe(sliced) == ("deepspeed ZeRO-3, 8 processes, mesh 1 x 4 x 2 (dp_replicate x "
-                                                         "dp_shard x cp), Ulysses sequence parallel")
-    for given, refusal in (([*overrides, "strategy.sp_size=3"], "strategy.sp_size=3 does not divide the 8 processes"),
-                           ([*overrides, "strategy.sp_size=4", "model.architecture.num_key_value_heads=6"],
-                            "does not divide the model's 64 attention heads, or its 6 key-value heads")):
+    assert sliced.strategy.describe(sliced) == (
+        "deepspeed ZeRO-3, 8 processes, mesh 1 x 4 x 2 (dp_replicate x dp_shard x cp), Ulysses sequence parallel"
+    )
+    for given, refusal in (
+        ([*overrides, "strategy.sp_size=3"], "strategy.sp_size=3 does not divide the 8 processes"),
+        (
+            [*overrides, "strategy.sp_size=4", "model.architecture.num_key_value_heads=6"],
+            "does not divide the model's 64 attention heads, or its 6 key-value heads",
+        ),
+    ):
         with pytest.raises(SpecError, match=re.escape(refusal)) as refused:
             resolved_spec(given)
         assert "\n" not in str(refused.value)
@@ -146,9 +186,18 @@ def test_a_run_whose_sequences_fit_only_sliced_is_told_to_slice():
     inputs alone outgrow a GPU, which no ZeRO stage partitions; the fit check proposes Ulysses."""
     from runner.memory.advice import check_fit
 
-    long = resolved_spec(["task=estimate", "model=llama3_8b", "strategy=deepspeed", "strategy.zero_stage=3",
-                          "precision=bf16", "hardware=8xh100_80gb", "data.seq_len=262144", "train.micro_batch_size=1",
-                          "strategy.activation_checkpointing=true"])
+    long = resolved_spec(
+        [
+            "task=estimate",
+            "model=llama3_8b",
+            "strategy=deepspeed",
+            "strategy.zero_stage=3",
+            "precision=bf16",
+            "hardware=8xh100_80gb",
+            "data.seq_len=262144",
+            "train.micro_batch_size=1",
+            "strategy.activation_checkpointing=true",
+        ]
+    )
     with pytest.raises(SpecError, match=r"it fits with: strategy\.sp_size=2 \(78\.\d\d GiB"):
         check_fit(long)
-

@@ -21,19 +21,36 @@ from tests.support.workers import run_in_workers, train_in_workers
 STEPS = 10
 # Global batch 8: micro batch 2 x 4 accumulation steps in one process and under tp 2 alone (one data-parallel rank),
 # x 2 data-parallel ranks x 2 steps on four processes.
-BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64"]
+BASE = [
+    *QUICK,
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.save_model=false",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+]
 TP = ["strategy=fsdp", "strategy.tp_size=2"]
 LAYOUTS = {
     "tp 2": (2, [*TP, "train.grad_accum_steps=4"]),
     "fsdp 2 x tp 2": (4, [*TP, "train.grad_accum_steps=2"]),
     # Rank 0 alone builds the weights; the other ranks lay the model out on the meta device and receive their parts.
-    "hybrid 2 x 1 x tp 2, rank 0 loads": (4, [*TP, "train.grad_accum_steps=2", "strategy.hybrid_shard_size=1",
-                                              "strategy.sharding_strategy=HYBRID_SHARD",
-                                              "strategy.cpu_ram_efficient_loading=true"]),
+    "hybrid 2 x 1 x tp 2, rank 0 loads": (
+        4,
+        [
+            *TP,
+            "train.grad_accum_steps=2",
+            "strategy.hybrid_shard_size=1",
+            "strategy.sharding_strategy=HYBRID_SHARD",
+            "strategy.cpu_ram_efficient_loading=true",
+        ],
+    ),
     # The whole logits' loss, and each block recomputed in backward with its collectives.
-    "tp 2, full logits, activation checkpointing": (2, [*TP, "train.grad_accum_steps=4", "train.loss=full",
-                                                        "strategy.activation_checkpointing=true"]),
+    "tp 2, full logits, activation checkpointing": (
+        2,
+        [*TP, "train.grad_accum_steps=4", "train.loss=full", "strategy.activation_checkpointing=true"],
+    ),
 }
 
 
@@ -91,8 +108,9 @@ def test_a_checkpoint_of_fsdp_x_tp_resumes_under_fsdp_alone_and_in_one_process(s
 
 LORA = ["adapter=lora", "adapter.rank=4", "train.save_model=true"]
 # (torch 2.11: the run refuses LoRA under tensor parallelism before launch)
-splits_lora = pytest.mark.skipif(not dtensor_flattens_a_sharded_sequence(),
-                                 reason="this torch's DTensor cannot flatten a sharded sequence")
+splits_lora = pytest.mark.skipif(
+    not dtensor_flattens_a_sharded_sequence(), reason="this torch's DTensor cannot flatten a sharded sequence"
+)
 
 
 @pytest.mark.distributed
@@ -107,16 +125,40 @@ def test_lora_adapters_split_with_their_layers(tmp_path):
     (tmp_path / "single").mkdir()
     train(prepare_job(resolved_spec([*BASE, *LORA, "train.grad_accum_steps=4"]), tmp_path / "single"))
     nproc, layout = LAYOUTS["fsdp 2 x tp 2"]
-    train_in_workers([resolved_spec([*BASE, *LORA, f"hardware.nproc_per_node={nproc}", *layout,
-                                     "strategy.state_dict_type=SHARDED", "train.checkpoint_every=5"])],
-                     [tmp_path / "tp"], nproc=nproc)
+    train_in_workers(
+        [
+            resolved_spec(
+                [
+                    *BASE,
+                    *LORA,
+                    f"hardware.nproc_per_node={nproc}",
+                    *layout,
+                    "strategy.state_dict_type=SHARDED",
+                    "train.checkpoint_every=5",
+                ]
+            )
+        ],
+        [tmp_path / "tp"],
+        nproc=nproc,
+    )
     reference = step_losses(tmp_path / "single")
     assert len(reference) == STEPS and reference[-1] < reference[0]
     assert step_losses(tmp_path / "tp") == pytest.approx(reference, rel=1e-5)
     (tmp_path / "resumed").mkdir()
-    train(prepare_job(resolved_spec([*BASE, *LORA, "train.grad_accum_steps=4", "train.save_model=false",
-                                     f"resume={tmp_path / 'tp' / 'checkpoints' / 'step_00000005'}"]),
-                      tmp_path / "resumed"))
+    train(
+        prepare_job(
+            resolved_spec(
+                [
+                    *BASE,
+                    *LORA,
+                    "train.grad_accum_steps=4",
+                    "train.save_model=false",
+                    f"resume={tmp_path / 'tp' / 'checkpoints' / 'step_00000005'}",
+                ]
+            ),
+            tmp_path / "resumed",
+        )
+    )
     resumed = logged(tmp_path / "resumed", "loss")
     assert list(resumed) == list(range(6, STEPS + 1))
     assert list(resumed.values()) == pytest.approx(reference[5:], rel=1e-5)
@@ -146,8 +188,10 @@ def test_the_estimate_counts_each_tensor_parallel_rank_s_parts_of_the_adapters_a
     held = run_in_workers(_trained_and_frozen_on_this_rank, spec, str(tmp_path), nproc=2)
     parameters = parameters_of(spec, facts_of(spec.model))
     assert held[0] == {True: parameters.trained, False: parameters.frozen_parameters}
-    assert held[1] == {True: parameters.trained, False: parameters.frozen_parameters - spec.model.architecture[
-        "hidden_size"]}
+    assert held[1] == {
+        True: parameters.trained,
+        False: parameters.frozen_parameters - spec.model.architecture["hidden_size"],
+    }
     assert parameters.trained < parameters_of(resolved_spec([*BASE, *LORA]), facts_of(spec.model)).trained
 
 
@@ -165,8 +209,9 @@ def test_fp8_layers_split_with_scales_of_the_whole_tensor(recipe, tmp_path):
     (tmp_path / "single").mkdir()
     train(prepare_job(resolved_spec([*overrides, "train.grad_accum_steps=4"]), tmp_path / "single"))
     nproc, layout = LAYOUTS["tp 2"]
-    train_in_workers([resolved_spec([*overrides, f"hardware.nproc_per_node={nproc}", *layout])], [tmp_path / "tp"],
-                     nproc=nproc)
+    train_in_workers(
+        [resolved_spec([*overrides, f"hardware.nproc_per_node={nproc}", *layout])], [tmp_path / "tp"], nproc=nproc
+    )
     reference, losses = step_losses(tmp_path / "single"), step_losses(tmp_path / "tp")
     assert len(losses) == len(reference) == 4
     assert losses[0] == pytest.approx(reference[0], rel=1e-5)
@@ -179,17 +224,20 @@ def _mesh_places(ranks, dims):
     """This rank's place on the job's mesh, as DTensor's mesh gives it and as the data loader is told it."""
     mesh = dims.mesh("cpu")
     batch = mesh["dp_replicate", "dp_shard"]
-    return {"batch": batch.get_local_rank(0) * batch.size(1) + batch.get_local_rank(1),
-            "tp": mesh.get_local_rank("tp"), "dp_rank": dims.dp_rank(ranks.rank), "counted": dims.counted(ranks.rank)}
+    return {
+        "batch": batch.get_local_rank(0) * batch.size(1) + batch.get_local_rank(1),
+        "tp": mesh.get_local_rank("tp"),
+        "dp_rank": dims.dp_rank(ranks.rank),
+        "counted": dims.counted(ranks.rank),
+    }
 
 
 @pytest.mark.distributed
 def test_the_data_loader_is_told_its_place_on_the_mesh_batch_dimension():
     """On a 2 x 2 x 2 mesh of 8 processes (HYBRID_SHARD x tp): the data-parallel rank each process reads for is its
     coordinate along dp_replicate x dp_shard, and one rank of each tensor-parallel group counts in sums."""
-    from tests.support.workers import run_in_workers
-
     from runner.parallel.dims import ParallelDims
+    from tests.support.workers import run_in_workers
 
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2)
     places = run_in_workers(_mesh_places, dims, nproc=8)
@@ -201,11 +249,18 @@ def test_the_data_loader_is_told_its_place_on_the_mesh_batch_dimension():
 def test_the_estimate_splits_parameters_and_activations_over_the_tensor_parallel_ranks():
     """Llama-3-8B on 8 H100s: fsdp 4 x tp 2 holds the same 1/8 of the weights as fsdp 8 (to the shards' padding),
     half its activations but for the head's gathered input, and a fit check short of memory proposes tp."""
-    from runner.memory.model_shapes import facts_of
     from runner.memory.breakdown import estimate
+    from runner.memory.model_shapes import facts_of
 
-    overrides = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16", "hardware=8xh100_80gb",
-                 "data.seq_len=4096", "train.micro_batch_size=1"]
+    overrides = [
+        "task=estimate",
+        "model=llama3_8b",
+        "strategy=fsdp",
+        "precision=bf16",
+        "hardware=8xh100_80gb",
+        "data.seq_len=4096",
+        "train.micro_batch_size=1",
+    ]
     fsdp = resolved_spec(overrides)
     split = resolved_spec([*overrides, "strategy.tp_size=2"])
     facts = facts_of(fsdp.model)
@@ -220,7 +275,16 @@ def test_a_run_that_fits_only_split_is_told_to_split():
     from runner.errors import SpecError
     from runner.memory.advice import check_fit
 
-    long = resolved_spec(["task=estimate", "model=llama3_8b", "strategy=fsdp", "precision=bf16",
-                          "hardware=8xh100_80gb", "data.seq_len=32768", "train.micro_batch_size=1"])
+    long = resolved_spec(
+        [
+            "task=estimate",
+            "model=llama3_8b",
+            "strategy=fsdp",
+            "precision=bf16",
+            "hardware=8xh100_80gb",
+            "data.seq_len=32768",
+            "train.micro_batch_size=1",
+        ]
+    )
     with pytest.raises(SpecError, match=r"it fits with: .*strategy\.tp_size=4"):
         check_fit(long)

@@ -28,9 +28,18 @@ def planned(*overrides):
 def test_the_work_is_counted_from_the_spec(tmp_path):
     """Llama-3-8B: 6 FLOPs per parameter and token, plus attention's 12 x layers x width x sequence; the steps'
     tokens at full length, and a forward (a third) over each evaluation's rows."""
-    spec, found = planned("model=llama3_8b", "hardware=h100_80gb", "precision=bf16", "data.seq_len=2048",
-                          "train.max_steps=100", "train.micro_batch_size=4", "train.grad_accum_steps=8",
-                          "train.eval_every=50", "train.eval_batches=2", f"hardware.measured_runs={tmp_path}")
+    spec, found = planned(
+        "model=llama3_8b",
+        "hardware=h100_80gb",
+        "precision=bf16",
+        "data.seq_len=2048",
+        "train.max_steps=100",
+        "train.micro_batch_size=4",
+        "train.grad_accum_steps=8",
+        "train.eval_every=50",
+        "train.eval_batches=2",
+        f"hardware.measured_runs={tmp_path}",
+    )
     per_token = 6 * 8_030_261_248 + 12 * 32 * 4096 * 2048
     step_tokens = 4 * 8 * 2048
     eval_tokens = 4 * 2 * 4 * 2048  # before the first step, at 50 and at 100 (the last)
@@ -53,10 +62,18 @@ def test_adapters_do_not_count_the_frozen_weights_gradients(tmp_path):
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_an_h200_takes_the_measured_figure_and_the_cost_follows_the_gpu_hours(compiled, tmp_path):
-    _, found = planned("model=llama3_2_1b", "hardware=h100_80gb", "hardware.device_name=NVIDIA H200",
-                       "hardware.peak_bf16_tflops=989", "hardware.nproc_per_node=8", "strategy=fsdp",
-                       "precision=bf16", f"train.compile={str(compiled).lower()}", "hardware.cost_per_gpu_hour=3.5",
-                       f"hardware.measured_runs={tmp_path}")
+    _, found = planned(
+        "model=llama3_2_1b",
+        "hardware=h100_80gb",
+        "hardware.device_name=NVIDIA H200",
+        "hardware.peak_bf16_tflops=989",
+        "hardware.nproc_per_node=8",
+        "strategy=fsdp",
+        "precision=bf16",
+        f"train.compile={str(compiled).lower()}",
+        "hardware.cost_per_gpu_hour=3.5",
+        f"hardware.measured_runs={tmp_path}",
+    )
     mfu = 0.373 if compiled else 0.299
     assert found.rate.flops_per_s == pytest.approx(mfu * 989e12 * 8)
     assert f"{mfu:.1%} MFU, the runner's figure for Llama-3.2-1B's shapes, bf16, " in found.rate.source
@@ -65,8 +82,7 @@ def test_an_h200_takes_the_measured_figure_and_the_cost_follows_the_gpu_hours(co
     assert f"{found.gpu_hours:,.3g} GPU-hours, ${found.gpu_hours * 3.5:,.2f} (at " in line
 
 
-def test_the_gpu_proofs_figures_go_to_the_table_in_place_of_its_gpus_own_and_the_plan_takes_them(tmp_path,
-                                                                                                   monkeypatch):
+def test_the_gpu_proofs_figures_go_to_the_table_in_place_of_its_gpus_own_and_the_plan_takes_them(tmp_path, monkeypatch):
     """bench/gpu_proof.py's bf16 figures for an H100, put in a copy of the shipped table twice (a second proof
     replaces the first's rows): the H200's rows stay, and a plan on an H100 takes the H100's."""
     from runner.planning import time_plan
@@ -78,14 +94,24 @@ def test_the_gpu_proofs_figures_go_to_the_table_in_place_of_its_gpus_own_and_the
     time_plan.record_measured_mfu(table, h100, {False: 0.32, True: 0.41}, "Llama-3.2-1B's shapes", "2026-12-02")
     rows = time_plan.measured_mfu(table)
     assert [(row["device"], row["compile"], row["mfu"]) for row in rows] == [
-        ("NVIDIA H200", True, 0.373), ("NVIDIA H200", False, 0.299), (h100, True, 0.41), (h100, False, 0.32)]
+        ("NVIDIA H200", True, 0.373),
+        ("NVIDIA H200", False, 0.299),
+        (h100, True, 0.41),
+        (h100, False, 0.32),
+    ]
     assert table.read_text().startswith("# The share of a GPU's dense bf16 peak (MFU)")
     monkeypatch.setattr(time_plan, "MEASURED_MFU", table)
-    _, found = planned("model=llama3_2_1b", "hardware=h100_80gb", "precision=bf16", "train.compile=true",
-                       f"hardware.measured_runs={tmp_path}")
+    _, found = planned(
+        "model=llama3_2_1b",
+        "hardware=h100_80gb",
+        "precision=bf16",
+        "train.compile=true",
+        f"hardware.measured_runs={tmp_path}",
+    )
     assert found.rate.flops_per_s == pytest.approx(0.41 * 989e12)
-    assert found.rate.source == (f"41.0% MFU, the runner's figure for Llama-3.2-1B's shapes, bf16, compiled; {h100}, "
-                                 "2026-12-02")
+    assert found.rate.source == (
+        f"41.0% MFU, the runner's figure for Llama-3.2-1B's shapes, bf16, compiled; {h100}, 2026-12-02"
+    )
 
 
 def test_hardware_without_a_figure_takes_the_default_and_without_a_peak_has_no_time(tmp_path):
@@ -113,8 +139,14 @@ def test_a_finished_run_calibrates_the_plan_of_the_next_on_the_same_hardware(wor
     rate = float(re.search(r"at ([\d.e+-]+) TFLOP/s", line).group(1))
     assert rate == pytest.approx(reached["achieved_tflops"], rel=1e-2)
 
-    second = run_cli("hardware=cpu", "data.seq_len=128", "train.max_steps=12", "train.eval_every=0",
-                     "train.eval_batches=1", cwd=workdir)
+    second = run_cli(
+        "hardware=cpu",
+        "data.seq_len=128",
+        "train.max_steps=12",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        cwd=workdir,
+    )
     assert second.returncode == 0, second.stderr[-2000:]
     [run_dir] = [run for run in run_dirs(workdir) if run != calibration]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -133,8 +165,14 @@ def test_runs_of_two_step_sizes_fit_a_fixed_part_of_a_step_and_a_part_per_flop(t
     step_flops = flops_per_token(spec) * step_tokens(spec)
     for name, flops in (("small", step_flops / 2), ("large", 2 * step_flops)):
         (tmp_path / name).mkdir()
-        summary = {"identity": hardware_identity(spec), "flops_per_step": flops, "step_time_s": 0.01 + flops * 1e-12,
-                   "steps": 30, "wall_time_s": 30 * (0.01 + flops * 1e-12) + 2.0, "run_dir": str(tmp_path / name)}
+        summary = {
+            "identity": hardware_identity(spec),
+            "flops_per_step": flops,
+            "step_time_s": 0.01 + flops * 1e-12,
+            "steps": 30,
+            "wall_time_s": 30 * (0.01 + flops * 1e-12) + 2.0,
+            "run_dir": str(tmp_path / name),
+        }
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     found = plan(spec)
     assert found.rate.source.startswith("fitted to your 2 runs on this hardware, the nearest ")
@@ -146,35 +184,56 @@ PAIRS = DATA / "llama_factory" / "dpo_en_demo.json"
 PROMPTS = DATA / "gsm8k" / "test_head.jsonl"
 
 
-@pytest.mark.parametrize("task, passes", [
-    (["task=dpo", "data=preference_files", f"data.files={PAIRS}"], 1),  # the reference's log-probs
-    (["task=dpo", "data=preference_files", f"data.files={PAIRS}", "task.loss=simpo"], 0),  # no reference
-    (["task=grpo", "data=prompt_files", f"data.files={PROMPTS}"], 1),  # sampling
-    # sampling, the sampling policy's and the reference's log-probs, for two steps
-    (["task=grpo", "data=prompt_files", f"data.files={PROMPTS}", "task.num_iterations=2", "task.beta=0.1"], 1.5),
-])
+@pytest.mark.parametrize(
+    "task, passes",
+    [
+        (["task=dpo", "data=preference_files", f"data.files={PAIRS}"], 1),  # the reference's log-probs
+        (["task=dpo", "data=preference_files", f"data.files={PAIRS}", "task.loss=simpo"], 0),  # no reference
+        (["task=grpo", "data=prompt_files", f"data.files={PROMPTS}"], 1),  # sampling
+        # sampling, the sampling policy's and the reference's log-probs, for two steps
+        (["task=grpo", "data=prompt_files", f"data.files={PROMPTS}", "task.num_iterations=2", "task.beta=0.1"], 1.5),
+    ],
+)
 def test_post_training_counts_its_forward_passes_and_only_its_own_past_runs(task, passes, tmp_path):
     """A forward pass over a step's rows besides the trained one (DPO's reference, GRPO's sampling and log-probs)
     adds a third of the step's work; a past run of another kind of step (here next-token training, with the same
     step size) does not stand for its rate."""
     from runner.planning.time_plan import flops_per_token, hardware_identity, step_flops, step_tokens
 
-    common = ["hardware=cpu", "train.max_steps=10", "train.eval_every=0", "train.eval_batches=1",
-              f"hardware.measured_runs={tmp_path}"]
+    common = [
+        "hardware=cpu",
+        "train.max_steps=10",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        f"hardware.measured_runs={tmp_path}",
+    ]
     trained, _ = planned(*common)
     spec, found = planned(*common, *task)
     assert step_flops(spec) == pytest.approx(flops_per_token(spec) * step_tokens(spec) * (1 + passes / 3))
     assert found.flops == pytest.approx(10 * step_flops(spec) + flops_per_token(spec) * step_tokens(spec) * 2 / 3)
-    summary = {"identity": hardware_identity(trained), "flops_per_step": step_flops(trained), "step_time_s": 0.1,
-               "steps": 10, "wall_time_s": 2.0, "run_dir": str(tmp_path / "trained")}
+    summary = {
+        "identity": hardware_identity(trained),
+        "flops_per_step": step_flops(trained),
+        "step_time_s": 0.1,
+        "steps": 10,
+        "wall_time_s": 2.0,
+        "run_dir": str(tmp_path / "trained"),
+    }
     (tmp_path / "trained").mkdir()
     (tmp_path / "trained" / "summary.json").write_text(json.dumps(summary))
     assert planned(*common)[1].known and not planned(*common, *task)[1].known
 
 
 def test_post_training_estimate_only_prints_its_time(workdir):
-    result = run_cli("task=dpo", "data=preference_files", f"data.files={PAIRS}", "task.estimate_only=true",
-                     "hardware.peak_bf16_tflops=100", "train.max_steps=7", cwd=workdir)
+    result = run_cli(
+        "task=dpo",
+        "data=preference_files",
+        f"data.files={PAIRS}",
+        "task.estimate_only=true",
+        "hardware.peak_bf16_tflops=100",
+        "train.max_steps=7",
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr
     [line] = [line for line in result.stdout.splitlines() if line.startswith("time: ")]
     assert line.startswith("time: 7 steps, ") and "30% MFU, the default" in line
@@ -185,8 +244,13 @@ def test_each_scoring_of_the_benchmarks_is_a_forward_of_their_tokens(tmp_path):
     """Scored at steps 4 and 8 and after the last (10); task=estimate, which does not load them, says so."""
     from runner.planning.time_plan import flops_per_token, plan
 
-    spec, without = planned("hardware=h100_80gb", "train.max_steps=10", "train.benchmarks=[local_copa]",
-                            "train.benchmark_every=4", f"hardware.measured_runs={tmp_path}")
+    spec, without = planned(
+        "hardware=h100_80gb",
+        "train.max_steps=10",
+        "train.benchmarks=[local_copa]",
+        "train.benchmark_every=4",
+        f"hardware.measured_runs={tmp_path}",
+    )
     counted = plan(spec, benchmark_tokens=1000)
     assert counted.flops - without.flops == pytest.approx(3 * 1000 * flops_per_token(spec) / 3)
     assert counted.wall_s > without.wall_s
@@ -214,11 +278,13 @@ def test_a_plan_past_the_time_limit_takes_a_requeue_per_limit_less_the_warning()
 
     assert requeue_line(a_plan(7200), 60) == (
         "time limit: about 2.0 h passes the 60.0 min of hydra.launcher.timeout_min=60: about 1 requeue, each resuming "
-        "from the last checkpoint (set train.checkpoint_every so that little is trained again)")
+        "from the last checkpoint (set train.checkpoint_every so that little is trained again)"
+    )
     assert requeue_line(a_plan(7200), 60, warning_s=90) == (
         "time limit: about 2.0 h passes the 60.0 min of hydra.launcher.timeout_min=60: about 2 requeues, each "
         "resuming from the checkpoint the job writes at SLURM's warning, 90 s before the limit "
-        "(hydra.launcher.signal_delay_s)")
+        "(hydra.launcher.signal_delay_s)"
+    )
     assert requeue_line(a_plan(3510), 60, warning_s=90) is None  # trained to its end before the warning
     assert "about 1 requeue," in requeue_line(a_plan(3520), 60, warning_s=90)
     assert requeue_line(a_plan(3520), 60) is None
@@ -230,8 +296,10 @@ def test_a_sweeps_total_sums_its_jobs_time_gpu_hours_and_the_cost_where_a_price_
 
     plans = [a_plan(3600, 8, 2.0), a_plan(1800, 8, 2.0), a_plan(720, 1)]
     # 102 min; 8 + 4 + 0.2 GPU-hours; $16 + $8, the third job unpriced
-    assert sweep_line(plans) == ("sweep: 3 jobs, about 102.0 min one after another, 12.2 GPU-hours, $24.00 for the 2 "
-                                 "jobs with a hardware.cost_per_gpu_hour")
+    assert sweep_line(plans) == (
+        "sweep: 3 jobs, about 102.0 min one after another, 12.2 GPU-hours, $24.00 for the 2 "
+        "jobs with a hardware.cost_per_gpu_hour"
+    )
     assert sweep_line(plans[:2]) == "sweep: 2 jobs, about 90.0 min one after another, 12 GPU-hours, $24.00"
     assert sweep_line([*plans, a_plan(60, known=False)]).startswith("sweep: 4 jobs; 1 of them have no known time")
 
@@ -247,21 +315,35 @@ def test_an_estimate_past_its_cluster_time_limit_says_how_many_requeues_it_takes
     job = ["task=estimate", "model=llama3_8b", "strategy=fsdp", "hardware=8xh100_80gb", "precision=bf16"]
 
     def planned_for(steps):
-        return plan(validate(composed([*job, f"train.max_steps={steps}"]), on_this_machine=False),
-                    runs_dir=workdir / "outputs")
+        return plan(
+            validate(composed([*job, f"train.max_steps={steps}"]), on_this_machine=False), runs_dir=workdir / "outputs"
+        )
 
     planned = planned_for(20000)
     assert planned.wall_s == pytest.approx(2.1 * 3600, rel=0.05)
     assert "about 2 requeues" in requeue_line(planned, 60, 90) and requeue_line(planned, 600, 90) is None
     no_slurm = {"PATH": str(workdir)}
-    result = run_cli("-m", *job, "train.max_steps=20000,40000", "hydra/launcher=slurm", "hydra.launcher.timeout_min=60",
-                     cwd=workdir, env=no_slurm)
+    result = run_cli(
+        "-m",
+        *job,
+        "train.max_steps=20000,40000",
+        "hydra/launcher=slurm",
+        "hydra.launcher.timeout_min=60",
+        cwd=workdir,
+        env=no_slurm,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     limits = [line for line in result.stdout.splitlines() if line.startswith("time limit: ")]
     assert limits == [requeue_line(planned, 60, 90), requeue_line(planned_for(40000), 60, 90)], result.stdout
     assert "about 4 requeues" in limits[1]
-    single = run_cli(*job, "train.max_steps=20000", "hydra/launcher=slurm", "hydra.launcher.timeout_min=60",
-                     cwd=workdir, env=no_slurm)
+    single = run_cli(
+        *job,
+        "train.max_steps=20000",
+        "hydra/launcher=slurm",
+        "hydra.launcher.timeout_min=60",
+        cwd=workdir,
+        env=no_slurm,
+    )
     assert single.returncode == 0, single.stderr[-2000:]
     time_line, limit_line = single.stdout.strip().splitlines()[-2:]
     assert time_line == planned.line() and limit_line == limits[0]

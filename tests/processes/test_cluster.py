@@ -13,16 +13,29 @@ from runner.cli.compose import CONF_DIR
 from tests.support.command import run_cli
 from tests.support.specs import QUICK
 
-SHORT = [*QUICK, "train.max_steps=6", "train.log_every=3", "train.eval_every=0", "train.eval_batches=2",
-         "train.save_model=false"]
+SHORT = [
+    *QUICK,
+    "train.max_steps=6",
+    "train.log_every=3",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.save_model=false",
+]
 
 
 @pytest.mark.distributed
 def test_local_executor_runs_a_job_one_rank_per_task(workdir):
     """hydra/launcher=slurm_local: submitit's local executor starts each rank as a task, as SLURM does
     (tests/processes/test_slurm.py sweeps ddp and fsdp on a real SLURM cluster)."""
-    result = run_cli("-m", "hydra/launcher=slurm_local", "hardware=cpu", "hardware.nproc_per_node=2",
-                     "strategy=fsdp", *SHORT, cwd=workdir)
+    result = run_cli(
+        "-m",
+        "hydra/launcher=slurm_local",
+        "hardware=cpu",
+        "hardware.nproc_per_node=2",
+        "strategy=fsdp",
+        *SHORT,
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     [sweep_dir] = workdir.glob("outputs/multirun/*/*")
     [row] = list(csv.DictReader((sweep_dir / "report.csv").open()))
@@ -36,12 +49,18 @@ def test_local_executor_runs_a_job_one_rank_per_task(workdir):
     assert len(submitted) == 2 and {name.split("_")[1] for name in submitted} == {"0", "1"}
 
 
-@pytest.mark.parametrize("args,message", [
-    (["hydra/launcher=slurm_local"], "a cluster job needs a hardware option that declares its nodes' devices"),
-    (["hydra/launcher=submitit_local", "hardware=cpu", "hardware.nproc_per_node=2", "strategy=ddp"],
-     "hydra.launcher asks for 1 node(s) x 1 task(s) but the spec has hardware.nnodes=1 x hardware.nproc_per_node=2"),
-    (["hydra/launcher=slurm", "hardware=8xh100_80gb", "strategy=fsdp"], "hydra/launcher=slurm submits with sbatch"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["hydra/launcher=slurm_local"], "a cluster job needs a hardware option that declares its nodes' devices"),
+        (
+            ["hydra/launcher=submitit_local", "hardware=cpu", "hardware.nproc_per_node=2", "strategy=ddp"],
+            "hydra.launcher asks for 1 node(s) x 1 task(s) but the spec has hardware.nnodes=1 x "
+            "hardware.nproc_per_node=2",
+        ),
+        (["hydra/launcher=slurm", "hardware=8xh100_80gb", "strategy=fsdp"], "hydra/launcher=slurm submits with sbatch"),
+    ],
+)
 def test_cluster_sweeps_that_cannot_work_stop_before_submitting(args, message, workdir):
     result = run_cli("-m", *args, cwd=workdir, env={"PATH": str(workdir)})  # a machine without SLURM's commands
     assert result.returncode == 2
@@ -49,11 +68,14 @@ def test_cluster_sweeps_that_cannot_work_stop_before_submitting(args, message, w
     assert not (workdir / "outputs").exists()
 
 
-@pytest.mark.parametrize("hardware,expected", [
-    (["hardware=8xh100_80gb"], (1, 8, 8)),
-    (["hardware=8xh100_80gb", "hardware.nnodes=4"], (4, 8, 8)),
-    (["hardware=cpu", "hardware.nproc_per_node=2"], (1, 2, None)),
-])
+@pytest.mark.parametrize(
+    "hardware,expected",
+    [
+        (["hardware=8xh100_80gb"], (1, 8, 8)),
+        (["hardware=8xh100_80gb", "hardware.nnodes=4"], (4, 8, 8)),
+        (["hardware=cpu", "hardware.nproc_per_node=2"], (1, 2, None)),
+    ],
+)
 def test_the_slurm_job_takes_nodes_tasks_and_gpus_from_the_hardware_group(hardware, expected):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         config = compose("config", overrides=["hydra/launcher=slurm", *hardware], return_hydra_config=True)
@@ -62,8 +84,10 @@ def test_the_slurm_job_takes_nodes_tasks_and_gpus_from_the_hardware_group(hardwa
     assert launcher._target_.endswith("SlurmLauncher") and launcher.timeout_min == 1440
 
 
-@pytest.mark.parametrize("missing,package", [("hydra/sweeper/optuna", "hydra-optuna-sweeper"),
-                                             ("hydra/launcher/submitit_slurm", "hydra-submitit-launcher")])
+@pytest.mark.parametrize(
+    "missing,package",
+    [("hydra/sweeper/optuna", "hydra-optuna-sweeper"), ("hydra/launcher/submitit_slurm", "hydra-submitit-launcher")],
+)
 def test_a_missing_hydra_plugin_names_its_package(missing, package):
     from hydra.errors import MissingConfigException
 
@@ -76,8 +100,11 @@ def test_a_missing_hydra_plugin_names_its_package(missing, package):
 def test_a_first_node_without_an_address_is_one_clear_error_not_a_wait():
     from runner.processes.cluster import check_reachable
 
-    with pytest.raises(RuntimeError, match=r"the job's first node, node-that-is-not\.invalid \(SLURM_JOB_NODELIST\), "
-                                           r"has no address on .*: its ranks cannot meet there"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"the job's first node, node-that-is-not\.invalid \(SLURM_JOB_NODELIST\), "
+        r"has no address on .*: its ranks cannot meet there",
+    ):
         check_reachable("node-that-is-not.invalid")
     check_reachable("localhost")
 
@@ -96,8 +123,13 @@ def test_a_cluster_jobs_rendezvous_port_is_never_one_the_host_lends_to_outgoing_
 
 
 @pytest.mark.slow  # waits on real timeouts
-@pytest.mark.parametrize("rank,cause", [(0, r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined\."),
-                                        (1, r"task 0 never listened \(.*Connection refused\)")])
+@pytest.mark.parametrize(
+    "rank,cause",
+    [
+        (0, r"Timed out after \d+ seconds waiting for clients\. 1/2 clients joined\."),
+        (1, r"task 0 never listened \(.*Connection refused\)"),
+    ],
+)
 def test_a_task_whose_peers_never_come_ends_its_wait_with_one_line(rank, cause):
     """A task of a SLURM job waits hardware.rdzv_timeout_s for the others at the job's first node, then says where it
     waited and for whom: task 0 for the others, the others for task 0 (which failed before it got there, say)."""
@@ -112,15 +144,19 @@ def test_a_task_whose_peers_never_come_ends_its_wait_with_one_line(rank, cause):
             return sock.connect_ex(("127.0.0.1", port)) != 0
 
     job_id = next(job for job in map(str, range(100, 200)) if free(task_port(job)))
-    task = Task(rank=rank, local_rank=rank, world_size=2, tasks_per_node=2, main_host="127.0.0.1", job_id=job_id,
-                restarts=0)
+    task = Task(
+        rank=rank, local_rank=rank, world_size=2, tasks_per_node=2, main_host="127.0.0.1", job_id=job_id, restarts=0
+    )
     with pytest.raises(WorkerFailed) as failed:
         join_task_group(task, "gloo", None, timeout_s=2)
     message = str(failed.value)
     assert "\n" not in message
-    assert re.fullmatch(rf"task {rank} of 2 \(SLURM job {job_id}\): the job's tasks did not meet at "
-                        rf"127\.0\.0\.1:{task_port(job_id)}, where each waits up to 2 s \(hardware\.rdzv_timeout_s\) "
-                        rf"for the others: {cause}", message), message
+    assert re.fullmatch(
+        rf"task {rank} of 2 \(SLURM job {job_id}\): the job's tasks did not meet at "
+        rf"127\.0\.0\.1:{task_port(job_id)}, where each waits up to 2 s \(hardware\.rdzv_timeout_s\) "
+        rf"for the others: {cause}",
+        message,
+    ), message
 
 
 def test_a_requeued_job_that_starts_over_writes_its_metrics_afresh(tmp_path):

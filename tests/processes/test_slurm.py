@@ -56,8 +56,12 @@ def slurm_jobs(cwd: Path) -> list[str]:
 def sacct(job_id: str, *fields: str, every_run: bool = False) -> list[dict[str, str]]:
     """SLURM's accounting records of a job (each run of a requeued one with `every_run`)."""
     names = ["JobID", "State", *fields]
-    done = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(names),
-                           *(["--duplicates"] if every_run else [])], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(names), *(["--duplicates"] if every_run else [])],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return [dict(zip(names, line.split("|"))) for line in done.stdout.splitlines()]
 
 
@@ -73,8 +77,10 @@ def final_state(job_id: str) -> str:
 
 def rank_processes(run_dir: Path, ranks: int) -> list[int]:
     """The processes of a job's ranks (SLURM's tasks), from their rank logs: those of the job's latest run."""
-    pids = [re.findall(rf"rank {rank} of {ranks}, process (\d+)", (run_dir / f"rank{rank}.log").read_text())
-            for rank in range(ranks)]
+    pids = [
+        re.findall(rf"rank {rank} of {ranks}, process (\d+)", (run_dir / f"rank{rank}.log").read_text())
+        for rank in range(ranks)
+    ]
     return [int(found[-1]) for found in pids]
 
 
@@ -90,8 +96,15 @@ def pending(pid: int, signum: int) -> bool:
 
 
 TIME_LIMIT_TEST = "test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses"
-TIME_LIMITED = ["strategy=ddp", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=12", "train.log_every=1",
-                "train.eval_every=0", "train.save_model=false"]
+TIME_LIMITED = [
+    "strategy=ddp",
+    "hardware.nproc_per_node=2",
+    *QUICK,
+    "train.max_steps=12",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.save_model=false",
+]
 
 
 # A job at most this old (SLURM's clock) when its ranks are held: cut to a one-minute limit, it still has 31 s or
@@ -119,8 +132,9 @@ class TimeLimitedJob:
 
     def __init__(self, cwd: Path) -> None:
         self.cwd = cwd
-        self.job = start(*ON_SLURM, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=1",
-                         *TIME_LIMITED, cwd=cwd)
+        self.job = start(
+            *ON_SLURM, "hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=1", *TIME_LIMITED, cwd=cwd
+        )
         self.error: Optional[BaseException] = None
         self.held = threading.Event()  # its ranks are held (or the thread failed)
         self.thread = threading.Thread(target=self._hold_until_warned, name="time limit", daemon=True)
@@ -128,8 +142,12 @@ class TimeLimitedJob:
 
     def _hold_until_warned(self) -> None:
         try:
-            self.run_dir = wait_until(lambda: next(iter(self.cwd.glob("outputs/multirun/*/*/0")), None),
-                                      "the job's run directory", self.job, timeout=600)
+            self.run_dir = wait_until(
+                lambda: next(iter(self.cwd.glob("outputs/multirun/*/*/0")), None),
+                "the job's run directory",
+                self.job,
+                timeout=600,
+            )
             wait_until(lambda: last_step(self.run_dir) >= 3, "the job's third step", self.job, timeout=600)
             ranks = rank_processes(self.run_dir, 2)
             for pid in ranks:
@@ -141,8 +159,10 @@ class TimeLimitedJob:
             self.held.set()
 
             def warned() -> bool:
-                return (any(pending(pid, signal.SIGUSR2) for pid in ranks)
-                        or "stopped by SIGUSR2" in (self.run_dir / "run.log").read_text())
+                return (
+                    any(pending(pid, signal.SIGUSR2) for pid in ranks)
+                    or "stopped by SIGUSR2" in (self.run_dir / "run.log").read_text()
+                )
 
             wait_until(warned, "SLURM's warning before the time limit", self.job, timeout=240, every=0.5)
             for pid in ranks:  # SLURM may have continued them itself, and they may have ended since
@@ -180,16 +200,24 @@ def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, time_lim
         time_limited_job.held.wait(timeout=900)
     sweep = start(*ON_SLURM, "hardware.nproc_per_node=2", "strategy=ddp,fsdp", *SHORT, cwd=tmp_path / "sweep")
     # 4 query heads cannot share 3 key-value heads: the spec is valid, the first forward fails.
-    failing = start(*ON_SLURM, "hardware.nproc_per_node=1", *SHORT,
-                    "model.architecture.num_key_value_heads=3", cwd=tmp_path / "failing")
-    two_nodes = start(*ON_SLURM, "hardware.nnodes=2", "hardware.nproc_per_node=1", "strategy=fsdp", *SHORT,
-                      cwd=tmp_path / "two_nodes")
+    failing = start(
+        *ON_SLURM,
+        "hardware.nproc_per_node=1",
+        *SHORT,
+        "model.architecture.num_key_value_heads=3",
+        cwd=tmp_path / "failing",
+    )
+    two_nodes = start(
+        *ON_SLURM, "hardware.nnodes=2", "hardware.nproc_per_node=1", "strategy=fsdp", *SHORT, cwd=tmp_path / "two_nodes"
+    )
 
     code, stdout, stderr = finished(sweep)
     assert code == 0, stderr[-3000:]
     rows = report(tmp_path / "sweep")
-    assert [(row["swept"], row["status"]) for row in rows] == [("strategy=ddp", "completed"),
-                                                              ("strategy=fsdp", "completed")]
+    assert [(row["swept"], row["status"]) for row in rows] == [
+        ("strategy=ddp", "completed"),
+        ("strategy=fsdp", "completed"),
+    ]
     for job in ("0", "1"):
         run_dir = sweep_dir(tmp_path / "sweep") / job
         assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
@@ -200,7 +228,7 @@ def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, time_lim
 
     code, stdout, stderr = finished(failing)
     assert code == 1
-    first_line = stderr[stderr.index("run: error: "):].splitlines()[0]
+    first_line = stderr[stderr.index("run: error: ") :].splitlines()[0]
     assert "must match the size of tensor b (3)" in first_line
     [row] = report(tmp_path / "failing")
     assert row["status"] == "failed" and "must match the size of tensor b (3)" in row["error"]
@@ -218,12 +246,20 @@ def test_sweeps_failures_and_two_nodes_run_as_slurm_jobs(slurm_cluster, time_lim
 
 
 @pytest.mark.signals
-def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stops_with_a_checkpoint(slurm_cluster,
-                                                                                                    tmp_path):
+def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stops_with_a_checkpoint(
+    slurm_cluster, tmp_path
+):
     """One job: SLURM's warning signal (sent now, with scancel --signal), then `scontrol requeue`, then scancel;
     against the same job run here without a stop, as far as the job went."""
-    job = ["strategy=single", "hardware.nproc_per_node=1", *QUICK, "train.max_steps=5000", "train.log_every=1",
-           "train.eval_every=0", "train.save_model=false"]
+    job = [
+        "strategy=single",
+        "hardware.nproc_per_node=1",
+        *QUICK,
+        "train.max_steps=5000",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.save_model=false",
+    ]
     submitted = start(*ON_SLURM, *job, cwd=tmp_path / "slurm")
     uninterrupted = None
     try:
@@ -257,12 +293,13 @@ def test_the_warning_signal_and_scontrol_requeue_resume_exactly_and_scancel_stop
     assert [record["State"] for record in sacct(job_id, every_run=True)][:2] == ["REQUEUED", "REQUEUED"]
     assert final_state(job_id).startswith("CANCELLED")
     losses = step_losses(run_dir)
-    assert len(losses) == stopped_at[-1] and losses == step_losses(here)[:len(losses)]
+    assert len(losses) == stopped_at[-1] and losses == step_losses(here)[: len(losses)]
 
 
 @pytest.mark.signals
-def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses(time_limited_job,
-                                                                                              tmp_path):
+def test_a_job_at_its_time_limit_checkpoints_is_requeued_and_ends_with_the_uninterrupted_losses(
+    time_limited_job, tmp_path
+):
     """The time-limited job (TimeLimitedJob) checkpoints after the step the warning reaches, requeues itself,
     resumes, and ends with the losses of the same job run here without a stop."""
     assert run_cli("hardware=cpu", *TIME_LIMITED, cwd=tmp_path / "here").returncode == 0

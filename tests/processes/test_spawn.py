@@ -24,11 +24,20 @@ TRL_PAIRS = DATA / "trl" / "preference_standard.jsonl"
 SPECS = {
     "ddp, tensorboard": ["strategy=ddp", "tracker=tensorboard"],
     "fsdp tp 2, lora": ["strategy=fsdp", "strategy.tp_size=2", "adapter=lora"],
-    "deepspeed ZeRO-3, wandb": ["strategy=deepspeed", "strategy.zero_stage=3", "tracker=wandb",
-                                "tracker.wandb.mode=offline"],
+    "deepspeed ZeRO-3, wandb": [
+        "strategy=deepspeed",
+        "strategy.zero_stage=3",
+        "tracker=wandb",
+        "tracker.wandb.mode=offline",
+    ],
     "ddp, streaming, mlflow": ["strategy=ddp", "data.streaming=true", "tracker=mlflow"],
-    "fsdp, dpo, qlora": ["strategy=fsdp", "task=dpo", "data=preference_files", f"data.files={TRL_PAIRS}",
-                         "adapter=qlora"],
+    "fsdp, dpo, qlora": [
+        "strategy=fsdp",
+        "task=dpo",
+        "data=preference_files",
+        f"data.files={TRL_PAIRS}",
+        "adapter=qlora",
+    ],
 }
 # The libraries whose import-time messages the worker silences (runner/library_noise.py) once it runs: unpickling
 # what it runs must not import them ahead of that.
@@ -46,14 +55,19 @@ def launched(overrides: list[str], run_dir, monkeypatch) -> tuple:
         def run(*args):
             calls.append((config, entrypoint, args))
             return {0: {"objective": 0.0}}
+
         return run
 
     monkeypatch.setattr(api, "elastic_launch", recorded)
     # The spec as run_job launches it (the task's checks before launch change nothing in it).
     spec = validated(compose_config([*QUICK, "hardware.nproc_per_node=2", *overrides]), Path.cwd())
     # The log format as `run` passes it: Hydra's job_logging formatter (conf/config.yaml), as a plain dict.
-    launch(spec, run_dir, {"format": "%(asctime)s %(message)s", "datefmt": "%H:%M:%S"},
-           RunIdentity("m/0", group="outputs/multirun/x"))
+    launch(
+        spec,
+        run_dir,
+        {"format": "%(asctime)s %(message)s", "datefmt": "%H:%M:%S"},
+        RunIdentity("m/0", group="outputs/multirun/x"),
+    )
     [call] = calls
     return call
 
@@ -70,21 +84,34 @@ def test_what_each_worker_receives_pickles_and_unpickles_in_a_new_interpreter(tm
         assert repr(pickle.loads(pickle.dumps(args))) == repr(args), case
         payloads[case] = args
     shown = subprocess.run(
-        [sys.executable, "-c", "import pickle, sys\n"
-                               "payloads = pickle.load(sys.stdin.buffer)\n"
-                               f"print(repr({{case: repr(args) for case, args in payloads.items()}}))\n"
-                               f"print(sorted(name for name in {NOISY!r} if name in sys.modules))"],
-        input=pickle.dumps(payloads), capture_output=True, check=True)
+        [
+            sys.executable,
+            "-c",
+            "import pickle, sys\n"
+            "payloads = pickle.load(sys.stdin.buffer)\n"
+            f"print(repr({{case: repr(args) for case, args in payloads.items()}}))\n"
+            f"print(sorted(name for name in {NOISY!r} if name in sys.modules))",
+        ],
+        input=pickle.dumps(payloads),
+        capture_output=True,
+        check=True,
+    )
     unpickled, imported = shown.stdout.decode().splitlines()
     assert unpickled == repr({case: repr(args) for case, args in payloads.items()})
     assert imported == "[]"
     assert not shown.stderr, shown.stderr.decode()
 
 
-@pytest.mark.parametrize("accelerator,chosen,method", [
-    ("cpu", "auto", "fork"), ("cuda", "auto", "spawn"), ("cpu", "spawn", "spawn"), ("cpu", "fork", "fork"),
-    ("cuda", "spawn", "spawn"),
-])
+@pytest.mark.parametrize(
+    "accelerator,chosen,method",
+    [
+        ("cpu", "auto", "fork"),
+        ("cuda", "auto", "spawn"),
+        ("cpu", "spawn", "spawn"),
+        ("cpu", "fork", "fork"),
+        ("cuda", "spawn", "spawn"),
+    ],
+)
 def test_the_start_method_is_the_accelerators_unless_chosen(accelerator, chosen, method):
     hardware = composed([f"hardware.accelerator={accelerator}", f"hardware.start_method={chosen}"]).hardware
     assert hardware.start_method is StartMethod(chosen)
@@ -95,7 +122,8 @@ def test_an_unknown_start_method_is_one_line_and_writes_nothing(workdir):
     result = run_cli("strategy=ddp", "hardware.nproc_per_node=2", "hardware.start_method=forkserver", cwd=workdir)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "run: error: hardware.start_method: Invalid value 'forkserver', expected one of [auto, fork, spawn]"]
+        "run: error: hardware.start_method: Invalid value 'forkserver', expected one of [auto, fork, spawn]"
+    ]
     assert not (workdir / "outputs").exists()
 
 
@@ -114,8 +142,14 @@ def test_a_forked_cuda_worker_is_refused_before_anything_starts(monkeypatch):
 
 
 # Three steps: the first step's loss (the initial weights, the first batch) and two updates.
-RUN = [*QUICK, "hardware.nproc_per_node=2", "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
-       "train.save_model=false"]
+RUN = [
+    *QUICK,
+    "hardware.nproc_per_node=2",
+    "train.max_steps=3",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.save_model=false",
+]
 
 
 @pytest.mark.distributed

@@ -64,9 +64,13 @@ def test_every_module_belongs_to_a_part():
 
 
 def test_each_part_imports_only_itself_and_the_parts_below_it():
-    wrong = [f"{module} imports {target}" for module, path in MODULES.items() if module != "runner"
-             for target in imported(path)
-             if layer(target) > layer(module) or (layer(target) == layer(module) and part(target) != part(module))]
+    wrong = [
+        f"{module} imports {target}"
+        for module, path in MODULES.items()
+        if module != "runner"
+        for target in imported(path)
+        if layer(target) > layer(module) or (layer(target) == layer(module) and part(target) != part(module))
+    ]
     assert wrong == []
 
 
@@ -77,7 +81,7 @@ def test_no_module_comes_back_to_itself_through_its_imports():
     def visit(module: str, trail: list[str]) -> None:
         for target in graph.get(module, ()):
             if target in trail:
-                circles.append(" -> ".join(trail[trail.index(target):] + [target]))
+                circles.append(" -> ".join(trail[trail.index(target) :] + [target]))
             elif target not in done:
                 visit(target, trail + [target])
         done.add(module)
@@ -91,10 +95,14 @@ def test_no_module_comes_back_to_itself_through_its_imports():
 
 def test_only_the_strategy_backends_name_a_strategy_class():
     classes = {strategy.__name__ for strategy in STRATEGIES.values()}
-    named = [f"{module}: {name}" for module, path in MODULES.items() if part(module) != "strategies"
-             for node in ast.walk(ast.parse(path.read_text()))
-             for name in [getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)]
-             if name in classes]
+    named = [
+        f"{module}: {name}"
+        for module, path in MODULES.items()
+        if part(module) != "strategies"
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in [getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)]
+        if name in classes
+    ]
     assert named == []
 
 
@@ -127,8 +135,23 @@ def test_no_module_and_no_function_outgrows_its_size():
 
 # What a schema module may import when it is imported: no engine (torch, transformers, ...) and nothing that talks
 # to the network; what runs at run time lives in runner/components/ and the stages' packages.
-SCHEMA_IMPORTS_REFUSED = {"torch", "transformers", "datasets", "peft", "torchao", "deepspeed", "wandb", "mlflow",
-                          "tensorboard", "urllib", "socket", "http", "requests", "huggingface_hub", "netrc"}
+SCHEMA_IMPORTS_REFUSED = {
+    "torch",
+    "transformers",
+    "datasets",
+    "peft",
+    "torchao",
+    "deepspeed",
+    "wandb",
+    "mlflow",
+    "tensorboard",
+    "urllib",
+    "socket",
+    "http",
+    "requests",
+    "huggingface_hub",
+    "netrc",
+}
 
 
 def test_config_holds_schemas_and_checks_only():
@@ -138,14 +161,22 @@ def test_config_holds_schemas_and_checks_only():
             continue
         tree = ast.parse(path.read_text())
         for node in tree.body:  # module level: what importing the schema costs
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             engines += [f"{module} imports {name}" for name in names if name.split(".")[0] in SCHEMA_IMPORTS_REFUSED]
         for node in ast.walk(tree):  # inside functions too: a schema asks no service
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                engines += [f"{module} imports {name} to talk to a service" for name in names
-                            if name.split(".")[0] in {"urllib", "socket", "http", "requests", "netrc"}]
+                engines += [
+                    f"{module} imports {name} to talk to a service"
+                    for name in names
+                    if name.split(".")[0] in {"urllib", "socket", "http", "requests", "netrc"}
+                ]
     assert engines == []
 
 
@@ -161,7 +192,11 @@ def test_no_two_modules_share_a_name():
 def test_the_layout_is_worked_out_in_one_place():
     """The job's parallel dimensions come from RunSpec.layout (runner/config/spec.py), which the prepared job holds;
     no other code asks a strategy for them again."""
-    asked = [f"{module}:{node.lineno}" for module, path in MODULES.items() if module != "runner.config.spec"
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dims"]
+    asked = [
+        f"{module}:{node.lineno}"
+        for module, path in MODULES.items()
+        if module != "runner.config.spec"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dims"
+    ]
     assert asked == []

@@ -64,8 +64,11 @@ def test_a_shown_command_composes_and_passes_its_checks(where, command):
     stand_ins = [word for word in words if any(mark in word for mark in STAND_INS)]
     sweep = "-m" in words
     # A sweep's first point: the values before each comma (a file list's commas are data.files' own).
-    overrides = [re.sub(r"=([^,]*),.*$", r"=\1", word) if sweep and not word.startswith("data.files") else word
-                 for word in words if "=" in word and not word.startswith("-") and word not in stand_ins]
+    overrides = [
+        re.sub(r"=([^,]*),.*$", r"=\1", word) if sweep and not word.startswith("data.files") else word
+        for word in words
+        if "=" in word and not word.startswith("-") and word not in stand_ins
+    ]
     try:
         spec = composed(overrides)
     except MissingMandatoryValue:
@@ -75,6 +78,8 @@ def test_a_shown_command_composes_and_passes_its_checks(where, command):
     try:
         validate(spec, on_this_machine=False)
     except SpecError as error:
-        if not any(reason in str(error) for reason in NEEDS_WHAT_THIS_TEST_HAS_NOT + (("set exactly one",)
-                                                                                     if stand_ins else ())):
+        if not any(
+            reason in str(error)
+            for reason in NEEDS_WHAT_THIS_TEST_HAS_NOT + (("set exactly one",) if stand_ins else ())
+        ):
             raise

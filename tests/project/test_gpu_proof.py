@@ -41,11 +41,28 @@ def fake_run(run: gpu_proof.Run, folder: Path, loss_shift: float = 0.0) -> gpu_p
     """An outcome as a finished run leaves it: records every log step, a summary, the files in its directory."""
     steps, log_every = (200, 20) if run.key == "default job" else (run.steps(), run.log_every())  # conf's defaults
     tokens = 4 * 2048 if "llama3_2_1b" in " ".join(run.overrides) else 8 * 256
-    records = [{"step": step, "time": 1000.0 + step * 0.1, "loss": 5.0 - 0.04 * step + loss_shift,
-                "tokens_per_s": tokens * 10.0, "mfu": 0.3, "tokens_seen": step * tokens, "tokens": step * tokens,
-                "peak_memory_gib": 20.0} for step in range(log_every, steps + 1, log_every)]
-    summary = {"first_eval_loss": 5.4, "eval_loss": 2.4, "tokens_per_s": tokens * 10.0, "peak_memory_gib": 20.0,
-               "wall_time_s": 9.0, "compile_time_s": 30.0, "precision": {"fp8_linear_layers": 112}}
+    records = [
+        {
+            "step": step,
+            "time": 1000.0 + step * 0.1,
+            "loss": 5.0 - 0.04 * step + loss_shift,
+            "tokens_per_s": tokens * 10.0,
+            "mfu": 0.3,
+            "tokens_seen": step * tokens,
+            "tokens": step * tokens,
+            "peak_memory_gib": 20.0,
+        }
+        for step in range(log_every, steps + 1, log_every)
+    ]
+    summary = {
+        "first_eval_loss": 5.4,
+        "eval_loss": 2.4,
+        "tokens_per_s": tokens * 10.0,
+        "peak_memory_gib": 20.0,
+        "wall_time_s": 9.0,
+        "compile_time_s": 30.0,
+        "precision": {"fp8_linear_layers": 112},
+    }
     out = folder / run.slug
     out.mkdir(parents=True)
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -62,14 +79,17 @@ def test_the_report_reads_the_runs(tmp_path):
         proof.outcomes[run.key] = fake_run(run, tmp_path, shift)
         if run.section == "memory" or run.key == "1B bf16 eager":
             proof.estimates[run.key] = (21.0, "at the optimizer step")  # +5% of the 20 GiB measured
-    proof.outcomes["hand tiny"].records = [{**r, "time": 1000.0 + r["step"] * 0.11}  # the runner 1.1x the hand loop
-                                           for r in proof.outcomes["hand tiny"].records]
+    proof.outcomes["hand tiny"].records = [
+        {**r, "time": 1000.0 + r["step"] * 0.11}  # the runner 1.1x the hand loop
+        for r in proof.outcomes["hand tiny"].records
+    ]
     proof.outcomes["strategy fsdp"] = gpu_proof.Outcome(error="exit 1: RuntimeError: NCCL")
     # The line the runner's report makes of a rank that NCCL's watchdog ended (tests/processes/test_launch.py makes it).
     (proof.outcomes["2 GPUs: ddp, rank 1 stopped"].run_dir / "output.txt").write_text(
         "10:00:05 step 6/1000 | loss 5.1\nrun: error: rank 0 failed: Signal 6 (SIGABRT) received by PID 4242, after "
         "it waited 30 s in a collective that another rank did not join, in step 7: nccl:all_reduce #31 of group "
-        "default_pg, Float [402432]; the process group's timeout (train.collective_timeout_s) ended it (see r.log)\n")
+        "default_pg, Float [402432]; the process group's timeout (train.collective_timeout_s) ended it (see r.log)\n"
+    )
     page = gpu_proof.Report(proof, list(gpu_proof.SECTIONS)).build()
 
     assert "NVIDIA H100 80GB HBM3 x 2" in page
@@ -78,8 +98,9 @@ def test_the_report_reads_the_runs(tmp_path):
     assert "| fsdp | failed: exit 1: RuntimeError: NCCL |" in page
     assert "- MISSED: their per-step losses agree" in page  # fsdp has no losses to agree
     assert "- MET: runner at least 0.98x the hand-written loop on the tiny model (the host's cost): 1.100x" in page
-    assert ("- MET: the memory estimate within ±10% of the measured peak for every single-GPU config: largest +5.0%"
-            in page)
+    assert (
+        "- MET: the memory estimate within ±10% of the measured peak for every single-GPU config: largest +5.0%" in page
+    )
     assert "| fp8 rowwise | compiled | 81,920 | 1.00x | 30.0% | 20.0 | 30 | 112 |" in page
     assert "- MET: NCCL equivalence of ddp, fsdp, ZeRO-2 and ZeRO-3 on 2 processes" in page
     assert "- MET: async TP (strategy.async_tp) against compiled tp: trains" in page

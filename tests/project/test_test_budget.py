@@ -13,14 +13,21 @@ sys.path.insert(0, str(BENCH))
 
 import test_budget  # noqa: E402  (bench/ is no package)
 
-DONE = ("22:55:52 done: train loss 2.5076 | eval loss 2.6353 (from 5.4434) | 14,021 tokens/s (mean of the training "
-        "steps) | peak memory 0.63 GiB | 33 s")
+DONE = (
+    "22:55:52 done: train loss 2.5076 | eval loss 2.6353 (from 5.4434) | 14,021 tokens/s (mean of the training "
+    "steps) | peak memory 0.63 GiB | 33 s"
+)
 
 
 def test_the_training_time_is_the_done_lines_last_figure():
-    output = "\n".join(["22:55:10 step 200/200 | loss 2.5076 | lr 0.00e+00 | grad norm 0.412 | 14,100 tokens/s", DONE,
-                        "22:55:52 outputs: outputs/2026-11-27/22-55-12 (model: outputs/2026-11-27/22-55-12/model)",
-                        "22:55:52 use it: run task=generate task.trained=outputs/2026-11-27/22-55-12"])
+    output = "\n".join(
+        [
+            "22:55:10 step 200/200 | loss 2.5076 | lr 0.00e+00 | grad norm 0.412 | 14,100 tokens/s",
+            DONE,
+            "22:55:52 outputs: outputs/2026-11-27/22-55-12 (model: outputs/2026-11-27/22-55-12/model)",
+            "22:55:52 use it: run task=generate task.trained=outputs/2026-11-27/22-55-12",
+        ]
+    )
     assert test_budget.training_seconds(output) == 33.0
     compiled = DONE.replace("| 33 s", "| 41 s (torch.compile: 12 s of it)")
     assert test_budget.training_seconds(compiled) == 41.0

@@ -7,7 +7,6 @@ accumulation, of DDP, of FSDP under each sharding strategy and wrap policy, and 
 none of them.
 """
 
-
 import pytest
 
 from runner.config.scheduler import lr_factor
@@ -19,8 +18,16 @@ from tests.support.workers import train_in_workers
 
 STEPS = 10
 # Global batch 8 = micro batch 2 x 4 accumulation steps in one process, or x 2 ranks x 2 steps.
-BASE = [*QUICK, f"train.max_steps={STEPS}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=2",
-        "train.save_model=false", "train.micro_batch_size=2", "data.seq_len=64"]
+BASE = [
+    *QUICK,
+    f"train.max_steps={STEPS}",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.save_model=false",
+    "train.micro_batch_size=2",
+    "data.seq_len=64",
+]
 TWO_RANKS = ["hardware.nproc_per_node=2", "train.grad_accum_steps=2"]
 FSDP = ["strategy=fsdp"]
 VARIANTS = {
@@ -29,21 +36,35 @@ VARIANTS = {
     "fsdp SHARD_GRAD_OP": [*FSDP, "strategy.sharding_strategy=SHARD_GRAD_OP"],
     "fsdp NO_SHARD": [*FSDP, "strategy.sharding_strategy=NO_SHARD"],
     "fsdp HYBRID_SHARD (2 x 1)": [*FSDP, "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hybrid_shard_size=1"],
-    "fsdp HYBRID_SHARD_ZERO2 (1 x 2)": [*FSDP, "strategy.sharding_strategy=HYBRID_SHARD_ZERO2",
-                                        "strategy.hybrid_shard_size=2"],
+    "fsdp HYBRID_SHARD_ZERO2 (1 x 2)": [
+        *FSDP,
+        "strategy.sharding_strategy=HYBRID_SHARD_ZERO2",
+        "strategy.hybrid_shard_size=2",
+    ],
     "fsdp SIZE_BASED_WRAP": [*FSDP, "strategy.auto_wrap_policy=SIZE_BASED_WRAP", "strategy.min_num_params=30000"],
     "fsdp NO_WRAP": [*FSDP, "strategy.auto_wrap_policy=NO_WRAP"],
-    "fsdp activation checkpointing, prefetch": [*FSDP, "strategy.activation_checkpointing=true",
-                                                "strategy.forward_prefetch=1", "strategy.backward_prefetch=2"],
+    "fsdp activation checkpointing, prefetch": [
+        *FSDP,
+        "strategy.activation_checkpointing=true",
+        "strategy.forward_prefetch=1",
+        "strategy.backward_prefetch=2",
+    ],
     "fsdp offload_params": [*FSDP, "strategy.offload_params=true"],
     "fsdp cpu_ram_efficient_loading": [*FSDP, "strategy.cpu_ram_efficient_loading=true"],
     **{f"deepspeed ZeRO-{stage}": ["strategy=deepspeed", f"strategy.zero_stage={stage}"] for stage in range(4)},
-    "deepspeed ZeRO-3 offload": ["strategy=deepspeed", "strategy.zero_stage=3", "strategy.offload_optimizer=cpu",
-                                 "strategy.offload_param=cpu"],
+    "deepspeed ZeRO-3 offload": [
+        "strategy=deepspeed",
+        "strategy.zero_stage=3",
+        "strategy.offload_optimizer=cpu",
+        "strategy.offload_param=cpu",
+    ],
     # Activation checkpointing recomputes the same forward under every strategy, not FSDP's only.
     "ddp activation checkpointing": ["strategy=ddp", "strategy.activation_checkpointing=true"],
-    "deepspeed ZeRO-2 activation checkpointing": ["strategy=deepspeed", "strategy.zero_stage=2",
-                                                  "strategy.activation_checkpointing=true"],
+    "deepspeed ZeRO-2 activation checkpointing": [
+        "strategy=deepspeed",
+        "strategy.zero_stage=2",
+        "strategy.activation_checkpointing=true",
+    ],
 }
 
 

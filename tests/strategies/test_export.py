@@ -21,9 +21,11 @@ STRATEGIES = {
     "fsdp": ["strategy=fsdp"],
     "fsdp sharded, offloaded": ["strategy=fsdp", "strategy.state_dict_type=SHARDED", "strategy.offload_params=true"],
     # ZeRO-3 keeps parameters under 100k elements whole, which would be all of this small model's.
-    "deepspeed ZeRO-3": ["strategy=deepspeed", "strategy.zero_stage=3",
-                         "strategy.config_file="
-                         f"{DATA / 'zero3_partition_every_parameter.json'}"],
+    "deepspeed ZeRO-3": [
+        "strategy=deepspeed",
+        "strategy.zero_stage=3",
+        f"strategy.config_file={DATA / 'zero3_partition_every_parameter.json'}",
+    ],
 }
 
 
@@ -44,8 +46,19 @@ def _train_and_probe(ranks, specs, run_dirs):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    specs = [resolved_spec([*QUICK, *overrides, "hardware.nproc_per_node=2", "train.max_steps=3",
-                            "train.eval_every=0", "train.micro_batch_size=2"]) for overrides in STRATEGIES.values()]
+    specs = [
+        resolved_spec(
+            [
+                *QUICK,
+                *overrides,
+                "hardware.nproc_per_node=2",
+                "train.max_steps=3",
+                "train.eval_every=0",
+                "train.micro_batch_size=2",
+            ]
+        )
+        for overrides in STRATEGIES.values()
+    ]
     run_dirs = [str(tmp_path_factory.mktemp(name.split()[0])) for name in STRATEGIES]
     return dict(zip(STRATEGIES, run_in_workers(_train_and_probe, specs, run_dirs, nproc=2)[0]))
 

@@ -13,8 +13,13 @@ from tests.support.workers import run_in_workers
 
 pytestmark = pytest.mark.distributed
 
-BASE = [*QUICK_STEPS, "hardware.nproc_per_node=2", "strategy=fsdp", "train.micro_batch_size=2",
-        "train.save_model=false"]
+BASE = [
+    *QUICK_STEPS,
+    "hardware.nproc_per_node=2",
+    "strategy=fsdp",
+    "train.micro_batch_size=2",
+    "train.save_model=false",
+]
 
 
 def _inspect(ranks, cases, run_dir):
@@ -46,7 +51,8 @@ def _inspect(ranks, cases, run_dir):
             "checkpointing": unwrapped(model).is_gradient_checkpointing,
             # FSDP2 keeps the explicit forward-prefetch list in its (private) per-module state.
             "forward_prefetch": len(layer._get_fsdp_state()._states_to_forward_prefetch)
-            if isinstance(layer, FSDPModule) else 0,
+            if isinstance(layer, FSDPModule)
+            else 0,
             "devices": {p.device.type for p in model.parameters()},
             "opened_weights": bool(opened),
             "embed_sum": float(unwrapped(model).model.embed_tokens.weight.full_tensor().sum()),
@@ -155,8 +161,15 @@ def _ddp_allreduce_calls(ranks, specs, run_dir):
 
 
 def test_ddp_accumulation_synchronises_gradients_only_at_the_boundary(tmp_path):
-    ddp = [*QUICK, "strategy=ddp", "hardware.nproc_per_node=2", "train.micro_batch_size=1", "train.max_steps=3",
-           "train.eval_every=0", "train.save_model=false"]
+    ddp = [
+        *QUICK,
+        "strategy=ddp",
+        "hardware.nproc_per_node=2",
+        "train.micro_batch_size=1",
+        "train.max_steps=3",
+        "train.eval_every=0",
+        "train.save_model=false",
+    ]
     specs = [resolved_spec([*ddp, f"train.grad_accum_steps={accumulation}"]) for accumulation in (1, 4)]
     without, with_accumulation = run_in_workers(_ddp_allreduce_calls, specs, str(tmp_path), nproc=2)[0]
     assert without > 0

@@ -35,8 +35,14 @@ class Started:
     """A `run` going on in the background, as subprocess.Popen shows one: its pid, poll(), wait(), its signals, and
     its standard output and error once it has ended."""
 
-    def __init__(self, process: multiprocessing.process.BaseProcess, output: Path, errors: Path,
-                 new_session: bool, stop_at_step: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        process: multiprocessing.process.BaseProcess,
+        output: Path,
+        errors: Path,
+        new_session: bool,
+        stop_at_step: Optional[int] = None,
+    ) -> None:
         self._process, self._output, self._errors, self._group = process, output, errors, new_session
         self.stop_at_step = stop_at_step
 
@@ -84,14 +90,21 @@ class Started:
         return self.stdout(), self.stderr()
 
 
-def run_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, fresh: bool = False,
-            timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, env: Optional[dict[str, str]] = None, fresh: bool = False, timeout: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess:
     """`run <args>` as a user types it in `cwd` (with `env` added to the environment), to its end: its exit status,
     standard output and error. `fresh`: in a new interpreter, for what its start and imports show."""
     if fresh:
         a_second_of_its_own(cwd)
-        return subprocess.run([sys.executable, "-m", "runner", *args], cwd=cwd, capture_output=True, text=True,
-                              env=environment(env), timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "runner", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            env=environment(env),
+            timeout=timeout,
+        )
     job = start_cli(*args, cwd=cwd, env=env, new_session=True)
     try:
         stdout, stderr = job.communicate(timeout)
@@ -100,8 +113,14 @@ def run_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, fresh: 
     return subprocess.CompletedProcess(["run", *args], job.returncode, stdout, stderr)
 
 
-def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_session: bool = False,
-              stop_at_step: Optional[int] = None, out_of_memory_at_step: Optional[int] = None) -> Started:
+def start_cli(
+    *args: str,
+    cwd: Path,
+    env: Optional[dict[str, str]] = None,
+    new_session: bool = False,
+    stop_at_step: Optional[int] = None,
+    out_of_memory_at_step: Optional[int] = None,
+) -> Started:
     """`run <args>` started in `cwd` and left running; `new_session`: in a session and process group of its own, as
     `setsid run ...` starts it (signal the group with os.killpg). `stop_at_step`: the run stops itself, in a session
     of its own, once it has logged that step (train.log_every=1): hold_at_step waits for it.
@@ -112,9 +131,20 @@ def start_cli(*args: str, cwd: Path, env: Optional[dict[str, str]] = None, new_s
     a_second_of_its_own(cwd)
     output_dir = Path(tempfile.mkdtemp(prefix="output-", dir=_outputs()))
     output, errors = output_dir / "stdout", output_dir / "stderr"
-    process = warm_processes().Process(target=_run_command, name="run",
-                                       args=(list(args), str(cwd), environment(env), str(output), str(errors),
-                                             new_session, stop_at_step, out_of_memory_at_step))
+    process = warm_processes().Process(
+        target=_run_command,
+        name="run",
+        args=(
+            list(args),
+            str(cwd),
+            environment(env),
+            str(output),
+            str(errors),
+            new_session,
+            stop_at_step,
+            out_of_memory_at_step,
+        ),
+    )
     process.start()
     return Started(process, output, errors, new_session, stop_at_step)
 
@@ -139,8 +169,16 @@ def environment(added: Optional[dict[str, str]]) -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", **(added or {})}
 
 
-def _run_command(args: list[str], cwd: str, env: dict[str, str], output: str, errors: str, new_session: bool,
-                 stop_at_step: Optional[int], out_of_memory_at_step: Optional[int] = None) -> None:
+def _run_command(
+    args: list[str],
+    cwd: str,
+    env: dict[str, str],
+    output: str,
+    errors: str,
+    new_session: bool,
+    stop_at_step: Optional[int],
+    out_of_memory_at_step: Optional[int] = None,
+) -> None:
     """In the forked process: `python -m runner <args>`, as a new interpreter would run it, to its exit."""
     _as_a_main_process()
     if new_session:
@@ -157,8 +195,9 @@ def _run_command(args: list[str], cwd: str, env: dict[str, str], output: str, er
         os.close(opened)
     # Unbuffered, as under PYTHONUNBUFFERED=1.
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True,
-                                                   errors="backslashreplace")
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        open(2, "wb", buffering=0, closefd=False), write_through=True, errors="backslashreplace"
+    )
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -16,8 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 # Ops whose output the host must wait for: a scalar read, or a shape that depends on the values.
 WAITING_OPS = {
-    aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.nonzero.default,
-    aten.masked_select.default, aten.unique_consecutive.default, aten._unique2.default, aten.unique_dim.default,
+    aten._local_scalar_dense.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.unique_consecutive.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
 }
 COPIES_TO_HOST = ("tolist", "cpu", "numpy")
 
@@ -51,8 +57,14 @@ class HostReads(TorchDispatchMode):
     def note(self, what: str) -> None:
         frames = [frame for frame in traceback.extract_stack()[:-2] if "host_reads.py" not in frame.filename]
         # The code that made the read: the innermost frame outside torch's own machinery (its optimizers aside).
-        maker = next((frame for frame in reversed(frames)
-                      if "/torch/" not in frame.filename or "/torch/optim/" in frame.filename), frames[-1])
+        maker = next(
+            (
+                frame
+                for frame in reversed(frames)
+                if "/torch/" not in frame.filename or "/torch/optim/" in frame.filename
+            ),
+            frames[-1],
+        )
         if any(part in maker.filename for part in self.leave_out):
             return
         ours = [frame for frame in frames if "/runner/" in frame.filename] or frames
@@ -75,6 +87,7 @@ def counting_host_reads(leave_out: tuple[str, ...] = ()) -> Iterator[HostReads]:
         def read(self, *args, **kwargs):
             counter.note(f"Tensor.{name}")
             return original(self, *args, **kwargs)
+
         return read
 
     for name in COPIES_TO_HOST:

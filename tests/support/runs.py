@@ -11,7 +11,6 @@ from typing import Callable, Optional, TypeVar
 
 from tests.support.command import Started, run_cli, start_cli
 
-
 # ---- run directories
 
 
@@ -44,8 +43,9 @@ def last_step(run_dir: Optional[Path]) -> int:
 T = TypeVar("T")
 
 
-def wait_until(condition: Callable[[], T], what: str, job: Optional[Started] = None, timeout: float = 300,
-               every: float = 0.05) -> T:
+def wait_until(
+    condition: Callable[[], T], what: str, job: Optional[Started] = None, timeout: float = 300, every: float = 0.05
+) -> T:
     """Polls `condition` until it returns something true, and returns that. Fails, saying what it waited for, when
     `job` ends first or after `timeout` seconds: a bound for a stalled run, far above what any step takes."""
     deadline = time.monotonic() + timeout
@@ -89,8 +89,9 @@ def deleted_files_mapped(group: int, under: Path) -> dict[int, list[str]]:
             lines = (process / "maps").read_text().splitlines()
         except OSError:  # a process that ended meanwhile
             continue
-        paths = sorted({line.split(None, 5)[5] for line in lines
-                        if line.endswith(" (deleted)") and f" {prefix}" in line})
+        paths = sorted(
+            {line.split(None, 5)[5] for line in lines if line.endswith(" (deleted)") and f" {prefix}" in line}
+        )
         if paths:
             mapped[int(process.name)] = paths
     return mapped

@@ -41,8 +41,11 @@ def install() -> None:
     if not shutil.which("apt-get"):
         raise Unavailable("slurm-wlm and munge are not installed and this machine has no apt-get")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "install", "-y", "-q", *PACKAGES], ["apt-get", "update", "-q"],
-                    ["apt-get", "install", "-y", "-q", *PACKAGES]):
+    for command in (
+        ["apt-get", "install", "-y", "-q", *PACKAGES],
+        ["apt-get", "update", "-q"],
+        ["apt-get", "install", "-y", "-q", *PACKAGES],
+    ):
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode == 0 and command[1] == "install":
             return
@@ -63,65 +66,72 @@ def free_ports(count: int) -> list[int]:
 def slurm_conf(ports: dict[str, int], nodes: tuple[str, ...]) -> str:
     cpus = os.cpu_count() or 1
     memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
-    node_lines = [f"NodeName={node} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={ports[node]} "
-                  f"CPUs={cpus} RealMemory={memory_mb * 9 // 10} State=UNKNOWN" for node in nodes]
-    return "\n".join([
-        f"ClusterName={CLUSTER}",
-        f"SlurmctldHost={socket.gethostname()}(127.0.0.1)",
-        f"SlurmctldPort={ports['slurmctld']}",
-        "SlurmUser=root",
-        "SlurmdUser=root",
-        "AuthType=auth/munge",
-        # A requeued job waits until the credentials of its last run expire (120 s by default), then for the next
-        # scheduling pass (up to 60 s), before it starts again.
-        "AuthInfo=cred_expire=5",
-        f"StateSaveLocation={HOME}/slurmctld",
-        f"SlurmdSpoolDir={HOME}/slurmd/%n",
-        f"SlurmctldPidFile={HOME}/slurmctld.pid",
-        f"SlurmdPidFile={HOME}/slurmd.%n.pid",
-        f"SlurmctldLogFile={HOME}/log/slurmctld.log",
-        f"SlurmdLogFile={HOME}/log/slurmd.%n.log",
-        # No cgroups here (and none needed): processes are tracked by their process group.
-        "ProctrackType=proctrack/pgid",
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "MpiDefault=none",
-        "SchedulerType=sched/backfill",
-        "SchedulerParameters=sched_interval=2,bf_interval=2",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "ReturnToService=2",
-        "JobRequeue=1",
-        # A job past its time limit is signalled and then killed without grace minutes.
-        "OverTimeLimit=0",
-        "KillWait=30",
-        "MinJobAge=600",
-        "AccountingStorageType=accounting_storage/slurmdbd",
-        "AccountingStorageHost=127.0.0.1",
-        f"AccountingStoragePort={ports['slurmdbd']}",
-        *node_lines,
-        f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
-        "",
-    ])
+    node_lines = [
+        f"NodeName={node} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={ports[node]} "
+        f"CPUs={cpus} RealMemory={memory_mb * 9 // 10} State=UNKNOWN"
+        for node in nodes
+    ]
+    return "\n".join(
+        [
+            f"ClusterName={CLUSTER}",
+            f"SlurmctldHost={socket.gethostname()}(127.0.0.1)",
+            f"SlurmctldPort={ports['slurmctld']}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            # A requeued job waits until the credentials of its last run expire (120 s by default), then for the next
+            # scheduling pass (up to 60 s), before it starts again.
+            "AuthInfo=cred_expire=5",
+            f"StateSaveLocation={HOME}/slurmctld",
+            f"SlurmdSpoolDir={HOME}/slurmd/%n",
+            f"SlurmctldPidFile={HOME}/slurmctld.pid",
+            f"SlurmdPidFile={HOME}/slurmd.%n.pid",
+            f"SlurmctldLogFile={HOME}/log/slurmctld.log",
+            f"SlurmdLogFile={HOME}/log/slurmd.%n.log",
+            # No cgroups here (and none needed): processes are tracked by their process group.
+            "ProctrackType=proctrack/pgid",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "MpiDefault=none",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=sched_interval=2,bf_interval=2",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_CPU",
+            "ReturnToService=2",
+            "JobRequeue=1",
+            # A job past its time limit is signalled and then killed without grace minutes.
+            "OverTimeLimit=0",
+            "KillWait=30",
+            "MinJobAge=600",
+            "AccountingStorageType=accounting_storage/slurmdbd",
+            "AccountingStorageHost=127.0.0.1",
+            f"AccountingStoragePort={ports['slurmdbd']}",
+            *node_lines,
+            f"PartitionName={PARTITION} Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
+            "",
+        ]
+    )
 
 
 def slurmdbd_conf(ports: dict[str, int]) -> str:
-    return "\n".join([
-        "AuthType=auth/munge",
-        "DbdHost=localhost",
-        "DbdAddr=127.0.0.1",
-        f"DbdPort={ports['slurmdbd']}",
-        "SlurmUser=root",
-        f"PidFile={HOME}/slurmdbd.pid",
-        f"LogFile={HOME}/log/slurmdbd.log",
-        "StorageType=accounting_storage/mysql",
-        "StorageHost=127.0.0.1",
-        f"StoragePort={ports['mariadb']}",
-        "StorageUser=slurm",
-        "StoragePass=slurm",
-        "StorageLoc=slurm_acct_db",
-        "",
-    ])
+    return "\n".join(
+        [
+            "AuthType=auth/munge",
+            "DbdHost=localhost",
+            "DbdAddr=127.0.0.1",
+            f"DbdPort={ports['slurmdbd']}",
+            "SlurmUser=root",
+            f"PidFile={HOME}/slurmdbd.pid",
+            f"LogFile={HOME}/log/slurmdbd.log",
+            "StorageType=accounting_storage/mysql",
+            "StorageHost=127.0.0.1",
+            f"StoragePort={ports['mariadb']}",
+            "StorageUser=slurm",
+            "StoragePass=slurm",
+            "StorageLoc=slurm_acct_db",
+            "",
+        ]
+    )
 
 
 def run(*command: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
@@ -142,8 +152,9 @@ def wait_for(what: str, ready, timeout: float, log: Path | None = None) -> None:
             return
         time.sleep(0.5)
     tail = log.read_text().strip().splitlines()[-3:] if log and log.exists() else []
-    raise Unavailable(f"{what} not ready after {timeout:.0f} s"
-                      + (f"; its log ends: {' | '.join(tail)}" if tail else ""))
+    raise Unavailable(
+        f"{what} not ready after {timeout:.0f} s" + (f"; its log ends: {' | '.join(tail)}" if tail else "")
+    )
 
 
 def start_munged() -> None:
@@ -155,29 +166,58 @@ def start_munged() -> None:
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
-    run("munged", "--force", f"--key-file={key}", f"--pid-file={HOME}/munge/munged.pid",
-        f"--log-file={HOME}/log/munged.log", f"--seed-file={HOME}/munge/munged.seed")
+    run(
+        "munged",
+        "--force",
+        f"--key-file={key}",
+        f"--pid-file={HOME}/munge/munged.pid",
+        f"--log-file={HOME}/log/munged.log",
+        f"--seed-file={HOME}/munge/munged.seed",
+    )
     wait_for("munged", munge_answers, 20, HOME / "log/munged.log")
 
 
 def munge_answers() -> bool:
     credential = subprocess.run(["munge", "-n"], capture_output=True)
-    return credential.returncode == 0 and subprocess.run(["unmunge"], input=credential.stdout,
-                                                         capture_output=True).returncode == 0
+    return (
+        credential.returncode == 0
+        and subprocess.run(["unmunge"], input=credential.stdout, capture_output=True).returncode == 0
+    )
 
 
 def start_mariadb(port: int) -> None:
     data = HOME / "mariadb"
-    run("mariadb-install-db", "--user=root", f"--datadir={data}", "--auth-root-authentication-method=normal",
-        "--skip-test-db", timeout=120)
-    subprocess.Popen(["mariadbd", "--user=root", f"--datadir={data}", f"--socket={HOME}/mariadb.sock",
-                      f"--port={port}", "--bind-address=127.0.0.1", f"--pid-file={HOME}/mariadb.pid",
-                      f"--log-error={HOME}/log/mariadb.log", "--skip-name-resolve"],
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run(
+        "mariadb-install-db",
+        "--user=root",
+        f"--datadir={data}",
+        "--auth-root-authentication-method=normal",
+        "--skip-test-db",
+        timeout=120,
+    )
+    subprocess.Popen(
+        [
+            "mariadbd",
+            "--user=root",
+            f"--datadir={data}",
+            f"--socket={HOME}/mariadb.sock",
+            f"--port={port}",
+            "--bind-address=127.0.0.1",
+            f"--pid-file={HOME}/mariadb.pid",
+            f"--log-error={HOME}/log/mariadb.log",
+            "--skip-name-resolve",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     sql = ["mariadb", f"--socket={HOME}/mariadb.sock", "-uroot"]
     wait_for("MariaDB", lambda: run(*sql, "-e", "select 1", check=False).returncode == 0, 60, HOME / "log/mariadb.log")
-    run(*sql, "-e", "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; "
-                    "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';")
+    run(
+        *sql,
+        "-e",
+        "CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';",
+    )
 
 
 def start() -> dict[str, str]:
@@ -199,14 +239,19 @@ def start() -> dict[str, str]:
     start_munged()
     start_mariadb(ports["mariadb"])
     run("slurmdbd")  # reads slurmdbd.conf beside $SLURM_CONF
-    wait_for("slurmdbd", lambda: run("sacctmgr", "-n", "list", "cluster", check=False).returncode == 0, 60,
-             HOME / "log/slurmdbd.log")
+    wait_for(
+        "slurmdbd",
+        lambda: run("sacctmgr", "-n", "list", "cluster", check=False).returncode == 0,
+        60,
+        HOME / "log/slurmdbd.log",
+    )
     run("sacctmgr", "-i", "add", "cluster", CLUSTER)
     run("slurmctld", "-f", str(HOME / "slurm.conf"))
     for node in nodes:
         run("slurmd", "-f", str(HOME / "slurm.conf"), "-N", node)
-    wait_for(f"the nodes {','.join(nodes)} (sinfo idle)", lambda: idle_nodes() == set(nodes), 90,
-             HOME / "log/slurmctld.log")
+    wait_for(
+        f"the nodes {','.join(nodes)} (sinfo idle)", lambda: idle_nodes() == set(nodes), 90, HOME / "log/slurmctld.log"
+    )
     return {"SLURM_CONF": str(HOME / "slurm.conf")}
 
 

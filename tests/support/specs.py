@@ -40,4 +40,3 @@ def resolved_spec(overrides: list[str]) -> RunSpec:
     spec = validate(composed(overrides))
     spec.task.before_launch(spec)
     return spec
-

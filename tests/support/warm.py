@@ -23,10 +23,21 @@ from pathlib import Path
 # that saves its model imports DeepSpeed too, through transformers' save_pretrained, where it is installed, and each
 # rank of strategy=deepspeed imports its Muon optimizer, and torch's compiler with it, as it starts: 1.6 s); last,
 # frozen_heap, which takes all of it out of the garbage collector's passes.
-WARM_IMPORTS = ["runner.cli.main", "torch", "transformers.models.llama.modeling_llama", "datasets",
-                "runner.engine.job", "runner.engine.loop", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
-                "tests.support.specs", "tests.support.command", "tests.support.runs", "tests.support.workers",
-                "tests.support.frozen_heap"]
+WARM_IMPORTS = [
+    "runner.cli.main",
+    "torch",
+    "transformers.models.llama.modeling_llama",
+    "datasets",
+    "runner.engine.job",
+    "runner.engine.loop",
+    "deepspeed",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "tests.support.specs",
+    "tests.support.command",
+    "tests.support.runs",
+    "tests.support.workers",
+    "tests.support.frozen_heap",
+]
 # What the forkserver imports first, for the runs alone (the tests' own processes seldom need them): pipeline
 # parallelism's stages, peft for adapters, and wandb with what its init imports (its launch inputs: 1.5 s), each
 # imported by 4 to 16 runs of the suite otherwise.

@@ -38,8 +38,15 @@ def run_in_workers(fn, *args, nproc: int) -> list:
 
     warm_processes()
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="static", run_id="test",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"rank": 0}, max_restarts=0, start_method="forkserver",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        rdzv_backend="static",
+        run_id="test",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"rank": 0},
+        max_restarts=0,
+        start_method="forkserver",
     )
     results = elastic_launch(config, _in_process_group)(fn, args)
     return [results[rank] for rank in range(nproc)]

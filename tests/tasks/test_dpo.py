@@ -34,8 +34,15 @@ def tiny_llama(seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -74,13 +81,29 @@ def trl_dpo(policy, reference, pairs, beta: float, loss_type: str, tmp_path: Pat
 
     state = random.getstate(), np.random.get_state(), torch.get_rng_state()  # the trainer calls set_seed
     policy, reference = copy.deepcopy(policy), copy.deepcopy(reference)
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, bf16=False, fp16=False,
-                     activation_checkpointing=False, save_strategy="no", beta=beta, loss_type=[loss_type],
-                     max_length=None, per_device_train_batch_size=len(pairs), disable_dropout=True)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        activation_checkpointing=False,
+        save_strategy="no",
+        beta=beta,
+        loss_type=[loss_type],
+        max_length=None,
+        per_device_train_batch_size=len(pairs),
+        disable_dropout=True,
+    )
     # TRL tokenizes its dataset itself: one text pair stands in for it, and the batch goes in already tokenized.
     stand_in = Dataset.from_dict({"prompt": ["t3 t4"], "chosen": [" t5 "], "rejected": [" t6 "]})
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=stand_in,
-                         processing_class=word_tokenizer(policy.config.vocab_size))
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=stand_in,
+        processing_class=word_tokenizer(policy.config.vocab_size),
+    )
     inputs = trainer._prepare_inputs(trainer.data_collator([dict(pair) for pair in pairs]))
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
@@ -88,9 +111,14 @@ def trl_dpo(policy, reference, pairs, beta: float, loss_type: str, tmp_path: Pat
     chosen, rejected = trainer.compute_ref_log_probs(trainer.model, inputs)
     ref_chosen, ref_rejected = trainer.compute_ref_log_probs(trainer.ref_model, inputs)
     random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-    found = {"loss": loss.item(), "logps/chosen": chosen, "logps/rejected": rejected,
-             "rewards/chosen": beta * (chosen - ref_chosen), "rewards/rejected": beta * (rejected - ref_rejected),
-             "grads": {name: p.grad for name, p in trainer.model.named_parameters() if p.grad is not None}}
+    found = {
+        "loss": loss.item(),
+        "logps/chosen": chosen,
+        "logps/rejected": rejected,
+        "rewards/chosen": beta * (chosen - ref_chosen),
+        "rewards/rejected": beta * (rejected - ref_rejected),
+        "grads": {name: p.grad for name, p in trainer.model.named_parameters() if p.grad is not None},
+    }
     for name in ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected"):
         assert logged[name] == pytest.approx(found[name].mean().item(), abs=1e-5), name
     return found
@@ -120,8 +148,11 @@ def runner_dpo(policy, reference, pairs, beta: float, loss_type: str, loss_kind:
     objective = PreferenceLoss(beta, loss_type, 0.0, 0.5, FrozenCopy(reference))
     losses, metrics = objective.pair_losses(SimpleNamespace(model=policy), micro_batch, lambda logps: logps)
     losses.mean().backward()
-    return {"loss": losses.mean().item(), **metrics,
-            "grads": {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}}
+    return {
+        "loss": losses.mean().item(),
+        **metrics,
+        "grads": {name: p.grad for name, p in policy.named_parameters() if p.grad is not None},
+    }
 
 
 @pytest.mark.parametrize("loss_kind", ["chunked", "full"])
@@ -161,10 +192,18 @@ def test_evaluation_computes_the_references_log_probs_of_the_eval_rows_once():
     policy, reference = tiny_llama(0), trained_further(tiny_llama(0))
     for model in (policy, reference):
         with_summed_loss(model, LossKind.full, chunk_tokens=1024)
-    rows = [row_inputs(np.array(pair["prompt_ids"] + pair[response]),
-                       np.array([0] * len(pair["prompt_ids"]) + [1] * len(pair[response]), dtype=np.uint8),
-                       [0], [0], len(pair[response]), packed=False)
-            for response in ("chosen_ids", "rejected_ids") for pair in PAIRS]
+    rows = [
+        row_inputs(
+            np.array(pair["prompt_ids"] + pair[response]),
+            np.array([0] * len(pair["prompt_ids"]) + [1] * len(pair[response]), dtype=np.uint8),
+            [0],
+            [0],
+            len(pair[response]),
+            packed=False,
+        )
+        for response in ("chosen_ids", "rejected_ids")
+        for pair in PAIRS
+    ]
     batches = [collate(columns(rows), pad_token_id=0)] * 2
 
     class Counted(FrozenCopy):
@@ -174,8 +213,14 @@ def test_evaluation_computes_the_references_log_probs_of_the_eval_rows_once():
             Counted.calls += 1
             return super().logps(job, micro_batch, whole)
 
-    job = SimpleNamespace(model=policy, device=torch.device("cpu"), sequence_split=None, counted=True,
-                          autocast=contextlib.nullcontext, eval_batches=lambda: iter(batches))
+    job = SimpleNamespace(
+        model=policy,
+        device=torch.device("cpu"),
+        sequence_split=None,
+        counted=True,
+        autocast=contextlib.nullcontext,
+        eval_batches=lambda: iter(batches),
+    )
     kept = PreferenceLoss(0.1, "sigmoid", 0.0, 0.5, Counted(reference))
     first, second = kept.evaluate(job), kept.evaluate(job)
     assert Counted.calls == len(batches)  # the first evaluation's, none after
@@ -197,8 +242,10 @@ def encoded_pairs(found) -> list[tuple[list[int], list[int]]]:
     import numpy as np
 
     ends = np.cumsum(found.lengths)
-    return [(found.tokens[end - length:end].tolist(), found.trained[end - length:end].tolist())
-            for end, length in zip(ends, found.lengths)]
+    return [
+        (found.tokens[end - length : end].tolist(), found.trained[end - length : end].tolist())
+        for end, length in zip(ends, found.lengths)
+    ]
 
 
 def trained_text(tokenizer, sequence) -> str:
@@ -210,9 +257,8 @@ def test_the_layouts_users_have_become_the_same_pairs():
     """TRL's conversational layouts (explicit and implicit prompt) and LLaMA-Factory's ranking data give the same
     rows for the same conversation, its last assistant turn trained; torchtune's stack_exchange_paired is read through
     the field names."""
-    from tests.data.test_chat import chat_tokenizer
-
     from runner.components.modeling import byte_tokenizer
+    from tests.data.test_chat import chat_tokenizer
 
     template = TEMPLATES / "llama3.jinja"
     tokenizer = chat_tokenizer(template.read_text())
@@ -225,16 +271,18 @@ def test_the_layouts_users_have_become_the_same_pairs():
     assert tokenizer.decode(pairs[2][0]).count("How many legs") == 1
 
     demo = json.loads(DPO_DEMO.read_text())[0]
-    as_trl = {"prompt": [{"role": "user", "content": demo["conversations"][0]["value"]}],
-              "chosen": [{"role": "assistant", "content": demo["chosen"]["value"]}],
-              "rejected": [{"role": "assistant", "content": demo["rejected"]["value"]}]}
+    as_trl = {
+        "prompt": [{"role": "user", "content": demo["conversations"][0]["value"]}],
+        "chosen": [{"role": "assistant", "content": demo["chosen"]["value"]}],
+        "rejected": [{"role": "assistant", "content": demo["rejected"]["value"]}],
+    }
     assert encoded_pairs(chat.encode_records([(demo, "x")])) == encoded_pairs(chat.encode_records([(as_trl, "x")]))
 
     text = encoder(byte_tokenizer(), prompt_field="question", chosen_field="response_j", rejected_field="response_k")
     question = json.loads(STACK_EXCHANGE.read_text())[0]
     chosen, rejected = encoded_pairs(text.encode_records([(question, "x")]))
     prompt = byte_tokenizer()(question["question"], add_special_tokens=False)["input_ids"]
-    assert chosen[0][:len(prompt)] == prompt and chosen[1] == [0] * len(prompt) + [1] * (len(chosen[0]) - len(prompt))
+    assert chosen[0][: len(prompt)] == prompt and chosen[1] == [0] * len(prompt) + [1] * (len(chosen[0]) - len(prompt))
     assert trained_text(byte_tokenizer(), chosen) == question["response_j"] + byte_tokenizer().eos_token
     assert trained_text(byte_tokenizer(), rejected) == question["response_k"] + byte_tokenizer().eos_token
 
@@ -248,25 +296,41 @@ def test_text_pairs_are_the_tokens_trl_trains_on(tmp_path):
 
     tokenizer = byte_tokenizer()
     records = [json.loads(line) for line in TRL_TEXT.read_text().splitlines()]
-    args = DPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, max_length=None,
-                     activation_checkpointing=False)
-    trainer = DPOTrainer(model=tiny_llama(0), ref_model=tiny_llama(0), args=args,
-                         train_dataset=Dataset.from_list(records), processing_class=tokenizer)
+    args = DPOConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        max_length=None,
+        activation_checkpointing=False,
+    )
+    trainer = DPOTrainer(
+        model=tiny_llama(0),
+        ref_model=tiny_llama(0),
+        args=args,
+        train_dataset=Dataset.from_list(records),
+        processing_class=tokenizer,
+    )
     pairs = encoded_pairs(encoder(tokenizer).encode_records([(record, "x") for record in records]))
     for i, example in enumerate(trainer.train_dataset):
-        for response, (ids, mask) in zip(("chosen", "rejected"), pairs[2 * i:2 * i + 2]):
+        for response, (ids, mask) in zip(("chosen", "rejected"), pairs[2 * i : 2 * i + 2]):
             assert ids == example["prompt_ids"] + example[f"{response}_ids"]
             assert mask == [0] * len(example["prompt_ids"]) + [1] * len(example[f"{response}_ids"])
 
 
 def test_show_data_shows_each_pair_chosen_then_rejected(workdir):
     """The byte tokenizer's own plain template renders TRL's conversational pairs; each response's turn trains."""
-    shown = run_cli("--show-data", "2", "task=dpo", "data=preference_files", f"data.files={TRL_CONVERSATIONS}",
-                    cwd=workdir)
+    shown = run_cli(
+        "--show-data", "2", "task=dpo", "data=preference_files", f"data.files={TRL_CONVERSATIONS}", cwd=workdir
+    )
     assert shown.returncode == 0, shown.stderr[-2000:]
     blocks = shown.stdout.split("--- ")[1:]
     assert [block.split("\n")[0] for block in blocks[:4]] == [
-        "train pair 0, chosen", "train pair 0, rejected", "train pair 1, chosen", "train pair 1, rejected"]
+        "train pair 0, chosen",
+        "train pair 0, rejected",
+        "train pair 1, chosen",
+        "train pair 1, rejected",
+    ]
     chosen, rejected = blocks[0].split("\n", 1)[1], blocks[1].split("\n", 1)[1]
     assert chosen.startswith("User: ") and chosen.split("[[")[0] == rejected.split("[[")[0]  # the same prompt
     assert chosen.split("[[")[0].endswith("Assistant: ") and "</s>" in chosen.split("[[")[1]
@@ -281,14 +345,22 @@ def pairs_file(folder: Path, records: list) -> str:
 
 GOOD = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
 BAD_PAIRS = {
-    "a missing rejected response": ([GOOD, {"prompt": "Bees make", "chosen": " honey."}],
-                                    "pairs.jsonl line 2 has no rejected response"),
-    "the same response twice": ([GOOD, {"prompt": "Bees make", "chosen": " honey.", "rejected": " honey."}],
-                                "pairs.jsonl line 2 has the same chosen and rejected response"),
-    "a prompt that fills seq_len": ([GOOD, {"prompt": "x" * 80, "chosen": " a", "rejected": " b"}, GOOD],
-                                    "pairs.jsonl line 2: its prompt fills data.seq_len=64"),
-    "text and messages mixed": ([GOOD, {"prompt": "Hi", "chosen": [{"role": "assistant", "content": "Hello"}],
-                                        "rejected": " Bye"}], "pairs.jsonl line 2 mixes text and conversations"),
+    "a missing rejected response": (
+        [GOOD, {"prompt": "Bees make", "chosen": " honey."}],
+        "pairs.jsonl line 2 has no rejected response",
+    ),
+    "the same response twice": (
+        [GOOD, {"prompt": "Bees make", "chosen": " honey.", "rejected": " honey."}],
+        "pairs.jsonl line 2 has the same chosen and rejected response",
+    ),
+    "a prompt that fills seq_len": (
+        [GOOD, {"prompt": "x" * 80, "chosen": " a", "rejected": " b"}, GOOD],
+        "pairs.jsonl line 2: its prompt fills data.seq_len=64",
+    ),
+    "text and messages mixed": (
+        [GOOD, {"prompt": "Hi", "chosen": [{"role": "assistant", "content": "Hello"}], "rejected": " Bye"}],
+        "pairs.jsonl line 2 mixes text and conversations",
+    ),
 }
 
 
@@ -304,11 +376,15 @@ def test_bad_pairs_are_named_by_file_and_line_and_leave_nothing(case, workdir):
 
 
 BAD_RUNS = {
-    "dpo on data without pairs": (["data=text_files", "data.files=notes.txt"],
-                                  "task=dpo trains on preference pairs, and data.format=text has none"),
+    "dpo on data without pairs": (
+        ["data=text_files", "data.files=notes.txt"],
+        "task=dpo trains on preference pairs, and data.format=text has none",
+    ),
     "a loss that does not exist": (["task.loss=kto"], "task.loss"),
-    "smoothing a loss that has none": (["task.loss=ipo", "task.label_smoothing=0.1"],
-                                       "task.label_smoothing is for the losses sigmoid, robust, simpo"),
+    "smoothing a loss that has none": (
+        ["task.loss=ipo", "task.label_smoothing=0.1"],
+        "task.label_smoothing is for the losses sigmoid, robust, simpo",
+    ),
     "pairs packed": (["data.packing=true"], "set data.packing=false"),
     "train on pairs": (["task=train"], "data.format=preference holds pairs of responses, which task=dpo trains on"),
 }
@@ -331,8 +407,11 @@ def test_bad_dpo_runs_are_refused_in_one_line_before_anything_starts(case, workd
 @pytest.fixture(scope="module")
 def short_pairs(tmp_path_factory) -> Path:
     """The pairs of LLaMA-Factory's dpo_en_demo whose prompts fit a row of 128 tokens (44 of its 300)."""
-    records = [record for record in json.loads(DPO_DEMO.read_text())
-               if sum(len(turn["value"].encode()) for turn in record["conversations"]) < 120]
+    records = [
+        record
+        for record in json.loads(DPO_DEMO.read_text())
+        if sum(len(turn["value"].encode()) for turn in record["conversations"]) < 120
+    ]
     path = tmp_path_factory.mktemp("dpo_en_demo") / "short.json"
     path.write_text(json.dumps(records))
     return path
@@ -348,11 +427,24 @@ def llama3_tokenizer_dir(tmp_path_factory) -> Path:
 
 
 def dpo_run(pairs: Path, tokenizer_dir: Path, steps: int = 3) -> list[str]:
-    return ["task=dpo", "data=preference_files", f"data.files={pairs}",
-            f"data.chat_template={TEMPLATES / 'llama3.jinja'}", f"model.tokenizer={tokenizer_dir}", "data.seq_len=128",
-            "data.drop_long_prompts=true",
-            "data.eval_fraction=0.1", f"train.max_steps={steps}", "train.log_every=1", "train.eval_every=0",
-            "train.eval_batches=1", "train.save_model=false", "train.micro_batch_size=2", "optim.lr=1e-3", *TWO_BLOCKS]
+    return [
+        "task=dpo",
+        "data=preference_files",
+        f"data.files={pairs}",
+        f"data.chat_template={TEMPLATES / 'llama3.jinja'}",
+        f"model.tokenizer={tokenizer_dir}",
+        "data.seq_len=128",
+        "data.drop_long_prompts=true",
+        "data.eval_fraction=0.1",
+        f"train.max_steps={steps}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.save_model=false",
+        "train.micro_batch_size=2",
+        "optim.lr=1e-3",
+        *TWO_BLOCKS,
+    ]
 
 
 @pytest.mark.distributed
@@ -370,28 +462,41 @@ def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokeni
     base = dpo_run(short_pairs, llama3_tokenizer_dir)
     lora = ["adapter=lora", "adapter.rank=4"]
     two = ["hardware.nproc_per_node=2"]
-    singles = {"full": resolved_spec([*base, "train.grad_accum_steps=4"]),
-               "lora": resolved_spec([*base, *lora, "train.grad_accum_steps=4"])}
-    runs = {"ddp": ("full", ["strategy=ddp"]), "fsdp": ("full", ["strategy=fsdp"]),
-            "zero2": ("full", ["strategy=deepspeed", "strategy.zero_stage=2"]),
-            "zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),
-            "lora-fsdp": ("lora", ["strategy=fsdp", *lora]),
-            # each sequence split over the 2 ranks (Ulysses): the preference loss of the whole rows' log-probs
-            "zero2-sp": ("full", ["strategy=deepspeed", "strategy.zero_stage=2", "strategy.sp_size=2"]),
-            # the reference's log-probs computed once by the first (from split sequences), read back from the token
-            # store by the others
-            "zero3-sp-precomputed": ("full", ["strategy=deepspeed", "strategy.zero_stage=3", "strategy.sp_size=2",
-                                              "task.precompute_reference=true"]),
-            "ddp-precomputed": ("full", ["strategy=ddp", "task.precompute_reference=true"]),
-            "zero3-precomputed": ("full", ["strategy=deepspeed", "strategy.zero_stage=3",
-                                           "task.precompute_reference=true"]),
-            "fsdp-tp": ("full", ["strategy=fsdp", "strategy.tp_size=2"])}
+    singles = {
+        "full": resolved_spec([*base, "train.grad_accum_steps=4"]),
+        "lora": resolved_spec([*base, *lora, "train.grad_accum_steps=4"]),
+    }
+    runs = {
+        "ddp": ("full", ["strategy=ddp"]),
+        "fsdp": ("full", ["strategy=fsdp"]),
+        "zero2": ("full", ["strategy=deepspeed", "strategy.zero_stage=2"]),
+        "zero3": ("full", ["strategy=deepspeed", "strategy.zero_stage=3"]),
+        "lora-fsdp": ("lora", ["strategy=fsdp", *lora]),
+        # each sequence split over the 2 ranks (Ulysses): the preference loss of the whole rows' log-probs
+        "zero2-sp": ("full", ["strategy=deepspeed", "strategy.zero_stage=2", "strategy.sp_size=2"]),
+        # the reference's log-probs computed once by the first (from split sequences), read back from the token
+        # store by the others
+        "zero3-sp-precomputed": (
+            "full",
+            ["strategy=deepspeed", "strategy.zero_stage=3", "strategy.sp_size=2", "task.precompute_reference=true"],
+        ),
+        "ddp-precomputed": ("full", ["strategy=ddp", "task.precompute_reference=true"]),
+        "zero3-precomputed": (
+            "full",
+            ["strategy=deepspeed", "strategy.zero_stage=3", "task.precompute_reference=true"],
+        ),
+        "fsdp-tp": ("full", ["strategy=fsdp", "strategy.tp_size=2"]),
+    }
     train_in_workers(list(singles.values()), [tmp_path / name for name in singles], nproc=1)
     one_data_parallel_rank = {"strategy.tp_size=2", "strategy.sp_size=2"}
-    accumulation = {name: f"train.grad_accum_steps={4 if one_data_parallel_rank & set(more) else 2}"
-                    for name, (_, more) in runs.items()}
-    train_in_workers([resolved_spec([*base, *two, accumulation[name], *more]) for name, (_, more) in runs.items()],
-                     [tmp_path / name for name in runs])
+    accumulation = {
+        name: f"train.grad_accum_steps={4 if one_data_parallel_rank & set(more) else 2}"
+        for name, (_, more) in runs.items()
+    }
+    train_in_workers(
+        [resolved_spec([*base, *two, accumulation[name], *more]) for name, (_, more) in runs.items()],
+        [tmp_path / name for name in runs],
+    )
     expected = {name: step_losses(tmp_path / name) for name in singles}
     assert len(list(Path(os.environ["RUNNER_TOKEN_CACHE"]).glob("*/rows-*/reference-*.npy"))) == 1
     assert len(expected["full"]) == 3 and expected["full"] != expected["lora"]
@@ -403,15 +508,22 @@ def test_dpo_losses_are_the_same_under_every_strategy(short_pairs, llama3_tokeni
     records = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in records if "loss" in record]
     evaluations = [record for record in records if "eval_loss" in record]
-    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                 "logps/rejected"):
+    for name in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert name in steps[-1] and f"eval_{name}" in evaluations[-1]
     assert evaluations[0]["eval_loss"] == pytest.approx(0.6931, abs=1e-4)
 
 
 @pytest.mark.signals
-def test_a_dpo_run_killed_and_resumed_has_the_uninterrupted_losses(short_pairs, llama3_tokenizer_dir, tmp_path,
-                                                                  tmp_path_factory):
+def test_a_dpo_run_killed_and_resumed_has_the_uninterrupted_losses(
+    short_pairs, llama3_tokenizer_dir, tmp_path, tmp_path_factory
+):
     from tests.support.runs import killed_and_resumed
 
     args = [*dpo_run(short_pairs, llama3_tokenizer_dir, steps=8), "train.checkpoint_every=2"]
@@ -427,16 +539,16 @@ def test_the_estimate_counts_the_reference_model_and_both_rows_of_a_pair():
     reference), with simpo or once precomputed; twice the activations of a micro batch of rows."""
     from dataclasses import replace
 
-    from tests.support.specs import composed
-
     from runner.config.spec import validate
+    from runner.memory.breakdown import estimate
     from runner.memory.model_shapes import facts_of
     from runner.memory.report import report
-    from runner.memory.breakdown import estimate
+    from tests.support.specs import composed
 
     def planned(*overrides):
-        spec = validate(composed(["model=llama3_8b", "hardware=2xrtx4090", "precision=bf16", *overrides]),
-                        on_this_machine=False)
+        spec = validate(
+            composed(["model=llama3_8b", "hardware=2xrtx4090", "precision=bf16", *overrides]), on_this_machine=False
+        )
         return spec, estimate(spec, facts_of(spec.model))
 
     dpo = ["task=dpo", "data=preference_files", f"data.files={TRL_TEXT}"]
@@ -454,15 +566,26 @@ def test_the_estimate_counts_the_reference_model_and_both_rows_of_a_pair():
     _, zero2 = planned("strategy=deepspeed", "strategy.zero_stage=2", *dpo)
     assert zero2.reference.bytes == 2 * zero3.reference.bytes - facts_of(spec.model).buffer_bytes
     single, _ = planned("strategy=single", "hardware=h100_80gb", *dpo)
-    assert estimate(single, facts_of(single.model)).reference.bytes == \
-        estimate(replace(single, task=train.task), facts_of(single.model)).weights.bytes
+    assert (
+        estimate(single, facts_of(single.model)).reference.bytes
+        == estimate(replace(single, task=train.task), facts_of(single.model)).weights.bytes
+    )
 
 
 @pytest.mark.slow
 def test_a_dpo_sweep_reports_the_held_out_rewards(workdir):
-    result = run_cli("-m", "task=dpo", "data=preference_files", f"data.files={TRL_TEXT}", "task.loss=sigmoid,simpo",
-                     "train.max_steps=2", "train.micro_batch_size=2", "train.eval_batches=1", "data.eval_fraction=0.2",
-                     cwd=workdir)
+    result = run_cli(
+        "-m",
+        "task=dpo",
+        "data=preference_files",
+        f"data.files={TRL_TEXT}",
+        "task.loss=sigmoid,simpo",
+        "train.max_steps=2",
+        "train.micro_batch_size=2",
+        "train.eval_batches=1",
+        "data.eval_fraction=0.2",
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     [report] = workdir.glob("outputs/multirun/*/*/report.md")
     header, _, *rows = report.read_text().strip().splitlines()[2:]
@@ -475,13 +598,21 @@ def test_a_dpo_sweep_reports_the_held_out_rewards(workdir):
 def test_the_trackers_record_trls_metrics_of_a_dpo_run(workdir, monkeypatch):
     """wandb (offline), TensorBoard and MLflow, each read back by its own reader, have every step's and every
     evaluation's rewards and log-probs that metrics.jsonl has."""
+    from runner.engine.dpo_loss import METRICS
     from tests.components.test_trackers import each_tracker_logged
 
-    from runner.engine.dpo_loss import METRICS
-
-    result = run_cli("task=dpo", "data=preference_files", f"data.files={TRL_TEXT}", "train.max_steps=2",
-                     "train.log_every=1", "train.micro_batch_size=2", "train.eval_batches=1", "data.eval_fraction=0.2",
-                     "tracker=[wandb,tensorboard,mlflow]", cwd=workdir)
+    result = run_cli(
+        "task=dpo",
+        "data=preference_files",
+        f"data.files={TRL_TEXT}",
+        "train.max_steps=2",
+        "train.log_every=1",
+        "train.micro_batch_size=2",
+        "train.eval_batches=1",
+        "data.eval_fraction=0.2",
+        "tracker=[wandb,tensorboard,mlflow]",
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     [run_dir] = run_dirs(workdir)
     each_tracker_logged(run_dir, [*METRICS, *(f"eval_{name}" for name in METRICS)], monkeypatch)

@@ -15,8 +15,14 @@ pytestmark = pytest.mark.slow
 
 # Long enough for greedy completions that differ from prompt to prompt (a shorter run completes every prompt
 # with spaces, which would hide a mix-up of rows).
-TRAIN = ["recipe=cpu_quick", "train.max_steps=100", "train.micro_batch_size=4", "train.eval_batches=3", "optim.lr=2e-3",
-         *TWO_BLOCKS]
+TRAIN = [
+    "recipe=cpu_quick",
+    "train.max_steps=100",
+    "train.micro_batch_size=4",
+    "train.eval_batches=3",
+    "optim.lr=2e-3",
+    *TWO_BLOCKS,
+]
 # Five prompts of different lengths: batches of two leave the last one alone, and two ranks take 2 and 1 batches.
 PROMPTS = ["def ", "import os", "class Parser:  def __init__(self", "for i in range(", "return "]
 
@@ -67,14 +73,23 @@ def evaluated_in_one_process(trained) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", [["strategy=ddp"], ["strategy=fsdp"], ["strategy=fsdp", "strategy.tp_size=2"]],
-                         ids=["ddp", "fsdp", "fsdp tp 2"])
+@pytest.mark.parametrize(
+    "strategy",
+    [["strategy=ddp"], ["strategy=fsdp"], ["strategy=fsdp", "strategy.tp_size=2"]],
+    ids=["ddp", "fsdp", "fsdp tp 2"],
+)
 def test_evaluate_sums_exactly_across_ranks(trained, evaluated_in_one_process, strategy):
     """Two data-parallel ranks each evaluate half the rows; under tp 2 both ranks run all of them, split, and count
     once."""
     workdir, run_dir = trained
-    shared, _ = task(workdir, "task=evaluate", f"task.trained={run_dir}", "train.eval_batches=4",
-                     *strategy, "hardware.nproc_per_node=2")
+    shared, _ = task(
+        workdir,
+        "task=evaluate",
+        f"task.trained={run_dir}",
+        "train.eval_batches=4",
+        *strategy,
+        "hardware.nproc_per_node=2",
+    )
     one, two = evaluated_in_one_process, json.loads((shared / "eval.json").read_text())
     assert two["processes"] == 2 and two["label_tokens"] == one["label_tokens"]
     assert abs(two["eval_loss"] - one["eval_loss"]) < 1e-5
@@ -96,8 +111,9 @@ def one_process(trained):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", [["strategy=ddp"], ["strategy=ddp", "task.pipeline_stages=2"]],
-                         ids=["data_parallel", "pipeline"])
+@pytest.mark.parametrize(
+    "parallel", [["strategy=ddp"], ["strategy=ddp", "task.pipeline_stages=2"]], ids=["data_parallel", "pipeline"]
+)
 def test_two_processes_generate_what_one_does(trained, one_process, parallel):
     workdir, run_dir = trained
     out, _ = task(workdir, *GREEDY, f"task.trained={run_dir}", "hardware.nproc_per_node=2", *parallel)
@@ -109,20 +125,22 @@ def test_device_map_with_the_blocks_on_disk_generates_what_the_whole_model_does(
     # The two-block model's weights are 1.54 MiB in fp32: 1 MiB of RAM holds the embeddings and leaves its blocks
     # to the offload folder (accelerate keeps room for one block beside those it places, so a block more needs the
     # whole model's room).
-    out, stdout = task(workdir, *GREEDY, f"task.trained={run_dir}", "task.device_map=auto",
-                       "task.max_memory.cpu=0.001")
+    out, stdout = task(workdir, *GREEDY, f"task.trained={run_dir}", "task.device_map=auto", "task.max_memory.cpu=0.001")
     assert "disk: layers 0-1" in stdout and "cpu: model.embed_tokens" in stdout
     assert completions(out) == one_process
     assert not (out / "offload").exists()  # the offloaded weights are removed at the end
 
 
-@pytest.mark.parametrize("args, message", [
-    (["task.prompts=missing.txt"], "missing.txt is not a file"),
-    (["task.prompts=empty.txt"], "holds no prompt"),
-    (["task.prompts=prompts.jsonl"], "line 2 has no field 'prompt'"),
-    (["task.prompts=prompts.txt", "task.max_new_tokens=0"], "task.max_new_tokens=0 must be at least 1"),
-    (["task.prompts=prompts.txt", "strategy=fsdp", "hardware.nproc_per_node=2"], "does not shard a model"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["task.prompts=missing.txt"], "missing.txt is not a file"),
+        (["task.prompts=empty.txt"], "holds no prompt"),
+        (["task.prompts=prompts.jsonl"], "line 2 has no field 'prompt'"),
+        (["task.prompts=prompts.txt", "task.max_new_tokens=0"], "task.max_new_tokens=0 must be at least 1"),
+        (["task.prompts=prompts.txt", "strategy=fsdp", "hardware.nproc_per_node=2"], "does not shard a model"),
+    ],
+)
 def test_bad_generate_input_is_one_line_and_writes_nothing(tmp_path, args, message):
     (tmp_path / "empty.txt").write_text("\n\n")
     (tmp_path / "prompts.txt").write_text("hello\n")
@@ -148,13 +166,19 @@ def test_a_model_larger_than_its_memory_limit_evaluates_and_generates(tmp_path):
     tied 128k embedding) with 0.75 GiB of RAM allowed: the estimate is printed before the model is placed, and the
     layers that do not fit go to disk. (tests/generation/test_big_model.py places the whole 1B model.)"""
     (tmp_path / "prompts.txt").write_text("def \nimport os\n")
-    big = ["model=llama3_2_1b", "model.architecture.num_hidden_layers=4", "precision=pure_bf16",
-           "task.device_map=auto", "task.max_memory.cpu=0.75"]
+    big = [
+        "model=llama3_2_1b",
+        "model.architecture.num_hidden_layers=4",
+        "precision=pure_bf16",
+        "task.device_map=auto",
+        "task.max_memory.cpu=0.75",
+    ]
     out, stdout = task(tmp_path, "task=generate", "task.prompts=prompts.txt", "task.max_new_tokens=3", *big)
     assert stdout.index("inference memory estimate") < stdout.index("placed cpu")
     assert "placed disk: layers" in stdout
     assert [row["new_tokens"] for row in completions(out)] == [3, 3]
-    out, stdout = task(tmp_path, "task=evaluate", "data.seq_len=32", "train.micro_batch_size=2",
-                       "train.eval_batches=1", *big)
+    out, stdout = task(
+        tmp_path, "task=evaluate", "data.seq_len=32", "train.micro_batch_size=2", "train.eval_batches=1", *big
+    )
     assert stdout.index("inference memory estimate") < stdout.index("placed cpu")
     assert json.loads((out / "eval.json").read_text())["label_tokens"] == 2 * 31

@@ -54,9 +54,17 @@ def test_a_deepspeed_run_on_two_processes_prints_no_library_noise(tmp_path):
     compile's commands. Its CPU collectives would compile a shared-memory op that training never uses (and print
     that they built it): nothing is compiled."""
     extensions = tmp_path / "torch_extensions"
-    result = run_cli("strategy=deepspeed", "hardware.nproc_per_node=2", *QUICK, "train.max_steps=2",
-                     "train.eval_every=0", "train.save_model=false", cwd=tmp_path, fresh=True,
-                     env={"TORCH_EXTENSIONS_DIR": str(extensions)})
+    result = run_cli(
+        "strategy=deepspeed",
+        "hardware.nproc_per_node=2",
+        *QUICK,
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "train.save_model=false",
+        cwd=tmp_path,
+        fresh=True,
+        env={"TORCH_EXTENSIONS_DIR": str(extensions)},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "done: train loss" in output
@@ -105,8 +113,15 @@ def test_saved_model_continues_as_a_pretrained_model(cli_run):
     """from_pretrained of the saved model, on the same eval split, starts at the loss the first run ended on."""
     workdir, run_dir, _ = cli_run
     first = json.loads((run_dir / "summary.json").read_text())
-    result = run_cli(*QUICK_STEPS, "model=pretrained", f"model.pretrained={run_dir / 'model'}", "train.max_steps=2",
-                     "train.log_every=1", "train.eval_every=0", cwd=workdir)
+    result = run_cli(
+        *QUICK_STEPS,
+        "model=pretrained",
+        f"model.pretrained={run_dir / 'model'}",
+        "train.max_steps=2",
+        "train.log_every=1",
+        "train.eval_every=0",
+        cwd=workdir,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     second_dir = [d for d in run_dirs(workdir) if d != run_dir][0]
     second = json.loads((second_dir / "summary.json").read_text())
@@ -152,9 +167,18 @@ def test_instruction_data_trains_on_the_response_only(arithmetic_pairs):
 
 @pytest.mark.slow
 def test_instruction_training_loss_falls(arithmetic_pairs, tmp_path):
-    spec = resolved_spec(["data=instruction_files", f"data.files={arithmetic_pairs}", "data.seq_len=16",
-                          "data.eval_fraction=0.1", "train.max_steps=40", "train.eval_every=0",
-                          "train.eval_batches=4", "train.save_model=false"])
+    spec = resolved_spec(
+        [
+            "data=instruction_files",
+            f"data.files={arithmetic_pairs}",
+            "data.seq_len=16",
+            "data.eval_fraction=0.1",
+            "train.max_steps=40",
+            "train.eval_every=0",
+            "train.eval_batches=4",
+            "train.save_model=false",
+        ]
+    )
     summary = train(prepare_job(spec, tmp_path))
     assert summary["eval_loss"] < summary["first_eval_loss"] - 1.0
     assert summary["model_dir"] is None
@@ -165,8 +189,9 @@ def test_parquet_text_is_packed_into_blocks(tmp_path):
 
     rows = [{"body": f"def f{i}(x):\n    return x * {i}\n"} for i in range(40)]
     datasets.Dataset.from_list(rows).to_parquet(tmp_path / "code.parquet")
-    spec = resolved_spec(["data=text_files", f"data.files={tmp_path / 'code.parquet'}", "data.text_field=body",
-                          "data.seq_len=32"])
+    spec = resolved_spec(
+        ["data=text_files", f"data.files={tmp_path / 'code.parquet'}", "data.text_field=body", "data.seq_len=32"]
+    )
     train_set, eval_set = token_splits(spec.data, build_tokenizer(spec.model), spec.seed)
     assert len(train_set) > 0 and len(eval_set) > 0
     assert {len(row["input_ids"]) for row in train_set} == {32}
@@ -177,15 +202,24 @@ def test_parquet_text_is_packed_into_blocks(tmp_path):
 def test_the_start_shows_what_the_run_is_at_a_glance(cli_run):
     _, run_dir, result = cli_run
     lines = [line.split(" ", 1)[1] for line in (run_dir / "run.log").read_text().splitlines()]
-    tree = lines[lines.index(f"run {run_dir}"):][:9]
+    tree = lines[lines.index(f"run {run_dir}") :][:9]
     assert [line.split()[:2] for line in tree[1:]] == [
-        ["├─", "model"], ["├─", "data"], ["├─", "optimizer"], ["├─", "batch"], ["├─", "loss"], ["├─", "strategy"],
-        ["├─", "precision"], ["└─", "trackers"]]
+        ["├─", "model"],
+        ["├─", "data"],
+        ["├─", "optimizer"],
+        ["├─", "batch"],
+        ["├─", "loss"],
+        ["├─", "strategy"],
+        ["├─", "precision"],
+        ["└─", "trackers"],
+    ]
     assert "LlamaForCausalLM, 0.40M parameters, random init (model.architecture: llama); tokenizer bytes" in tree[1]
     assert "email/*.py (20 files): " in tree[2] and "train sequences of 128 tokens" in tree[2]
     assert "AdamW lr 0.003, weight decay 0.1; 3 warmup steps, then cosine decay to 0.1 x lr" in tree[3]
-    assert "global batch 2 = micro batch 2 x 1 data-parallel ranks x 1 accumulation steps; 30 steps of 256 " \
-           "tokens" in tree[4]
+    assert (
+        "global batch 2 = micro batch 2 x 1 data-parallel ranks x 1 accumulation steps; 30 steps of 256 "
+        "tokens" in tree[4]
+    )
     assert "full logits (train.loss=auto)" in tree[5]  # a 259-token vocabulary: nothing to chunk
     assert tree[6].endswith("single, 1 process") and tree[8].endswith("metrics.jsonl")
 
@@ -196,16 +230,31 @@ def test_relative_paths_are_absolute_in_the_spec_and_survive_a_change_of_directo
     import sysconfig
 
     project = tmp_path / "project"
-    shutil.copytree(Path(sysconfig.get_paths()["stdlib"]) / "email", project / "corpus",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    tiny = ["data.seq_len=64", "train.max_steps=2", "train.eval_every=0", "train.eval_batches=1",
-            "train.save_model=false"]
+    shutil.copytree(
+        Path(sysconfig.get_paths()["stdlib"]) / "email",
+        project / "corpus",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    tiny = [
+        "data.seq_len=64",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.save_model=false",
+    ]
     result = run_cli("data.files=corpus/*.py", *tiny, "hydra.job.chdir=true", cwd=project)
     assert result.returncode == 0, result.stderr[-3000:]
     [run_dir] = run_dirs(project)
     assert f"files: {project / 'corpus' / '*.py'}" in (run_dir / "spec.yaml").read_text()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    again = run_cli("--config-dir", str(run_dir), "--config-name", "spec", "train.max_steps=1",
-                    f"hydra.run.dir={tmp_path / 'again'}", cwd=elsewhere)
+    again = run_cli(
+        "--config-dir",
+        str(run_dir),
+        "--config-name",
+        "spec",
+        "train.max_steps=1",
+        f"hydra.run.dir={tmp_path / 'again'}",
+        cwd=elsewhere,
+    )
     assert again.returncode == 0, again.stderr[-3000:]

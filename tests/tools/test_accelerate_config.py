@@ -14,8 +14,8 @@ from runner.cli.compose import CONF_DIR, RECIPES_DIR, register
 from runner.config.spec import RunSpec, load_spec, to_plain, validate
 from runner.errors import SpecError
 from runner.memory.advice import fit
-from runner.memory.model_shapes import facts_of
 from runner.memory.breakdown import estimate
+from runner.memory.model_shapes import facts_of
 from runner.tools.accelerate.reader import convert
 from runner.tools.accelerate.writer import accelerate_file
 from tests.support import DATA, REPO
@@ -26,13 +26,26 @@ SEEDS = DATA / "accelerate"
 # What each seed file says, as the composed spec must carry it.
 EXPECTED = {
     "ddp_config": {
-        "strategy": "DDPStrategy", "compute_dtype": "bf16", "accelerator": "cuda", "nnodes": 1, "nproc_per_node": 8,
+        "strategy": "DDPStrategy",
+        "compute_dtype": "bf16",
+        "accelerator": "cuda",
+        "nnodes": 1,
+        "nproc_per_node": 8,
     },
     "fsdp_config": {
-        "strategy": "FSDPStrategy", "compute_dtype": "bf16", "accelerator": "cuda", "nnodes": 1, "nproc_per_node": 8,
-        "sharding_strategy": "FULL_SHARD", "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "backward_prefetch": 1,
-        "forward_prefetch": 0, "offload_params": False, "cpu_ram_efficient_loading": True,
-        "sync_module_states": True, "state_dict_type": "SHARDED",
+        "strategy": "FSDPStrategy",
+        "compute_dtype": "bf16",
+        "accelerator": "cuda",
+        "nnodes": 1,
+        "nproc_per_node": 8,
+        "sharding_strategy": "FULL_SHARD",
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "backward_prefetch": 1,
+        "forward_prefetch": 0,
+        "offload_params": False,
+        "cpu_ram_efficient_loading": True,
+        "sync_module_states": True,
+        "state_dict_type": "SHARDED",
     },
 }
 # FSDP2, which the runner runs, always keeps the original parameters, and the runner's optimizer groups matrices
@@ -48,8 +61,11 @@ def composed(recipe_dir: Path, overrides: list[str]) -> RunSpec:
 
 def carried(spec: RunSpec) -> dict:
     plain = to_plain(spec)
-    facts = {"strategy": type(spec.strategy).__name__, "compute_dtype": plain["precision"]["compute_dtype"],
-             **{key: plain["hardware"][key] for key in ("accelerator", "nnodes", "nproc_per_node")}}
+    facts = {
+        "strategy": type(spec.strategy).__name__,
+        "compute_dtype": plain["precision"]["compute_dtype"],
+        **{key: plain["hardware"][key] for key in ("accelerator", "nnodes", "nproc_per_node")},
+    }
     return facts | plain["strategy"]
 
 
@@ -84,8 +100,9 @@ def test_seed_converts_to_an_equivalent_recipe_and_back(seed, workdir):
     written = yaml.safe_load(back.stdout)
     for key, value in file.items():
         if isinstance(value, dict):
-            assert {k: v for k, v in written[key].items() if k in value and k not in DIFFERS_ON_PURPOSE} == \
-                {k: v for k, v in value.items() if k not in DIFFERS_ON_PURPOSE}
+            assert {k: v for k, v in written[key].items() if k in value and k not in DIFFERS_ON_PURPOSE} == {
+                k: v for k, v in value.items() if k not in DIFFERS_ON_PURPOSE
+            }
         else:
             assert written[key] == value, key
 
@@ -95,8 +112,9 @@ def test_converted_recipe_validates_for_training_on_its_hardware(seed, workdir):
     run_cli("--from-accelerate", str(SEEDS / f"{seed}.yaml"), cwd=workdir)
     # The recipe's GPUs are read from the machine it runs on; declaring their memory checks it anywhere, as a job
     # submitted to a cluster is checked: everything for training but the presence of the GPUs.
-    spec = validate(composed(workdir / "recipes", [f"recipe={seed}", "hardware.device_memory_gib=79.1"]),
-                    on_this_machine=False)
+    spec = validate(
+        composed(workdir / "recipes", [f"recipe={seed}", "hardware.device_memory_gib=79.1"]), on_this_machine=False
+    )
     assert fit(spec, estimate(spec, facts_of(spec.model))).fits
 
 
@@ -111,10 +129,14 @@ BAD_FILES = {
     "xla": ("distributed_type: XLA\n", "distributed_type: XLA cannot be expressed here"),
     "megatron": ("distributed_type: MEGATRON_LM\n", "distributed_type: MEGATRON_LM cannot be expressed here"),
     "unknown key": ("distributed_type: MULTI_GPU\nnum_processes: 2\nlearning_rate: 1\n", "unknown key learning_rate"),
-    "unknown fsdp key": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_shardng_strategy: FULL_SHARD\n",
-                         "unknown key fsdp_config.fsdp_shardng_strategy"),
-    "unsupported value": ("distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing_offload: true\n",
-                          "the runner does not offload activations"),
+    "unknown fsdp key": (
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_shardng_strategy: FULL_SHARD\n",
+        "unknown key fsdp_config.fsdp_shardng_strategy",
+    ),
+    "unsupported value": (
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_activation_checkpointing_offload: true\n",
+        "the runner does not offload activations",
+    ),
     "uneven processes": ("distributed_type: MULTI_GPU\nnum_machines: 2\nnum_processes: 3\n", "do not split evenly"),
 }
 
@@ -143,7 +165,7 @@ def test_from_accelerate_does_not_import_torch(workdir):
     probe = textwrap.dedent(
         f"""
         import sys
-        sys.argv = ["run", "--from-accelerate", "{SEEDS / 'fsdp_config.yaml'}"]
+        sys.argv = ["run", "--from-accelerate", "{SEEDS / "fsdp_config.yaml"}"]
         from runner.cli.main import main
         main()
         print("torch imported:", "torch" in sys.modules)
@@ -160,31 +182,57 @@ def converted(text: str) -> dict:
 
 
 def test_fsdp_values_in_every_form_accelerate_takes():
-    assert converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 3\n")[
-        "strategy.sharding_strategy"] == "NO_SHARD"
-    assert converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: HYBRID_SHARD\n")[
-        "strategy.sharding_strategy"] == "HYBRID_SHARD"
-    assert converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n")[
-        "strategy.sharding_strategy"] == "SHARD_GRAD_OP"
+    assert (
+        converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: 3\n")["strategy.sharding_strategy"]
+        == "NO_SHARD"
+    )
+    assert (
+        converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: HYBRID_SHARD\n")[
+            "strategy.sharding_strategy"
+        ]
+        == "HYBRID_SHARD"
+    )
+    assert (
+        converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n")[
+            "strategy.sharding_strategy"
+        ]
+        == "SHARD_GRAD_OP"
+    )
     for prefetch, blocks in (("BACKWARD_PRE", 1), ("BACKWARD_POST", 1), ("NO_PREFETCH", 0)):
-        assert converted(f"distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch: {prefetch}\n")[
-            "strategy.backward_prefetch"] == blocks
-    for kind, runner_kind in (("FULL_STATE_DICT", "FULL"), ("SHARDED_STATE_DICT", "SHARDED"),
-                              ("LOCAL_STATE_DICT", "SHARDED")):
-        assert converted(f"distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: {kind}\n")[
-            "strategy.state_dict_type"] == runner_kind
-    size = converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n"
-                     "  fsdp_min_num_params: 1000\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n")
+        assert (
+            converted(f"distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch: {prefetch}\n")[
+                "strategy.backward_prefetch"
+            ]
+            == blocks
+        )
+    for kind, runner_kind in (
+        ("FULL_STATE_DICT", "FULL"),
+        ("SHARDED_STATE_DICT", "SHARDED"),
+        ("LOCAL_STATE_DICT", "SHARDED"),
+    ):
+        assert (
+            converted(f"distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: {kind}\n")[
+                "strategy.state_dict_type"
+            ]
+            == runner_kind
+        )
+    size = converted(
+        "distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n"
+        "  fsdp_min_num_params: 1000\n  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+    )
     assert size["strategy.min_num_params"] == 1000 and "strategy.transformer_layer_cls" not in size
     with pytest.raises(SpecError, match="disagree"):
-        converted("distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n"
-                  "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n")
+        converted(
+            "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n"
+            "  fsdp_reshard_after_forward: SHARD_GRAD_OP\n"
+        )
 
 
 def test_cpu_deepspeed_and_multi_node_files():
     cpu = converted("distributed_type: MULTI_CPU\nnum_processes: 4\nmixed_precision: 'no'\nuse_cpu: true\n")
     assert cpu == {"strategy": "ddp", "hardware": "cpu", "hardware.nproc_per_node": 4, "precision": "fp32"}
-    deepspeed = converted(textwrap.dedent("""\
+    deepspeed = converted(
+        textwrap.dedent("""\
         distributed_type: DEEPSPEED
         deepspeed_config:
           zero_stage: 3
@@ -201,12 +249,23 @@ def test_cpu_deepspeed_and_multi_node_files():
         main_process_ip: 10.0.0.1
         main_process_port: 29501
         rdzv_backend: static
-        """))
+        """)
+    )
     assert deepspeed == {
-        "strategy": "deepspeed", "hardware": "auto", "hardware.accelerator": "cuda", "strategy.zero_stage": 3,
-        "strategy.offload_optimizer": "nvme", "strategy.nvme_path": "/nvme", "strategy.offload_param": "cpu",
-        "train.grad_accum_steps": 4, "train.max_grad_norm": 0.5, "precision": "bf16", "hardware.nnodes": 2,
-        "hardware.nproc_per_node": 8, "hardware.node_rank": 1, "hardware.rdzv_endpoint": "10.0.0.1:29501",
+        "strategy": "deepspeed",
+        "hardware": "auto",
+        "hardware.accelerator": "cuda",
+        "strategy.zero_stage": 3,
+        "strategy.offload_optimizer": "nvme",
+        "strategy.nvme_path": "/nvme",
+        "strategy.offload_param": "cpu",
+        "train.grad_accum_steps": 4,
+        "train.max_grad_norm": 0.5,
+        "precision": "bf16",
+        "hardware.nnodes": 2,
+        "hardware.nproc_per_node": 8,
+        "hardware.node_rank": 1,
+        "hardware.rdzv_endpoint": "10.0.0.1:29501",
     }
 
 
@@ -224,7 +283,8 @@ def test_bundled_recipes_go_to_accelerate_and_come_back(recipe, tmp_path):
     text, notes = accelerate_file(spec)
     settings, _ = convert(yaml.safe_load(text))
     strategy = to_plain(spec)["strategy"]
-    assert {key: settings[f"strategy.{key}"] for key in strategy if f"strategy.{key}" in settings} == \
-        {key: value for key, value in strategy.items() if f"strategy.{key}" in settings}
+    assert {key: settings[f"strategy.{key}"] for key in strategy if f"strategy.{key}" in settings} == {
+        key: value for key, value in strategy.items() if f"strategy.{key}" in settings
+    }
     assert (settings["hardware.nproc_per_node"], settings["precision"]) == (2, "bf16")
     assert any(note.startswith("hardware.device_name=NVIDIA GeForce RTX 4090") for note in notes)

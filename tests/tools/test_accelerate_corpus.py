@@ -23,37 +23,57 @@ HAS_TRANSFORMER_ENGINE = importlib.util.find_spec("transformer_engine") is not N
 
 # The files refused, and why: each reason is one docs/accelerate.md lists.
 REFUSED = {
-    **dict.fromkeys([
-        "huggingface__accelerate__docs__source__usage_guides__megatron_lm.md__block7.yaml",
-        "huggingface__accelerate__tests__test_configs__megatron.yaml",
-        "huggingface__accelerate__tests__test_configs__fsdp.yaml",  # accelerate's own: MEGATRON_LM, despite its name
-    ], "distributed_type: MEGATRON_LM cannot be expressed here"),
-    **dict.fromkeys([
-        "huggingface__accelerate__examples__config_yaml_templates__multi_xpu.yaml",
-        "huggingface__peft__examples__int8_training__config.yaml",
-    ], "distributed_type: MULTI_XPU cannot be expressed here"),
-    "huggingface__accelerate__docs__source__usage_guides__sagemaker.md__block8.yaml":
-        "distributed_type: DATA_PARALLEL cannot be expressed here",
+    **dict.fromkeys(
+        [
+            "huggingface__accelerate__docs__source__usage_guides__megatron_lm.md__block7.yaml",
+            "huggingface__accelerate__tests__test_configs__megatron.yaml",
+            # accelerate's own: MEGATRON_LM, despite its name
+            "huggingface__accelerate__tests__test_configs__fsdp.yaml",
+        ],
+        "distributed_type: MEGATRON_LM cannot be expressed here",
+    ),
+    **dict.fromkeys(
+        [
+            "huggingface__accelerate__examples__config_yaml_templates__multi_xpu.yaml",
+            "huggingface__peft__examples__int8_training__config.yaml",
+        ],
+        "distributed_type: MULTI_XPU cannot be expressed here",
+    ),
+    "huggingface__accelerate__docs__source__usage_guides__sagemaker.md__block8.yaml": (
+        "distributed_type: DATA_PARALLEL cannot be expressed here"
+    ),
     "huggingface__accelerate__tests__test_configs__0_30_0_sagemaker.yaml": "SageMaker jobs are not supported",
     "huggingface__accelerate__tests__test_configs__invalid_keys.yaml": "unknown key invalid_key",
-    "huggingface__diffusers__examples__dreambooth__README_flux2.md__block11.yaml":
-        "fsdp_auto_wrap_policy: TRANSFOMER_BASED_WRAP cannot be converted",  # a typo accelerate refuses too
+    # a typo accelerate refuses too
+    "huggingface__diffusers__examples__dreambooth__README_flux2.md__block11.yaml": (
+        "fsdp_auto_wrap_policy: TRANSFOMER_BASED_WRAP cannot be converted"
+    ),
     # The DeepSpeed JSON each names is not where the file says (a doc author's home directory, or beside the
     # original file): the run would not find it either.
-    **dict.fromkeys([
-        "huggingface__accelerate__docs__source__concept_guides__sequence_parallelism.md__block4.yaml",
-        "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block10.yaml",
-        "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block13.yaml",
-        "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block19.yaml",
-        "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block23.yaml",
-        "huggingface__accelerate__examples__alst_ulysses_sequence_parallelism__sp-alst.accelerate-config.yml",
-        "huggingface__accelerate__examples__config_yaml_templates__deepspeed.yaml",
-        "huggingface__transformers__docs__source__en__trainer.md__block25.yaml",
-    ], "does not exist"),
-    **({} if HAS_TRANSFORMER_ENGINE else dict.fromkeys([
-        "huggingface__accelerate__examples__config_yaml_templates__fp8.yaml",
-        "huggingface__accelerate__tests__test_configs__0_34_0_fp8.yaml",
-    ], "needs TransformerEngine")),
+    **dict.fromkeys(
+        [
+            "huggingface__accelerate__docs__source__concept_guides__sequence_parallelism.md__block4.yaml",
+            "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block10.yaml",
+            "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block13.yaml",
+            "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block19.yaml",
+            "huggingface__accelerate__docs__source__usage_guides__deepspeed.md__block23.yaml",
+            "huggingface__accelerate__examples__alst_ulysses_sequence_parallelism__sp-alst.accelerate-config.yml",
+            "huggingface__accelerate__examples__config_yaml_templates__deepspeed.yaml",
+            "huggingface__transformers__docs__source__en__trainer.md__block25.yaml",
+        ],
+        "does not exist",
+    ),
+    **(
+        {}
+        if HAS_TRANSFORMER_ENGINE
+        else dict.fromkeys(
+            [
+                "huggingface__accelerate__examples__config_yaml_templates__fp8.yaml",
+                "huggingface__accelerate__tests__test_configs__0_34_0_fp8.yaml",
+            ],
+            "needs TransformerEngine",
+        )
+    ),
 }
 
 
@@ -102,35 +122,58 @@ def test_what_real_files_mean_is_what_accelerate_makes_of_them():
     old_docs = strategy_of("huggingface__accelerate__docs__source__fsdp.mdx__block3.yaml")
     assert old_docs["strategy.sharding_strategy"] == "FULL_SHARD" and old_docs["strategy.offload_params"] is False
     # DeepSpeed ignores parameter offload below ZeRO-3: dropped with a note, never written to fail later.
-    settings, lines = convert(yaml.safe_load(
-        (CORPUS / "huggingface__diffusers__examples__research_projects__flux_lora_quantization__ds2.yaml").read_text()))
+    settings, lines = convert(
+        yaml.safe_load(
+            (
+                CORPUS / "huggingface__diffusers__examples__research_projects__flux_lora_quantization__ds2.yaml"
+            ).read_text()
+        )
+    )
     assert "strategy.offload_param" not in settings and settings["strategy.offload_optimizer"] == "cpu"
-    assert "  offload_param_device: cpu -> dropped: DeepSpeed offloads parameters at ZeRO-3 only and ignores the " \
-           "setting at lower stages (zero_stage: 2)" in lines
+    assert (
+        "  offload_param_device: cpu -> dropped: DeepSpeed offloads parameters at ZeRO-3 only and ignores the "
+        "setting at lower stages (zero_stage: 2)" in lines
+    )
     # distributed_type NO runs one process, whatever num_processes says.
-    single = convert(yaml.safe_load(
-        (CORPUS / "huggingface__trl__trl__accelerate_configs__single_gpu.yaml").read_text()))
+    single = convert(
+        yaml.safe_load((CORPUS / "huggingface__trl__trl__accelerate_configs__single_gpu.yaml").read_text())
+    )
     assert single[0]["hardware.nproc_per_node"] == 1
 
 
 def test_accelerates_fp8_templates_set_transformer_engines_delayed_scaling():
-    for name in ("huggingface__accelerate__examples__config_yaml_templates__fp8.yaml",
-                 "huggingface__accelerate__tests__test_configs__0_34_0_fp8.yaml"):
+    for name in (
+        "huggingface__accelerate__examples__config_yaml_templates__fp8.yaml",
+        "huggingface__accelerate__tests__test_configs__0_34_0_fp8.yaml",
+    ):
         settings, lines = convert(yaml.safe_load((CORPUS / name).read_text()))
-        assert settings.items() >= {
-            "precision.fp8.backend": "transformer_engine", "precision.fp8.format": "e4m3",
-            "precision.fp8.amax_history_len": 1024, "precision.fp8.margin": 0}.items()
-        assert any(line.startswith("mixed_precision: fp8 -> precision=fp8 (Transformer Engine float8")
-                   for line in lines)
+        assert (
+            settings.items()
+            >= {
+                "precision.fp8.backend": "transformer_engine",
+                "precision.fp8.format": "e4m3",
+                "precision.fp8.amax_history_len": 1024,
+                "precision.fp8.margin": 0,
+            }.items()
+        )
+        assert any(
+            line.startswith("mixed_precision: fp8 -> precision=fp8 (Transformer Engine float8") for line in lines
+        )
     # accelerate's AO backend reads none of Transformer Engine's keys.
-    settings, lines = convert(yaml.safe_load("distributed_type: NO\nmixed_precision: fp8\nfp8_config:\n"
-                                             "  backend: AO\n  fp8_format: E4M3\n"))
+    settings, lines = convert(
+        yaml.safe_load("distributed_type: NO\nmixed_precision: fp8\nfp8_config:\n  backend: AO\n  fp8_format: E4M3\n")
+    )
     assert "precision.fp8.format" not in settings
-    assert "  fp8_format: E4M3 -> no meaning here: a Transformer Engine setting, which accelerate's AO backend " \
-           "does not read" in lines
+    assert (
+        "  fp8_format: E4M3 -> no meaning here: a Transformer Engine setting, which accelerate's AO backend "
+        "does not read" in lines
+    )
     with pytest.raises(SpecError, match="Transformer Engine refuses pure E5M2"):
-        convert(yaml.safe_load("distributed_type: NO\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n"
-                               "  fp8_format: E5M2\n"))
+        convert(
+            yaml.safe_load(
+                "distributed_type: NO\nmixed_precision: fp8\nfp8_config:\n  backend: TE\n  fp8_format: E5M2\n"
+            )
+        )
 
 
 def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
@@ -139,21 +182,39 @@ def test_a_converted_hybrid_file_shards_within_each_node(tmp_path):
     register(RECIPES_DIR)
     source = tmp_path / "hybrid.yaml"
     for nodes, mesh in ((1, (1, 8)), (2, (2, 8))):
-        source.write_text(f"distributed_type: FSDP\nnum_machines: {nodes}\nnum_processes: {8 * nodes}\n"
-                          "main_process_ip: 10.0.0.1\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n")
+        source.write_text(
+            f"distributed_type: FSDP\nnum_machines: {nodes}\nnum_processes: {8 * nodes}\n"
+            "main_process_ip: 10.0.0.1\nfsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n"
+        )
         spec = checked_recipe(recipe_of(source, "hybrid")[0])
         assert to_plain(spec)["strategy"]["hybrid_shard_size"] is None
         assert spec.layout.shape == (1, *mesh, 1, 1)
 
 
 def test_transformer_engines_scaling_goes_back_to_accelerate_and_returns():
-    spec = load_spec(compose_config(["precision=fp8", "precision.fp8.backend=transformer_engine",
-                                     "precision.fp8.format=e4m3", "precision.fp8.amax_history_len=16",
-                                     "precision.fp8.amax_compute_algo=most_recent", "precision.fp8.margin=1"]))
+    spec = load_spec(
+        compose_config(
+            [
+                "precision=fp8",
+                "precision.fp8.backend=transformer_engine",
+                "precision.fp8.format=e4m3",
+                "precision.fp8.amax_history_len=16",
+                "precision.fp8.amax_compute_algo=most_recent",
+                "precision.fp8.margin=1",
+            ]
+        )
+    )
     text, _ = accelerate_file(spec)
     settings, _ = convert(yaml.safe_load(text))
-    assert settings.items() >= {"precision.fp8.format": "e4m3", "precision.fp8.amax_history_len": 16,
-                                "precision.fp8.amax_compute_algo": "most_recent", "precision.fp8.margin": 1}.items()
+    assert (
+        settings.items()
+        >= {
+            "precision.fp8.format": "e4m3",
+            "precision.fp8.amax_history_len": 16,
+            "precision.fp8.amax_compute_algo": "most_recent",
+            "precision.fp8.margin": 1,
+        }.items()
+    )
 
 
 def test_accelerates_tensor_parallel_hsdp_example_is_the_same_mesh_here_and_back():
@@ -164,17 +225,25 @@ def test_accelerates_tensor_parallel_hsdp_example_is_the_same_mesh_here_and_back
     spec = checked_recipe(recipe_of(CORPUS / name, "tp_hsdp")[0])
     assert spec.layout.shape == (1, 2, 2, 1, 2)
     text, _ = accelerate_file(spec)
-    assert yaml.safe_load(text)["parallelism_config"] == yaml.safe_load((CORPUS / name).read_text())[
-        "parallelism_config"]
-    assert {key: value for key, value in convert(yaml.safe_load(text))[0].items() if key.startswith("strategy")} \
-        .items() >= {"strategy.sharding_strategy": "HYBRID_SHARD", "strategy.hybrid_shard_size": 2,
-                     "strategy.tp_size": 2}.items()
+    assert (
+        yaml.safe_load(text)["parallelism_config"] == yaml.safe_load((CORPUS / name).read_text())["parallelism_config"]
+    )
+    assert {
+        key: value for key, value in convert(yaml.safe_load(text))[0].items() if key.startswith("strategy")
+    }.items() >= {
+        "strategy.sharding_strategy": "HYBRID_SHARD",
+        "strategy.hybrid_shard_size": 2,
+        "strategy.tp_size": 2,
+    }.items()
 
 
-@pytest.mark.parametrize("name,cp", [
-    ("huggingface__accelerate__examples__torch_native_parallelism__configs__cp.yaml", 8),
-    ("huggingface__trl__examples__accelerate_configs__context_parallel_2gpu.yaml", 2),
-])
+@pytest.mark.parametrize(
+    "name,cp",
+    [
+        ("huggingface__accelerate__examples__torch_native_parallelism__configs__cp.yaml", 8),
+        ("huggingface__trl__examples__accelerate_configs__context_parallel_2gpu.yaml", 2),
+    ],
+)
 def test_context_parallel_examples_split_each_sequence_here_and_back(name, cp):
     """accelerate's and TRL's context-parallel files: every process one slice of each sequence (strategy.cp_size),
     no data-parallel split, and the same sizes written back."""
@@ -184,14 +253,19 @@ def test_context_parallel_examples_split_each_sequence_here_and_back(name, cp):
     text, _ = accelerate_file(spec)
     written = yaml.safe_load(text)["parallelism_config"]
     assert {key: written[key] for key in written if key.endswith("_size")} == {
-        key: value for key, value in yaml.safe_load((CORPUS / name).read_text())["parallelism_config"].items()
-        if key.endswith("_size")}
+        key: value
+        for key, value in yaml.safe_load((CORPUS / name).read_text())["parallelism_config"].items()
+        if key.endswith("_size")
+    }
 
 
-@pytest.mark.parametrize("name", [
-    "huggingface__trl__examples__accelerate_configs__alst_ulysses_4gpu.yaml",
-    "huggingface__trl__docs__source__distributing_training.md__block7.yaml",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "huggingface__trl__examples__accelerate_configs__alst_ulysses_4gpu.yaml",
+        "huggingface__trl__docs__source__distributing_training.md__block7.yaml",
+    ],
+)
 def test_ulysses_examples_split_each_sequence_under_deepspeed_here_and_back(name):
     """TRL's ALST/Ulysses files: DeepSpeed ZeRO-3 over 4 processes, each sequence split over 2 of them
     (strategy.sp_size), the gradients reduced in bf16 as DeepSpeed reduces them under sequence parallelism; the same
@@ -203,6 +277,8 @@ def test_ulysses_examples_split_each_sequence_under_deepspeed_here_and_back(name
     text, _ = accelerate_file(spec)
     written = yaml.safe_load(text)
     assert {key: value for key, value in written["parallelism_config"].items() if key.endswith("_size")} == {
-        key: value for key, value in yaml.safe_load((CORPUS / name).read_text())["parallelism_config"].items()
-        if key.endswith("_size")}
+        key: value
+        for key, value in yaml.safe_load((CORPUS / name).read_text())["parallelism_config"].items()
+        if key.endswith("_size")
+    }
     assert written["deepspeed_config"]["seq_parallel_communication_data_type"] == "bf16"

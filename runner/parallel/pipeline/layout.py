@@ -47,8 +47,10 @@ class PipelineSchedule(str, Enum):
             return f"1F1B needs at least as many microbatches as stages ({pp})"
         rounds = max(1, microbatches // pp)
         if self is PipelineSchedule.Interleaved1F1B and microbatches % rounds:
-            return (f"Interleaved1F1B runs the microbatches in rounds of {pp} (the ranks): it needs fewer than {pp}, "
-                    f"or a multiple of their {rounds} rounds")
+            return (
+                f"Interleaved1F1B runs the microbatches in rounds of {pp} (the ranks): it needs fewer than {pp}, "
+                f"or a multiple of their {rounds} rounds"
+            )
         return None
 
 
@@ -57,20 +59,27 @@ def stage_bounds(num_layers: int, stages: int, split_points: Optional[list[int]]
     over, the last one holding the LM head), or the given split points, the layers where stages 1.. start."""
     require(stages >= 1, f"pipeline stages must be at least 1, got {stages}")
     if split_points is None:
-        require(stages <= num_layers,
-                f"{stages} pipeline stages need at least {stages} decoder layers; the model has {num_layers}")
+        require(
+            stages <= num_layers,
+            f"{stages} pipeline stages need at least {stages} decoder layers; the model has {num_layers}",
+        )
         size, left_over = divmod(num_layers, stages)
         starts = [stage * size + min(stage, left_over) for stage in range(stages)]
     else:
         points = list(split_points)
-        require(len(points) == stages - 1,
-                f"pipeline split points: {stages} stages need {stages - 1} (the layers where stages 1.. start), "
-                f"got {len(points)}: {points}")
-        require(all(a < b for a, b in zip(points, points[1:])),
-                f"pipeline split points must be increasing, got {points}")
-        require(not points or (0 < points[0] and points[-1] < num_layers),
-                f"pipeline split points must lie between 1 and {num_layers - 1} (the model has {num_layers} "
-                f"decoder layers), got {points}")
+        require(
+            len(points) == stages - 1,
+            f"pipeline split points: {stages} stages need {stages - 1} (the layers where stages 1.. start), "
+            f"got {len(points)}: {points}",
+        )
+        require(
+            all(a < b for a, b in zip(points, points[1:])), f"pipeline split points must be increasing, got {points}"
+        )
+        require(
+            not points or (0 < points[0] and points[-1] < num_layers),
+            f"pipeline split points must lie between 1 and {num_layers - 1} (the model has {num_layers} "
+            f"decoder layers), got {points}",
+        )
         starts = [0, *points]
     return list(zip(starts, [*starts[1:], num_layers]))
 
@@ -81,8 +90,7 @@ def balanced_bounds(model, stages: int) -> list[tuple[int, ...]]:
     The stage holding the most holds as little as it can, and among such splits the stages are the most even (the
     least sum of squares)."""
     layers = model.config.num_hidden_layers
-    require(stages <= layers, f"{stages} pipeline stages need at least {stages} decoder layers; the model has "
-                              f"{layers}")
+    require(stages <= layers, f"{stages} pipeline stages need at least {stages} decoder layers; the model has {layers}")
     cost, first_extra, last_extra = [0] * layers, 0, 0
     for name, parameter in model.named_parameters():
         part = _part(name, model.config.tie_word_embeddings)
@@ -95,8 +103,12 @@ def balanced_bounds(model, stages: int) -> list[tuple[int, ...]]:
         prefix.append(prefix[-1] + value)
 
     def stage_cost(stage: int, start: int, end: int) -> int:
-        return (prefix[end] - prefix[start] + (first_extra if stage == 0 else 0)
-                + (last_extra if stage == stages - 1 else 0))
+        return (
+            prefix[end]
+            - prefix[start]
+            + (first_extra if stage == 0 else 0)
+            + (last_extra if stage == stages - 1 else 0)
+        )
 
     # best[s][i]: over splits of the first i layers into s + 1 stages, the least (largest stage, sum of squares),
     # and where the last of them starts.
@@ -109,7 +121,7 @@ def balanced_bounds(model, stages: int) -> list[tuple[int, ...]]:
             for start in range(stage, end):
                 largest, squares, _ = best[stage - 1][start]
                 cost = stage_cost(stage, start, end)
-                splits.append((max(largest, cost), squares + cost ** 2, start))
+                splits.append((max(largest, cost), squares + cost**2, start))
             row.append(min(splits, default=unreachable))
         best.append(row)
     bounds, end = [], layers
@@ -120,8 +132,9 @@ def balanced_bounds(model, stages: int) -> list[tuple[int, ...]]:
     return bounds[::-1]
 
 
-def stage_parameters(model, bounds: list[tuple[int, int]],
-                     shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+def stage_parameters(
+    model, bounds: list[tuple[int, int]], shapes: list[tuple[int, ...]]
+) -> list[list[tuple[int, ...]]]:
     """The shapes of each stage's parameters (a transformers causal LM, on the meta device; `shapes` in the order of
     its parameters: whole, or a tensor-parallel rank's parts): its decoder layers', the embeddings on the first
     stage and the final norm and head on the last; tied embeddings on both."""

@@ -67,8 +67,9 @@ class Pipeline:
             return torch.zeros((), dtype=torch.float64, device=inputs[0].device)
         return torch.stack([loss.detach() for loss in losses]).double().sum() / dp_size
 
-    def mean_loss(self, batches: Iterable[MicroBatch], autocast: Callable[[], ContextManager],
-                  counted: bool) -> MeanLoss:
+    def mean_loss(
+        self, batches: Iterable[MicroBatch], autocast: Callable[[], ContextManager], counted: bool
+    ) -> MeanLoss:
         """The mean next-token loss over the eval batches of every data-parallel rank, forward only; a step's
         worth of micro batches at a time (the last group filled with copies that have no labels)."""
         self.scale = 1.0
@@ -76,13 +77,14 @@ class Pipeline:
         microbatches, loss_sum = self.microbatches, 0.0
         with torch.no_grad(), autocast():
             for start in range(0, len(batches), microbatches):
-                group = batches[start:start + microbatches]
+                group = batches[start : start + microbatches]
                 group += [_without_labels(group[0])] * (microbatches - len(group))
                 losses: list[torch.Tensor] = []
                 self._run(self.schedule.eval, self._stacked(group), losses)
                 loss_sum += sum(float(loss.detach()) for loss in losses)
-        totals = all_ranks_sums([loss_sum, sum(b.label_tokens for b in batches), sum(b.tokens for b in batches)],
-                                counted)
+        totals = all_ranks_sums(
+            [loss_sum, sum(b.label_tokens for b in batches), sum(b.tokens for b in batches)], counted
+        )
         return MeanLoss(totals[0] / totals[1], int(totals[1]), int(totals[2]))
 
     def whole_model_names(self) -> dict[str, str]:
@@ -145,8 +147,10 @@ class Pipeline:
         tensors = (input_ids, labels, position_ids.contiguous(), attention_mask)
         if rows < self.rows:  # an eval batch's last: filled with copies of its first row, without labels
             fill = self.rows - rows
-            tensors = tuple(torch.cat([t, (torch.full_like(t[:1], IGNORE) if t is labels else t[:1]).expand(
-                fill, -1)]) for t in tensors)
+            tensors = tuple(
+                torch.cat([t, (torch.full_like(t[:1], IGNORE) if t is labels else t[:1]).expand(fill, -1)])
+                for t in tensors
+            )
         return tensors
 
 
@@ -154,8 +158,15 @@ def _without_labels(micro_batch: MicroBatch) -> MicroBatch:
     return MicroBatch(micro_batch.inputs, torch.full_like(micro_batch.labels, IGNORE), 0, 0)
 
 
-def build_pipeline(stages: list[TrainingStage], stage_ids: list[int], spec: RunSpec, dims: ParallelDims,
-                   rank: int, device: torch.device, pad_token_id: int) -> Pipeline:
+def build_pipeline(
+    stages: list[TrainingStage],
+    stage_ids: list[int],
+    spec: RunSpec,
+    dims: ParallelDims,
+    rank: int,
+    device: torch.device,
+    pad_token_id: int,
+) -> Pipeline:
     """The schedule of this rank's stages (already sharded by the strategy), with the shapes they exchange."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -164,18 +175,33 @@ def build_pipeline(stages: list[TrainingStage], stage_ids: list[int], spec: RunS
     pp_group = mesh.get_group("pp")
     rows, length, count = train.micro_batch_size, spec.data.seq_len, dims.pp * len(stage_ids)
     # (under tensor parallelism, each rank's part of the sequence)
-    hidden = _example(rows, length // dims.tp, stages[0].config.hidden_size, dtype=spec.precision.compute_dtype.torch,
-                      requires_grad=True)
+    hidden = _example(
+        rows,
+        length // dims.tp,
+        stages[0].config.hidden_size,
+        dtype=spec.precision.compute_dtype.torch,
+        requires_grad=True,
+    )
     passed_on = (hidden, *(_example(rows, length) for _ in range(3)))
     pipeline_stages = []
     for module, index in zip(stages, stage_ids):
         inputs = (_example(rows, length), *passed_on[1:]) if index == 0 else passed_on
         outputs = _example(1, dtype=torch.float32, requires_grad=True) if index == count - 1 else passed_on
-        pipeline_stages.append(PipelineStage(module, index, count, device, input_args=inputs, output_args=outputs,
-                                             group=pp_group))
+        pipeline_stages.append(
+            PipelineStage(module, index, count, device, input_args=inputs, output_args=outputs, group=pp_group)
+        )
     origin = dims.dp_rank(rank) == 0 and rank % dims.tp == 0
-    pipeline = Pipeline(None, first=0 in stage_ids, last=count - 1 in stage_ids, microbatches=train.grad_accum_steps,
-                        rows=rows, length=length, pad_token_id=pad_token_id, pp_group=pp_group, leads_stage=origin)
+    pipeline = Pipeline(
+        None,
+        first=0 in stage_ids,
+        last=count - 1 in stage_ids,
+        microbatches=train.grad_accum_steps,
+        rows=rows,
+        length=length,
+        pad_token_id=pad_token_id,
+        pp_group=pp_group,
+        leads_stage=origin,
+    )
 
     def loss(summed: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
         return summed * pipeline.scale

@@ -35,8 +35,10 @@ def decoder_of(model: nn.Module, use: str) -> nn.Module:
     """The model's decoder (model.model), checked to be a Llama-family one that stages can cut."""
     decoder = getattr(model, "model", None)
     if decoder is None or not all(hasattr(decoder, part) for part in DECODER_PARTS) or not hasattr(model, "lm_head"):
-        raise SpecError(f"{use} needs a Llama-family causal LM (model.model.embed_tokens, layers, norm, rotary_emb "
-                        f"and model.lm_head); {type(model).__name__} is not one")
+        raise SpecError(
+            f"{use} needs a Llama-family causal LM (model.model.embed_tokens, layers, norm, rotary_emb "
+            f"and model.lm_head); {type(model).__name__} is not one"
+        )
     return decoder
 
 
@@ -44,29 +46,45 @@ def layer_attention_type(layer: nn.Module) -> str:
     return getattr(layer, "attention_type", "full_attention")
 
 
-def attention_masks(config, hidden: torch.Tensor, attention_mask: Optional[torch.Tensor], position_ids: torch.Tensor,
-                    layers: list[nn.Module]) -> dict:
+def attention_masks(
+    config,
+    hidden: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    position_ids: torch.Tensor,
+    layers: list[nn.Module],
+) -> dict:
     """The 4D masks (or None where the attention kernel is causal by itself) by layer attention type, made as the
     model's own forward makes them; sliding-window layers (Qwen2, Mistral-style) get theirs."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    arguments = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids,
-                     **no_mask_cache())
+    arguments = dict(
+        config=config, inputs_embeds=hidden, attention_mask=attention_mask, position_ids=position_ids, **no_mask_cache()
+    )
     masks = {"full_attention": create_causal_mask(**arguments)}
     if any(layer_attention_type(layer) == "sliding_attention" for layer in layers):
         masks["sliding_attention"] = create_sliding_window_causal_mask(**arguments)
     return masks
 
 
-def run_layers(config, layers: list[nn.Module], rotary_emb: nn.Module, hidden: torch.Tensor,
-               attention_mask: Optional[torch.Tensor], position_ids: torch.Tensor) -> torch.Tensor:
+def run_layers(
+    config,
+    layers: list[nn.Module],
+    rotary_emb: nn.Module,
+    hidden: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
     """The hidden states through decoder layers, with the masks and rotary embeddings the model's forward gives
     them."""
     masks = attention_masks(config, hidden, attention_mask, position_ids, layers)
     position_embeddings = rotary_emb(hidden, position_ids=position_ids)
     for layer in layers:
-        hidden = layer(hidden, attention_mask=masks[layer_attention_type(layer)], position_ids=position_ids,
-                       position_embeddings=position_embeddings)
+        hidden = layer(
+            hidden,
+            attention_mask=masks[layer_attention_type(layer)],
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+        )
     return hidden
 
 
@@ -78,8 +96,16 @@ class TrainingStage(nn.Module):
     hidden states between blocks are sequence-sharded DTensors: a stage passes on its rank's part of the sequence,
     and the next stage's rank with the same tensor-parallel place takes it up as that part again."""
 
-    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool, packed: bool, loss: HeadLoss,
-                 tp_mesh: Optional[DeviceMesh] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: range,
+        first: bool,
+        last: bool,
+        packed: bool,
+        loss: HeadLoss,
+        tp_mesh: Optional[DeviceMesh] = None,
+    ):
         super().__init__()
         decoder = model.model
         # Attribute names as in the model, so that FSDP's units and the parameters keep the model's names.
@@ -95,8 +121,9 @@ class TrainingStage(nn.Module):
         self.tp_mesh = tp_mesh
         self._no_split_modules = model._no_split_modules  # FSDP's wrap policy names the blocks from it
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: torch.Tensor):
+    def forward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor
+    ):
         if self.first:
             hidden = self.model.embed_tokens(inputs)
         elif self.tp_mesh is not None:
@@ -105,24 +132,38 @@ class TrainingStage(nn.Module):
             hidden = DTensor.from_local(inputs, self.tp_mesh, [Shard(1)], run_check=False)
         else:
             hidden = inputs
-        hidden = run_layers(self.config, list(self.model.layers.values()), self.model.rotary_emb, hidden,
-                            None if self.packed else attention_mask, position_ids)
+        hidden = run_layers(
+            self.config,
+            list(self.model.layers.values()),
+            self.model.rotary_emb,
+            hidden,
+            None if self.packed else attention_mask,
+            position_ids,
+        )
         if not self.last:  # (copies: FSDP's backward hooks cannot sit on views, such as the inputs or a local part)
             hidden = hidden.to_local().clone() if self.tp_mesh is not None else hidden
             return hidden, labels.clone(), position_ids.clone(), attention_mask.clone()
         return torch.stack([self.loss(self.lm_head, self.model.norm(hidden), labels)])
 
 
-def cut_into_stages(model: nn.Module, stages: list[int], bounds: list[tuple[int, int]], packed: bool,
-                    loss: HeadLoss, tp_mesh: Optional[DeviceMesh] = None) -> list[TrainingStage]:
+def cut_into_stages(
+    model: nn.Module,
+    stages: list[int],
+    bounds: list[tuple[int, int]],
+    packed: bool,
+    loss: HeadLoss,
+    tp_mesh: Optional[DeviceMesh] = None,
+) -> list[TrainingStage]:
     """This rank's stages of `model`, whose other layers (and embeddings or head, where another rank holds them)
     are dropped from it: the model keeps only this rank's weights, under their own names."""
     decoder = decoder_of(model, "strategy.pp_size > 1")
     held = {index for stage in stages for index in range(*bounds[stage])}
     decoder.layers = nn.ModuleDict({str(index): layer for index, layer in enumerate(decoder.layers) if index in held})
     last = len(bounds) - 1
-    modules = [TrainingStage(model, range(*bounds[stage]), stage == 0, stage == last, packed, loss, tp_mesh)
-               for stage in stages]
+    modules = [
+        TrainingStage(model, range(*bounds[stage]), stage == 0, stage == last, packed, loss, tp_mesh)
+        for stage in stages
+    ]
     if 0 not in stages:
         decoder.embed_tokens = None
     if last not in stages:

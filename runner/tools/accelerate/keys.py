@@ -46,8 +46,10 @@ def num_processes(value: Any, file: dict) -> tuple[Settings, str]:
     if file["distributed_type"] == "NO":
         return {}, "no meaning here: distributed_type NO runs one process, as accelerate does"
     if value == -1:
-        return {}, ("no meaning here: -1 leaves the count to the launcher; hardware.nproc_per_node stays unset: "
-                    "one process per GPU of the machine")
+        return {}, (
+            "no meaning here: -1 leaves the count to the launcher; hardware.nproc_per_node stays unset: "
+            "one process per GPU of the machine"
+        )
     machines = count(file.get("num_machines", 1), 1)
     if count(value, 1) % machines:
         raise ValueError(f"{value} processes do not split evenly over num_machines: {machines}")
@@ -70,8 +72,9 @@ def main_process_ip(value: Any, file: dict) -> tuple[Settings, str]:
 def main_process_port(value: Any, file: dict) -> tuple[Settings, str]:
     if file.get("main_process_ip"):
         return main_process_ip(file["main_process_ip"], file)
-    return {}, ("no meaning here: without main_process_ip the processes meet on this machine, on a free port the "
-                "runner picks")
+    return {}, (
+        "no meaning here: without main_process_ip the processes meet on this machine, on a free port the runner picks"
+    )
 
 
 def gpu_ids(value: Any, file: dict) -> tuple[Settings, str]:
@@ -92,8 +95,10 @@ def precision(value: Any, file: dict) -> tuple[Settings, str]:
         raise ValueError(f"choose one of {', '.join(PRECISIONS)}")
     note = ""
     if name in ("fp16", "bf16") and file["distributed_type"] == "FSDP":
-        note = (f"gradients are reduced in fp32, where accelerate's FSDP reduces them in {name}: "
-                f"precision.reduce_dtype={name} does that")
+        note = (
+            f"gradients are reduced in fp32, where accelerate's FSDP reduces them in {name}: "
+            f"precision.reduce_dtype={name} does that"
+        )
     if name == "fp8":
         backend = "Transformer Engine" if transformer_engine(file) else "torchao"
         note = f"{backend} float8 matmuls in the large linear layers, bf16 elsewhere; fp8_config below"
@@ -129,35 +134,46 @@ def parallelism(value: Any, file: dict) -> tuple[Settings, str]:
     if replicate == 1 and cp == 1 and tp == 1:
         return {}, "no meaning here: one replicate group, so sharding follows fsdp_config"
     if file["distributed_type"] != "FSDP":
-        raise ValueError("dp_replicate_size, cp_size and tp_size > 1 lay out FSDP's mesh; they need distributed_type "
-                         "FSDP")
+        raise ValueError(
+            "dp_replicate_size, cp_size and tp_size > 1 lay out FSDP's mesh; they need distributed_type FSDP"
+        )
     settings: Settings = {f"strategy.{name}_size": size for name, size in (("cp", cp), ("tp", tp)) if size > 1}
     if replicate > 1:
         reshards = (file.get("fsdp_config") or {}).get("fsdp_reshard_after_forward", True) is not False
-        settings.update({"strategy.sharding_strategy": fsdp2_sharding(file, reshards),
-                         "strategy.hybrid_shard_size": shard})
-    shown = [(name, size) for name, size in (("dp_replicate", replicate), ("dp_shard", shard), ("cp", cp), ("tp", tp))
-             if name not in ("cp", "tp") or size > 1]
-    return settings, (f"mesh {' x '.join(str(size) for _, size in shown)} "
-                      f"({' x '.join(name for name, _ in shown)})")
+        settings.update(
+            {"strategy.sharding_strategy": fsdp2_sharding(file, reshards), "strategy.hybrid_shard_size": shard}
+        )
+    shown = [
+        (name, size)
+        for name, size in (("dp_replicate", replicate), ("dp_shard", shard), ("cp", cp), ("tp", tp))
+        if name not in ("cp", "tp") or size > 1
+    ]
+    return settings, (f"mesh {' x '.join(str(size) for _, size in shown)} ({' x '.join(name for name, _ in shown)})")
 
 
 def ulysses(value: dict, sizes: dict[str, Any], file: dict) -> tuple[Settings, str]:
     """Sequence parallelism: DeepSpeed's Ulysses, over the data-parallel (ZeRO) ranks alone."""
     sp, backend = sizes["sp_size"], value.get("parallelism_config_sp_backend", "deepspeed")
     if file["distributed_type"] != "DEEPSPEED" or backend != "deepspeed":
-        raise ValueError(f"sp_size: {sp} with sp_backend {backend} under distributed_type {file['distributed_type']}: "
-                         "the runner's sequence parallelism is DeepSpeed's Ulysses (distributed_type DEEPSPEED); "
-                         "strategy=fsdp strategy.cp_size splits sequences as a ring")
-    others = [f"{name}: {sizes[name]}" for name in ("dp_replicate_size", "tp_size", "cp_size")
-              if count(sizes.get(name, 1), 1) > 1]
+        raise ValueError(
+            f"sp_size: {sp} with sp_backend {backend} under distributed_type {file['distributed_type']}: "
+            "the runner's sequence parallelism is DeepSpeed's Ulysses (distributed_type DEEPSPEED); "
+            "strategy=fsdp strategy.cp_size splits sequences as a ring"
+        )
+    others = [
+        f"{name}: {sizes[name]}"
+        for name in ("dp_replicate_size", "tp_size", "cp_size")
+        if count(sizes.get(name, 1), 1) > 1
+    ]
     if others:
-        raise ValueError(f"{', '.join(others)} with sp_size: {sp}: DeepSpeed's Ulysses composes with ZeRO's "
-                         "data-parallel ranks only")
+        raise ValueError(
+            f"{', '.join(others)} with sp_size: {sp}: DeepSpeed's Ulysses composes with ZeRO's data-parallel ranks only"
+        )
     attention = value.get("parallelism_config_sp_attn_implementation")
     return {"strategy.sp_size": count(sp, 1)}, (
         f"each sequence split over {sp} ranks (Ulysses: DeepSpeed's all-to-all around causal sdpa"
-        f"{f', not {attention}' if attention not in (None, 'sdpa') else ''}), of any length; ZeRO over every rank")
+        f"{f', not {attention}' if attention not in (None, 'sdpa') else ''}), of any length; ZeRO over every rank"
+    )
 
 
 TPU = no_meaning("a TPU pod's setting; the runner trains on CPUs and CUDA GPUs")
@@ -170,8 +186,10 @@ KEYS: dict[str, Handler] = {
     "machine_rank": machine_rank,
     "main_process_ip": main_process_ip,
     "main_process_port": main_process_port,
-    "rdzv_backend": no_meaning("the runner's launcher meets at hardware.rdzv_endpoint with static rendezvous "
-                               "(fixed node ranks, hardware.node_rank)"),
+    "rdzv_backend": no_meaning(
+        "the runner's launcher meets at hardware.rdzv_endpoint with static rendezvous "
+        "(fixed node ranks, hardware.node_rank)"
+    ),
     "same_network": no_meaning("the nodes meet at hardware.rdzv_endpoint, whatever their network"),
     "gpu_ids": gpu_ids,
     "use_cpu": use_cpu,
@@ -186,6 +204,17 @@ KEYS: dict[str, Handler] = {
     "megatron_lm_config": no_meaning("Megatron-LM's settings, read with distributed_type MEGATRON_LM only"),
     "mpirun_config": no_meaning("the runner starts CPU processes through torch's elastic launcher, not mpirun"),
     "parallelism_config": parallelism,
-    **{key: TPU for key in ("tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands",
-                            "tpu_vm", "tpu_env")},
+    **{
+        key: TPU
+        for key in (
+            "tpu_name",
+            "tpu_zone",
+            "tpu_use_cluster",
+            "tpu_use_sudo",
+            "command_file",
+            "commands",
+            "tpu_vm",
+            "tpu_env",
+        )
+    },
 }

@@ -47,12 +47,16 @@ def convert(file: dict) -> tuple[Settings, list[str]]:
     if "distributed_type" not in file:
         raise SpecError("no distributed_type: an accelerate config names one (NO, MULTI_GPU, FSDP, ...)")
     if file["distributed_type"] not in DISTRIBUTED_TYPES:
-        raise SpecError(f"distributed_type: {shown(file['distributed_type'])} cannot be expressed here: the "
-                        f"runner has {', '.join(DISTRIBUTED_TYPES)} (one process, CPU processes, CUDA GPUs, FSDP and "
-                        "DeepSpeed)")
+        raise SpecError(
+            f"distributed_type: {shown(file['distributed_type'])} cannot be expressed here: the "
+            f"runner has {', '.join(DISTRIBUTED_TYPES)} (one process, CPU processes, CUDA GPUs, FSDP and "
+            "DeepSpeed)"
+        )
     # accelerate reads `min_num_params` in fsdp_config as `fsdp_min_num_params`: the handlers look keys up so.
-    as_read = {key: full_names(value, SECTIONS[key][2]) if key in SECTIONS and isinstance(value, dict) else value
-               for key, value in file.items()}
+    as_read = {
+        key: full_names(value, SECTIONS[key][2]) if key in SECTIONS and isinstance(value, dict) else value
+        for key, value in file.items()
+    }
     settings: Settings = {}
     origins: dict[str, str] = {}
     lines: list[str] = []
@@ -71,11 +75,16 @@ def convert(file: dict) -> tuple[Settings, list[str]]:
             lines += [f"  {inner}: {shown(v)} -> no meaning here: {unread(file)}" for inner, v in value.items()]
             continue
         lines.append(f"{key}:")
-        lines += ["  " + mapped(inner, f"{key}.{inner}", v, table, as_read, settings, origins, full_name)
-                  for (inner, v), full_name in zip(value.items(), as_read[key])]
+        lines += [
+            "  " + mapped(inner, f"{key}.{inner}", v, table, as_read, settings, origins, full_name)
+            for (inner, v), full_name in zip(value.items(), as_read[key])
+        ]
     strategy = STRATEGIES[settings["strategy"]]()
-    unset = [f"strategy.{f.name}={shown(plain(getattr(strategy, f.name)))}" for f in fields(strategy)
-             if f"strategy.{f.name}" not in settings]
+    unset = [
+        f"strategy.{f.name}={shown(plain(getattr(strategy, f.name)))}"
+        for f in fields(strategy)
+        if f"strategy.{f.name}" not in settings
+    ]
     if unset:
         lines.append(f"not in the file, the runner's defaults: {', '.join(unset)}")
     return settings, lines
@@ -89,8 +98,16 @@ def plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-def mapped(key: str, full_key: str, value: Any, table: dict[str, Handler], file: dict, settings: Settings,
-           origins: dict[str, str], looked_up: Optional[str] = None) -> str:
+def mapped(
+    key: str,
+    full_key: str,
+    value: Any,
+    table: dict[str, Handler],
+    file: dict,
+    settings: Settings,
+    origins: dict[str, str],
+    looked_up: Optional[str] = None,
+) -> str:
     """Applies one key of the file (`looked_up` in the table under accelerate's full name) to the settings; its
     line."""
     looked_up = looked_up or key
@@ -102,8 +119,10 @@ def mapped(key: str, full_key: str, value: Any, table: dict[str, Handler], file:
         raise SpecError(f"{full_key}: {shown(value)} cannot be converted: {why}") from None
     for spec_key, spec_value in assigned.items():
         if settings.get(spec_key, spec_value) != spec_value:
-            raise SpecError(f"{origins[spec_key]} and {full_key} disagree: one means "
-                            f"{spec_key}={shown(settings[spec_key])}, the other {spec_key}={shown(spec_value)}")
+            raise SpecError(
+                f"{origins[spec_key]} and {full_key} disagree: one means "
+                f"{spec_key}={shown(settings[spec_key])}, the other {spec_key}={shown(spec_value)}"
+            )
         settings[spec_key] = spec_value
         origins.setdefault(spec_key, full_key)
     if not assigned:
@@ -113,8 +132,10 @@ def mapped(key: str, full_key: str, value: Any, table: dict[str, Handler], file:
 
 
 def recipe_text(settings: Settings, source: Path, name: str) -> str:
-    choices = {group: settings.get(group, default)
-               for group, default in (("hardware", "auto"), ("strategy", "single"), ("precision", "fp32"))}
+    choices = {
+        group: settings.get(group, default)
+        for group, default in (("hardware", "auto"), ("strategy", "single"), ("precision", "fp32"))
+    }
     header = [
         "# @package _global_",
         f"# {description(settings, choices)}, converted from the accelerate config {source.name}",
@@ -132,8 +153,12 @@ def recipe_text(settings: Settings, source: Path, name: str) -> str:
             "# (or choose a hardware option such as 8xh100_80gb instead of auto).",
         ]
     header += ["defaults:", *[f"  - override /{group}: {option}" for group, option in choices.items()]]
-    schemas = {"hardware": HardwareConfig, "strategy": STRATEGIES[choices["strategy"]],
-               "precision": PrecisionConfig, "train": TrainConfig}
+    schemas = {
+        "hardware": HardwareConfig,
+        "strategy": STRATEGIES[choices["strategy"]],
+        "precision": PrecisionConfig,
+        "train": TrainConfig,
+    }
     sections = []
     for section in SECTION_ORDER:
         values = {key.split(".", 1)[1]: value for key, value in settings.items() if key.startswith(f"{section}.")}

@@ -39,10 +39,12 @@ def fsdp_version_of(file: dict) -> int:
 
 def under_version_1(handler: Handler, version_2_note: str) -> Handler:
     """A key that accelerate reads with fsdp_version 1 only, and leaves unread (or replaced) with version 2."""
+
     def handled(value: Any, file: dict) -> tuple[Settings, str]:
         if fsdp_version_of(file) == 2:
             return {}, f"no meaning here: accelerate's fsdp_version 2 does not read it; {version_2_note}"
         return handler(value, file)
+
     return handled
 
 
@@ -70,8 +72,10 @@ def fsdp_version(value: Any, file: dict) -> tuple[Settings, str]:
     if str(value) not in ("1", "2"):
         raise ValueError("choose 1 or 2")
     if int(value) == 2:
-        return {}, ("no meaning here: the runner's FSDP is FSDP2 (fully_shard); the keys are read as accelerate's "
-                    "fsdp_version 2 reads them")
+        return {}, (
+            "no meaning here: the runner's FSDP is FSDP2 (fully_shard); the keys are read as accelerate's "
+            "fsdp_version 2 reads them"
+        )
     return {}, "no meaning here: the runner's FSDP is FSDP2 (fully_shard); the keys keep FSDP1's meaning"
 
 
@@ -83,8 +87,10 @@ def ignored_modules(value: Any, file: dict) -> tuple[Settings, str]:
 
 def auto_wrap_policy(file: dict) -> str:
     """The file's policy, or the runner's default, which the recipe then keeps."""
-    return named(file["fsdp_config"].get("fsdp_auto_wrap_policy", STRATEGIES["fsdp"]().auto_wrap_policy.value),
-                 [p.value for p in AutoWrapPolicy])
+    return named(
+        file["fsdp_config"].get("fsdp_auto_wrap_policy", STRATEGIES["fsdp"]().auto_wrap_policy.value),
+        [p.value for p in AutoWrapPolicy],
+    )
 
 
 def layer_classes(value: Any, file: dict) -> tuple[Settings, str]:
@@ -106,7 +112,8 @@ def state_dict_type(value: Any, file: dict) -> tuple[Settings, str]:
     name = named(value, STATE_DICT_TYPES)
     if name == "LOCAL_STATE_DICT":
         return {"strategy.state_dict_type": StateDictType.SHARDED.value}, (
-            "each rank writes its own shards, as LOCAL_STATE_DICT, and they resume on any layout")
+            "each rank writes its own shards, as LOCAL_STATE_DICT, and they resume on any layout"
+        )
     return {"strategy.state_dict_type": name.removesuffix("_STATE_DICT")}, ""
 
 
@@ -117,7 +124,8 @@ def backward_prefetch(value: Any, file: dict) -> tuple[Settings, str]:
     if name == "BACKWARD_POST":
         return {"strategy.backward_prefetch": 1}, (
             "FSDP2 issues the next block's all-gather as a block's backward starts, as BACKWARD_PRE does; it has no "
-            "later point to issue it, so the one-block prefetch is the nearest")
+            "later point to issue it, so the one-block prefetch is the nearest"
+        )
     return {"strategy.backward_prefetch": 1}, "the next block's all-gather is issued before this block's gradients"
 
 
@@ -127,8 +135,9 @@ def forward_prefetch(value: Any, file: dict) -> tuple[Settings, str]:
 
 def checkpointing_offload(value: Any, file: dict) -> tuple[Settings, str]:
     if flag(value):
-        raise ValueError("the runner does not offload activations to the CPU; fsdp_activation_checkpointing "
-                         "recomputes them instead")
+        raise ValueError(
+            "the runner does not offload activations to the CPU; fsdp_activation_checkpointing recomputes them instead"
+        )
     return {}, "no meaning here: activations are not offloaded"
 
 
@@ -136,27 +145,35 @@ def cpu_ram_efficient_loading(value: Any, file: dict) -> tuple[Settings, str]:
     if not flag(value):
         return {"strategy.cpu_ram_efficient_loading": False}, ""
     if fsdp_version_of(file) == 1 and file["fsdp_config"].get("fsdp_sync_module_states") is False:
-        raise ValueError("needs fsdp_sync_module_states: true, as accelerate says: the other ranks get their "
-                         "weights from rank 0")
+        raise ValueError(
+            "needs fsdp_sync_module_states: true, as accelerate says: the other ranks get their weights from rank 0"
+        )
     return {"strategy.cpu_ram_efficient_loading": True, "strategy.sync_module_states": True}, (
-        "rank 0 loads the weights and sends them to the others")
+        "rank 0 loads the weights and sends them to the others"
+    )
 
 
 VERSION_2_PREFETCH = "FSDP2 issues the next block's all-gather early in backward, the runner's default"
 
 FSDP_KEYS: dict[str, Handler] = {
     "fsdp_version": fsdp_version,
-    "fsdp_sharding_strategy": under_version_1(sharding_strategy, (
-        "fsdp_reshard_after_forward decides: sharding across all processes, resharded after forward or not (the "
-        "runner's hybrid mesh is strategy.sharding_strategy=HYBRID_SHARD)")),
+    "fsdp_sharding_strategy": under_version_1(
+        sharding_strategy,
+        (
+            "fsdp_reshard_after_forward decides: sharding across all processes, resharded after forward or not (the "
+            "runner's hybrid mesh is strategy.sharding_strategy=HYBRID_SHARD)"
+        ),
+    ),
     "fsdp_reshard_after_forward": reshard_after_forward,
     "fsdp_auto_wrap_policy": lambda value, file: ({"strategy.auto_wrap_policy": auto_wrap_policy(file)}, ""),
     "fsdp_transformer_layer_cls_to_wrap": layer_classes,
     "fsdp_min_num_params": min_num_params,
     "fsdp_offload_params": setting("strategy.offload_params"),
     "fsdp_cpu_ram_efficient_loading": cpu_ram_efficient_loading,
-    "fsdp_sync_module_states": under_version_1(setting("strategy.sync_module_states"), (
-        "rank 0's weights reach the others' shards whenever fsdp_cpu_ram_efficient_loading is on")),
+    "fsdp_sync_module_states": under_version_1(
+        setting("strategy.sync_module_states"),
+        ("rank 0's weights reach the others' shards whenever fsdp_cpu_ram_efficient_loading is on"),
+    ),
     "fsdp_activation_checkpointing": setting("strategy.activation_checkpointing"),
     "fsdp_activation_checkpointing_offload": checkpointing_offload,
     "fsdp_state_dict_type": state_dict_type,
@@ -175,6 +192,7 @@ def offload_device(key: str) -> Handler:
         if str(value).lower() not in devices:
             raise ValueError(f"choose one of {', '.join(devices)}")
         return {key: str(value).lower()}, ""
+
     return handler
 
 
@@ -185,6 +203,7 @@ def nvme_path(device_key: str) -> Handler:
         if device_key == "offload_param_device" and zero_stage_of(file) < 3:
             return {}, f"no meaning here: {PARAM_OFFLOAD_BELOW_3}"
         return {"strategy.nvme_path": str(value)}, ""
+
     return handler
 
 
@@ -206,8 +225,9 @@ def config_file(value: Any, file: dict) -> tuple[Settings, str]:
     """Read from where `accelerate launch` runs, as accelerate reads it; the recipe names it wherever it runs."""
     path = Path(str(value)).expanduser()
     return {"strategy.config_file": str(path.resolve()) if path.is_file() else str(value)}, (
-        "its ZeRO stage, offload and precision blocks are read into the spec and its \"auto\" values filled from "
-        "it, as the Trainer does; a value that contradicts the spec is refused")
+        'its ZeRO stage, offload and precision blocks are read into the spec and its "auto" values filled from '
+        "it, as the Trainer does; a value that contradicts the spec is refused"
+    )
 
 
 def zero_stage(value: Any, file: dict) -> tuple[Settings, str]:
@@ -218,8 +238,10 @@ def zero_stage(value: Any, file: dict) -> tuple[Settings, str]:
 
 def zero3_init(value: Any, file: dict) -> tuple[Settings, str]:
     if flag(value):
-        return {}, ("no meaning here: each process builds the whole model and DeepSpeed partitions it; "
-                    "`run task=estimate` counts that loading peak")
+        return {}, (
+            "no meaning here: each process builds the whole model and DeepSpeed partitions it; "
+            "`run task=estimate` counts that loading peak"
+        )
     return {}, "no meaning here: each process builds the whole model and DeepSpeed partitions it"
 
 
@@ -236,8 +258,9 @@ def sequence_parallel_reduce(value: Any, file: dict) -> tuple[Settings, str]:
     return {"precision.reduce_dtype": value}, "the gradients' reduction under sequence parallelism"
 
 
-LAUNCHER = no_meaning("the runner starts each node's processes itself (hardware.node_rank, hardware.rdzv_endpoint), "
-                      "with no hostfile")
+LAUNCHER = no_meaning(
+    "the runner starts each node's processes itself (hardware.node_rank, hardware.rdzv_endpoint), with no hostfile"
+)
 
 DEEPSPEED_KEYS: dict[str, Handler] = {
     "deepspeed_config_file": config_file,
@@ -249,12 +272,20 @@ DEEPSPEED_KEYS: dict[str, Handler] = {
     "gradient_accumulation_steps": lambda value, file: ({"train.grad_accum_steps": count(value, 1)}, ""),
     "gradient_clipping": lambda value, file: ({"train.max_grad_norm": float(value)}, ""),
     "zero3_init_flag": zero3_init,
-    "zero3_save_16bit_model": no_meaning("the runner saves the final model gathered from the partitions "
-                                         "(train.save_model)"),
+    "zero3_save_16bit_model": no_meaning(
+        "the runner saves the final model gathered from the partitions (train.save_model)"
+    ),
     "deepspeed_moe_layer_cls_names": moe_layers,
     "seq_parallel_communication_data_type": sequence_parallel_reduce,
-    **{key: LAUNCHER for key in ("deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_inclusion_filter",
-                                 "deepspeed_exclusion_filter")},
+    **{
+        key: LAUNCHER
+        for key in (
+            "deepspeed_hostfile",
+            "deepspeed_multinode_launcher",
+            "deepspeed_inclusion_filter",
+            "deepspeed_exclusion_filter",
+        )
+    },
 }
 
 
@@ -267,10 +298,12 @@ def fp8_backend(value: Any, file: dict) -> tuple[Settings, str]:
 
 def te_only(handler: Handler) -> Handler:
     """A Transformer Engine setting: accelerate's AO backend does not read it."""
+
     def handled(value: Any, file: dict) -> tuple[Settings, str]:
         if not transformer_engine(file):
             return {}, "no meaning here: a Transformer Engine setting, which accelerate's AO backend does not read"
         return handler(value, file)
+
     return handled
 
 
@@ -290,8 +323,11 @@ def amax_algorithm(value: Any, file: dict) -> tuple[Settings, str]:
 
 
 def linear_precision(value: Any, file: dict) -> tuple[Settings, str]:
-    overrides = value if isinstance(value, list) else [part.strip().lower() == "true"
-                                                        for part in str(value).strip("()").split(",")]
+    overrides = (
+        value
+        if isinstance(value, list)
+        else [part.strip().lower() == "true" for part in str(value).strip("()").split(",")]
+    )
     if any(overrides):
         raise ValueError("the runner runs every fp8 layer's three matmuls in fp8")
     return {}, "no meaning here: no matmul is kept in higher precision, as the runner does"
@@ -300,13 +336,17 @@ def linear_precision(value: Any, file: dict) -> tuple[Settings, str]:
 FP8_KEYS: dict[str, Handler] = {
     "fp8_backend": fp8_backend,
     "fp8_enable_fsdp_float8_all_gather": setting("precision.fp8.all_gather"),
-    "fp8_pad_inner_dim": no_meaning("the runner always pads, since a micro batch's token count is an inner dimension "
-                                "of the weight gradient; layers whose sizes are not multiples of 16 stay in bf16 "
-                                "(precision.fp8.min_features)"),
+    "fp8_pad_inner_dim": no_meaning(
+        "the runner always pads, since a micro batch's token count is an inner dimension "
+        "of the weight gradient; layers whose sizes are not multiples of 16 stay in bf16 "
+        "(precision.fp8.min_features)"
+    ),
     **{f"fp8_{key}": no_meaning("an MS-AMP setting") for key in ("optimization_level", "opt_level")},
     "fp8_format": te_only(fp8_format),
-    **{f"fp8_{key}": te_only(lambda value, file: ({"precision.fp8.amax_history_len": count(value, 1)}, ""))
-       for key in ("amax_history_len", "amax_history_length")},
+    **{
+        f"fp8_{key}": te_only(lambda value, file: ({"precision.fp8.amax_history_len": count(value, 1)}, ""))
+        for key in ("amax_history_len", "amax_history_length")
+    },
     **{f"fp8_{key}": te_only(amax_algorithm) for key in ("amax_compute_algo", "amax_compute_algorithm")},
     "fp8_margin": te_only(lambda value, file: ({"precision.fp8.margin": count(value, 0)}, "")),
     "fp8_interval": no_meaning("Transformer Engine no longer reads it (its scale is updated every step)"),
@@ -316,10 +356,25 @@ FP8_KEYS: dict[str, Handler] = {
 
 # A section's keys, when the section is read, and the prefix accelerate adds to a key given without it.
 SECTIONS: dict[str, tuple[dict[str, Handler], Callable[[dict], str], str]] = {
-    "fsdp_config": (FSDP_KEYS, lambda file: "" if file["distributed_type"] == "FSDP" else
-                    f"distributed_type is {file['distributed_type']}, not FSDP", "fsdp_"),
-    "deepspeed_config": (DEEPSPEED_KEYS, lambda file: "" if file["distributed_type"] == "DEEPSPEED" else
-                         f"distributed_type is {file['distributed_type']}, not DEEPSPEED", ""),
-    "fp8_config": (FP8_KEYS, lambda file: "" if mixed_precision(file) == "fp8" else "mixed_precision is not fp8",
-                   "fp8_"),
+    "fsdp_config": (
+        FSDP_KEYS,
+        lambda file: (
+            "" if file["distributed_type"] == "FSDP" else f"distributed_type is {file['distributed_type']}, not FSDP"
+        ),
+        "fsdp_",
+    ),
+    "deepspeed_config": (
+        DEEPSPEED_KEYS,
+        lambda file: (
+            ""
+            if file["distributed_type"] == "DEEPSPEED"
+            else f"distributed_type is {file['distributed_type']}, not DEEPSPEED"
+        ),
+        "",
+    ),
+    "fp8_config": (
+        FP8_KEYS,
+        lambda file: "" if mixed_precision(file) == "fp8" else "mixed_precision is not fp8",
+        "fp8_",
+    ),
 }

@@ -44,19 +44,27 @@ def accelerate_file(spec: RunSpec) -> tuple[str, list[str]]:
     if write_keys is not None:
         file.update(write_keys(spec, hardware, notes))
     if spec.strategy.activation_checkpointing and "fsdp_config" not in file:
-        notes.append("strategy.activation_checkpointing=true: accelerate's file says it under FSDP only; the script "
-                     "calls model.gradient_checkpointing_enable()")
+        notes.append(
+            "strategy.activation_checkpointing=true: accelerate's file says it under FSDP only; the script "
+            "calls model.gradient_checkpointing_enable()"
+        )
     if spec.precision.fp8:
         file["fp8_config"] = fp8_section(spec.precision, notes)
-    described = [f"hardware.{key}={value}" for key in ("device_name", "device_memory_gib", "host_memory_gib",
-                                                        "peak_bf16_tflops", "compute_capability")
-                 if (value := getattr(declared, key))]
+    described = [
+        f"hardware.{key}={value}"
+        for key in ("device_name", "device_memory_gib", "host_memory_gib", "peak_bf16_tflops", "compute_capability")
+        if (value := getattr(declared, key))
+    ]
     if described:
-        notes.append(f"{', '.join(described)}: what the spec says of the machine, for the memory estimate; "
-                     "accelerate reads the machine it runs on")
+        notes.append(
+            f"{', '.join(described)}: what the spec says of the machine, for the memory estimate; "
+            "accelerate reads the machine it runs on"
+        )
     carried = " (but gradient accumulation and clipping, in deepspeed_config)" if "deepspeed_config" in file else ""
-    notes.append(f"model, data, optim, scheduler, train, task, tracker and seed{carried}: the training script's "
-                 "business under accelerate, not its config file's")
+    notes.append(
+        f"model, data, optim, scheduler, train, task, tracker and seed{carried}: the training script's "
+        "business under accelerate, not its config file's"
+    )
     return yaml.safe_dump(file, sort_keys=True), notes
 
 
@@ -74,27 +82,36 @@ def precision_name(spec: RunSpec, distributed_type: str, notes: list[str]) -> st
     names = {Dtype.fp32: "no", Dtype.fp16: "fp16", Dtype.bf16: "bf16"}
     name = "fp8" if precision.fp8 else names[precision.compute_dtype]
     if precision.param_dtype is not Dtype.fp32:
-        notes.append(f"precision.param_dtype={precision.param_dtype.value}: accelerate keeps fp32 weights under "
-                     f"mixed precision; the file says {name}")
+        notes.append(
+            f"precision.param_dtype={precision.param_dtype.value}: accelerate keeps fp32 weights under "
+            f"mixed precision; the file says {name}"
+        )
     # accelerate's FSDP reduces gradients in the mixed-precision dtype; DDP and DeepSpeed here in fp32.
     reduced = precision.compute_dtype if distributed_type == "FSDP" else Dtype.fp32
     if precision.reduce_dtype is not reduced and precision.compute_dtype is not Dtype.fp32:
-        notes.append(f"precision.reduce_dtype={precision.reduce_dtype.value}: accelerate reduces these gradients in "
-                     f"{reduced.value}, and its file cannot choose otherwise")
+        notes.append(
+            f"precision.reduce_dtype={precision.reduce_dtype.value}: accelerate reduces these gradients in "
+            f"{reduced.value}, and its file cannot choose otherwise"
+        )
     defaults = PrecisionConfig()
     if precision.compute_dtype is Dtype.fp16 and (
-            (precision.initial_loss_scale, precision.loss_scale_growth_interval)
-            != (defaults.initial_loss_scale, defaults.loss_scale_growth_interval)):
-        notes.append(f"precision.initial_loss_scale={precision.initial_loss_scale:g}, precision.loss_scale_growth_"
-                     f"interval={precision.loss_scale_growth_interval}: accelerate takes them in the script "
-                     "(GradScalerKwargs)")
+        (precision.initial_loss_scale, precision.loss_scale_growth_interval)
+        != (defaults.initial_loss_scale, defaults.loss_scale_growth_interval)
+    ):
+        notes.append(
+            f"precision.initial_loss_scale={precision.initial_loss_scale:g}, precision.loss_scale_growth_"
+            f"interval={precision.loss_scale_growth_interval}: accelerate takes them in the script "
+            "(GradScalerKwargs)"
+        )
     return name
 
 
 def fsdp_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) -> dict[str, Any]:
     strategy = spec.strategy
-    notes.append("fsdp_config is in FSDP1's form (accelerate's default fsdp_version 1), whose keys the runner's FSDP2 "
-                 "takes; accelerate's fsdp_version 2 has no prefetch or sync_module_states keys")
+    notes.append(
+        "fsdp_config is in FSDP1's form (accelerate's default fsdp_version 1), whose keys the runner's FSDP2 "
+        "takes; accelerate's fsdp_version 2 has no prefetch or sync_module_states keys"
+    )
     section: dict[str, Any] = {
         "fsdp_sharding_strategy": strategy.sharding_strategy.value,
         "fsdp_auto_wrap_policy": strategy.auto_wrap_policy.value,
@@ -117,23 +134,32 @@ def fsdp_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) -> dict
             notes.append(f"strategy.{key}={getattr(strategy, key)}: FSDP1 prefetches one block; the file says so")
     if strategy.tp_size > 1 or strategy.cp_size > 1:
         dims = spec.layout
-        return {"fsdp_config": section, "parallelism_config": {
-            "parallelism_config_dp_replicate_size": dims.dp_replicate,
-            "parallelism_config_dp_shard_size": dims.dp_shard, "parallelism_config_tp_size": dims.tp,
-            "parallelism_config_cp_size": dims.cp}}
+        return {
+            "fsdp_config": section,
+            "parallelism_config": {
+                "parallelism_config_dp_replicate_size": dims.dp_replicate,
+                "parallelism_config_dp_shard_size": dims.dp_shard,
+                "parallelism_config_tp_size": dims.tp,
+                "parallelism_config_cp_size": dims.cp,
+            },
+        }
     if strategy.sharding_strategy.hybrid and strategy.hybrid_group_size(hardware) != hardware.nproc_per_node:
-        notes.append(f"strategy.sharding_strategy={strategy.sharding_strategy.value} shards within groups of "
-                     f"{strategy.hybrid_group_size(hardware)} processes; accelerate's within each node")
+        notes.append(
+            f"strategy.sharding_strategy={strategy.sharding_strategy.value} shards within groups of "
+            f"{strategy.hybrid_group_size(hardware)} processes; accelerate's within each node"
+        )
     return {"fsdp_config": section}
 
 
 def deepspeed_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) -> dict[str, Any]:
     strategy = spec.strategy
     if strategy.config_file:
-        notes.append(f"strategy.config_file: accelerate takes the whole DeepSpeed config from {strategy.config_file}; "
-                     f"the runner adds the spec's to it: zero_stage={strategy.zero_stage}, offload_optimizer="
-                     f"{strategy.offload_optimizer.value}, offload_param={strategy.offload_param.value}, gradient "
-                     f"accumulation {spec.train.grad_accum_steps}, clipping {spec.train.max_grad_norm:g}")
+        notes.append(
+            f"strategy.config_file: accelerate takes the whole DeepSpeed config from {strategy.config_file}; "
+            f"the runner adds the spec's to it: zero_stage={strategy.zero_stage}, offload_optimizer="
+            f"{strategy.offload_optimizer.value}, offload_param={strategy.offload_param.value}, gradient "
+            f"accumulation {spec.train.grad_accum_steps}, clipping {spec.train.max_grad_norm:g}"
+        )
         section: dict[str, Any] = {"deepspeed_config_file": strategy.config_file, "zero3_init_flag": False}
     else:
         section = {
@@ -152,16 +178,24 @@ def deepspeed_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) ->
     if not strategy.config_file:
         section["seq_parallel_communication_data_type"] = spec.precision.reduce_dtype.value
     dims = spec.layout
-    return {"deepspeed_config": section, "parallelism_config": {
-        "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": dims.dp_shard,
-        "parallelism_config_tp_size": 1, "parallelism_config_sp_size": dims.cp,
-        "parallelism_config_sp_backend": "deepspeed"}}
+    return {
+        "deepspeed_config": section,
+        "parallelism_config": {
+            "parallelism_config_dp_replicate_size": 1,
+            "parallelism_config_dp_shard_size": dims.dp_shard,
+            "parallelism_config_tp_size": 1,
+            "parallelism_config_sp_size": dims.cp,
+            "parallelism_config_sp_backend": "deepspeed",
+        },
+    }
 
 
 def fp8_section(precision: PrecisionConfig, notes: list[str]) -> dict[str, Any]:
     fp8 = precision.fp8
-    notes.append(f"precision.fp8.recipe={fp8.recipe.value}, min_features={fp8.min_features}, skip={shown(fp8.skip)}, "
-                 f"emulate={shown(fp8.emulate)}: accelerate's file has no such keys")
+    notes.append(
+        f"precision.fp8.recipe={fp8.recipe.value}, min_features={fp8.min_features}, skip={shown(fp8.skip)}, "
+        f"emulate={shown(fp8.emulate)}: accelerate's file has no such keys"
+    )
     backend = {value: name for name, value in FP8_BACKENDS.items()}[fp8.backend.value]
     section = {"backend": backend, "enable_fsdp_float8_all_gather": fp8.all_gather}
     if backend == "TE":  # Transformer Engine's delayed scaling: DelayedScaling's names are accelerate's keys
@@ -172,11 +206,15 @@ def fp8_section(precision: PrecisionConfig, notes: list[str]) -> dict[str, Any]:
 def ddp_keys(spec: RunSpec, hardware: HardwareConfig, notes: list[str]) -> dict[str, Any]:
     """DDP has no section: its keys are the script's."""
     strategy, default = spec.strategy, type(spec.strategy)()
-    if (strategy.find_unused_parameters, strategy.bucket_cap_mb) != (default.find_unused_parameters,
-                                                                      default.bucket_cap_mb):
-        notes.append(f"strategy.find_unused_parameters={shown(strategy.find_unused_parameters)}, "
-                     f"strategy.bucket_cap_mb={strategy.bucket_cap_mb}: accelerate takes them in the script "
-                     "(DistributedDataParallelKwargs)")
+    if (strategy.find_unused_parameters, strategy.bucket_cap_mb) != (
+        default.find_unused_parameters,
+        default.bucket_cap_mb,
+    ):
+        notes.append(
+            f"strategy.find_unused_parameters={shown(strategy.find_unused_parameters)}, "
+            f"strategy.bucket_cap_mb={strategy.bucket_cap_mb}: accelerate takes them in the script "
+            "(DistributedDataParallelKwargs)"
+        )
     return {}
 
 
