@@ -37,7 +37,7 @@ from runner.files.checkpoint_dirs import complete_checkpoints
 from runner.framework_imports import collector_paused
 from runner.library_noise import name_deepspeed_accelerator, quiet_libraries
 from runner.memory.disk import check_disk, check_sweep_disk, disk_need
-from runner.planning.time_plan import TimePlan, plan, requeue_line, sweep_line
+from runner.planning.time_plan import plan
 from runner.processes.cluster import (
     Task,
     check_launcher,
@@ -48,7 +48,7 @@ from runner.processes.cluster import (
     submits_to_cluster,
 )
 from runner.processes.signals import SweepStop
-from runner.tools.sweep_report import record_error, write_report
+from runner.tools.sweep_report import print_estimates, record_error, requeues, write_report
 
 if TYPE_CHECKING:
     from hydra.core.override_parser.types import Override
@@ -142,7 +142,8 @@ def run_job_here_or_on_workers(
     # The engine (and torch with it) is imported once a job runs: `run --help`, `run --cfg job` and the tasks that
     # launch nothing answer without it.
     from runner.distributed import Ranks
-    from runner.processes.launch import launch, run_task
+    from runner.processes.launch import launch
+    from runner.processes.rank import run_task
 
     if not spec.strategy.distributed:
         return spec.task.run(spec, run_dir, Ranks(), identity, inputs)["objective"]
@@ -348,27 +349,6 @@ class ValidateSpec(Callback):
                 said = requeues(plan(spec), launcher) if spec.task.trains else None
                 if said:
                     print(f"{name}: {said}", flush=True)
-
-
-def print_estimates(
-    answered: dict[str, str], plans: dict[str, Optional[TimePlan]], launcher: Optional[DictConfig]
-) -> None:
-    """Each job's estimate, its cluster time limit's requeues where it passes it, then the sweep's total time
-    (`plans`: each job's TimePlan, or None where its task plans no training run)."""
-    for name, answer in answered.items():
-        said = "\n".join(filter(None, [answer, requeues(plans.get(name), launcher)]))
-        print(f"== {name}\n{said}\n", flush=True)
-    planned = [planned for planned in plans.values() if planned is not None]
-    if planned:
-        print(sweep_line(planned), flush=True)
-
-
-def requeues(planned: Optional[TimePlan], launcher: Optional[DictConfig]) -> Optional[str]:
-    """How many requeues a job planned to take longer than the submitit launcher's time limit will take; None
-    where it fits, or where there is no launcher, time limit or plan."""
-    if planned is None or launcher is None or "timeout_min" not in launcher:
-        return None
-    return requeue_line(planned, launcher.timeout_min, launcher.get("signal_delay_s", 0))
 
 
 def refuse_used_directory(directory: Path, key: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -13,6 +14,9 @@ from typing import Any, Callable, Protocol
 from runner.components.tracker_services import unanswered, wandb_key_known
 from runner.config.tracker import REDACTED, MLflowConfig, RunIdentity, TensorBoardConfig, TrackerConfig, WandbConfig
 from runner.errors import require
+from runner.files.refused_writes import refused_write
+
+log = logging.getLogger("runner")
 
 
 def check_wandb_service(config: WandbConfig) -> None:
@@ -187,3 +191,19 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def call_tracker(trackers: list[Tracker], tracker: Tracker, call: Callable[[], None]) -> None:
+    """A tracker that cannot write (a full disk, a read-only directory) is reported once and dropped; training goes
+    on, its checkpoints say whether the disk holds them."""
+    try:
+        call()
+    except Exception as error:
+        if not refused_write(error):
+            raise
+        log.warning(
+            "%s stopped recording: %s; training goes on without it",
+            type(tracker).__name__,
+            " ".join(str(error).split())[:200],
+        )
+        trackers.remove(tracker)

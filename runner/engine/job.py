@@ -256,46 +256,9 @@ def batch_sources(
     # On CUDA, batches are built in pinned memory: their copies to the device need not wait.
     pin = device.type == "cuda" and torch.cuda.is_available()
     if spec.data.format is DataFormat.prompt:  # each step's prompts, whose completions make its rows
-        per_step = train.micro_batch_size * dp_size * train.grad_accum_steps // spec.task.rows_per_prompt
-
-        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[prompts.PromptBatch]:
-            return prompts.prompt_steps(
-                train_set,
-                per_step=per_step,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-                seed=spec.seed,
-                start_step=start_step,
-                steps_per_draw=spec.task.steps_per_draw,
-            )
-
-        def eval_prompts() -> Iterator[prompts.PromptBatch]:
-            return prompts.eval_prompt_batches(
-                eval_set,
-                batch_size=train.micro_batch_size,
-                max_batches=train.eval_batches,
-                dp_rank=dp_rank,
-                dp_size=dp_size,
-            )
-
-        return train_batches, eval_prompts, len(eval_set)
+        return _prompt_sources(spec, train_set, eval_set, dp_rank, dp_size)
     if spec.data.streaming:
-        stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
-        # Each rank evaluates its share of the eval rows from its own held-out documents.
-        eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
-
-        def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
-            return ahead(
-                batches.streamed_batches(
-                    stream,
-                    micro_batch_size=train.micro_batch_size,
-                    grad_accum_steps=train.grad_accum_steps,
-                    pad_token_id=pad,
-                    position=position,
-                    pin=pin,
-                )
-            )
-
+        train_batches, eval_set = _streamed_sources(spec, tokenizer, dp_rank, dp_size, pin)
         eval_rank, eval_size, eval_sequences = 0, 1, len(eval_set) * dp_size
     else:
 
@@ -328,3 +291,53 @@ def batch_sources(
         )
 
     return train_batches, eval_batches, eval_sequences
+
+
+def _prompt_sources(spec: RunSpec, train_set: Optional[RowSet], eval_set: Optional[RowSet], dp_rank: int, dp_size: int):
+    """task=grpo's: each step's prompts, whose completions make its rows, and the held-out prompts."""
+    train = spec.train
+    per_step = train.micro_batch_size * dp_size * train.grad_accum_steps // spec.task.rows_per_prompt
+
+    def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[prompts.PromptBatch]:
+        return prompts.prompt_steps(
+            train_set,
+            per_step=per_step,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            seed=spec.seed,
+            start_step=start_step,
+            steps_per_draw=spec.task.steps_per_draw,
+        )
+
+    def eval_prompts() -> Iterator[prompts.PromptBatch]:
+        return prompts.eval_prompt_batches(
+            eval_set,
+            batch_size=train.micro_batch_size,
+            max_batches=train.eval_batches,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
+
+    return train_batches, eval_prompts, len(eval_set)
+
+
+def _streamed_sources(spec: RunSpec, tokenizer: PreTrainedTokenizerBase, dp_rank: int, dp_size: int, pin: bool):
+    """A streamed corpus's train batches, and this rank's eval rows from its own held-out documents."""
+    train, pad = spec.train, tokenizer.pad_token_id
+    stream = StreamedRows(spec.data, tokenizer, spec.seed, dp_rank, dp_size)
+    # Each rank evaluates its share of the eval rows from its own held-out documents.
+    eval_set = stream.eval_rows(max(1, train.eval_batches * train.micro_batch_size // dp_size))
+
+    def train_batches(start_step: int, position: Optional[dict[str, int]]) -> Iterator[batches.GlobalBatch]:
+        return ahead(
+            batches.streamed_batches(
+                stream,
+                micro_batch_size=train.micro_batch_size,
+                grad_accum_steps=train.grad_accum_steps,
+                pad_token_id=pad,
+                position=position,
+                pin=pin,
+            )
+        )
+
+    return train_batches, eval_set

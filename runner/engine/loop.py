@@ -6,52 +6,34 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from dataclasses import asdict, fields
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from runner.components import lora
+from runner.components.trackers import call_tracker
 from runner.engine import checkpoint
-from runner.engine.metrics import MetricsWindow, ProgressBar, compile_seconds, peak_memory_gib
+from runner.engine.metrics import MetricsWindow, ProgressBar, compile_seconds
 from runner.engine.out_of_memory import out_of_memory, record_out_of_memory
 from runner.engine.overview import overview
-from runner.engine.placement import frozen_base
+from runner.engine.progress import Progress
+from runner.engine.run_end import finish
 from runner.engine.step import SHOWN_METRICS, benchmark, evaluate, objective_of, train_step
 from runner.engine.tally import DeviceTally
 from runner.errors import DeviceOutOfMemory, NonFiniteLoss, RewardFailed, Stopped
-from runner.files.atomic import move_into_place, write_json_atomically
 from runner.files.checkpoint_dirs import checkpoints_dir, complete_checkpoints
-from runner.files.refused_writes import refused_write, written_whole
-from runner.memory.disk import disk_need
 from runner.memory.out_of_memory_report import out_of_memory_line, take_out_of_memory_record
-from runner.planning.time_plan import TimePlan, flops_per_token, hardware_identity, plan, step_flops
+from runner.planning.time_plan import TimePlan, flops_per_token, plan
 from runner.processes.signals import GracefulStop, StopVote
 from runner.processes.stall_watch import StallWatch, process_watch, stalls_file
-from runner.strategies.strategy_protocol import unwrapped
 
 if TYPE_CHECKING:
-    from runner.components.trackers import Tracker
     from runner.data.batches import GlobalBatch
     from runner.engine.job import PreparedJob
     from runner.engine.tally import Reading
     from runner.strategies.strategy_protocol import StepOutcome
 
 log = logging.getLogger("runner")
-
-
-@dataclass
-class Progress:
-    """What the loop has counted; a checkpoint keeps it, and a resumed run goes on from it."""
-
-    first_eval_loss: float = math.nan
-    tokens_seen: float = 0
-    train_time: float = 0.0  # the steps' own, compilation aside
-    skipped_steps: int = 0
-    best_value: float = math.nan  # train.keep_best's metric's best value so far, and its step
-    best_step: int = 0
 
 
 def train(job: PreparedJob) -> dict[str, Any]:
@@ -108,25 +90,10 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
         seconds = time.perf_counter() - read_at - (compiled - compiled_before)
         progress.train_time, progress.tokens_seen = progress.train_time + seconds, progress.tokens_seen + reading.tokens
         window.add(reading, seconds)
-        # The mean tokens/s of the training steps so far, as the done line gives it.
-        shown = {
-            "loss": f"{reading.loss / reading.steps:.4f}",
-            "tokens_per_s": f"{progress.tokens_seen / progress.train_time:,.0f}",
-        }
+        shown = {"loss": f"{reading.loss / reading.steps:.4f}", "tokens_per_s": f"{progress.tokens_per_s:,.0f}"}
         bar.advance(**shown)
-
         if logging_step:
-            train_loss = _log(
-                job,
-                step,
-                window.close(
-                    job.scheduler.get_last_lr()[0],
-                    reading.grad_norm,
-                    result.outcome.loss_scale,
-                    progress.tokens_seen,
-                    job.device,
-                ),
-            )
+            train_loss = _log(job, step, window, reading, result.outcome, progress)
         fresh = _evaluated(job, step, evaluating, benchmarking, progress, watch)
         evaluated, best = {**evaluated, **fresh}, _best_so_far(job, step, fresh, progress)
         if checkpointing or stopping or best:
@@ -145,7 +112,7 @@ def _train(job: PreparedJob, batches: Iterator[GlobalBatch], stop: GracefulStop,
     vote.close()
     bar.close()
     watch.entering("saving the model")
-    return _finish(job, progress, train_loss, evaluated, started, planned)
+    return finish(job, progress, train_loss, evaluated, started, planned)
 
 
 def _evaluated(
@@ -280,9 +247,13 @@ def _start(job: PreparedJob) -> tuple[MetricsWindow, Optional[TimePlan]]:
     return MetricsWindow(flops_per_token(spec), spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size), planned
 
 
-def _log(job: PreparedJob, step: int, record: dict[str, Any]) -> float:
+def _log(
+    job: PreparedJob, step: int, window: MetricsWindow, reading: Reading, outcome: StepOutcome, progress: Progress
+) -> float:
+    lr = job.scheduler.get_last_lr()[0]
+    record = window.close(lr, reading.grad_norm, outcome.loss_scale, progress.tokens_seen, job.device)
     for tracker in list(job.trackers):
-        _tracked(job, tracker, lambda: tracker.log(record, step))
+        call_tracker(job.trackers, tracker, lambda: tracker.log(record, step))
     shown = "".join(f" | {name} {record[name]:.4f}" for name in SHOWN_METRICS if name in record)
     log.info(
         "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %s tokens/s%s",
@@ -295,158 +266,3 @@ def _log(job: PreparedJob, step: int, record: dict[str, Any]) -> float:
         shown,
     )
     return record["loss"]
-
-
-def _tracked(job: PreparedJob, tracker: Tracker, call: Callable[[], None]) -> None:
-    """A tracker that cannot write (a full disk, a read-only directory) is reported once and dropped; training goes
-    on, its checkpoints say whether the disk holds them."""
-    try:
-        call()
-    except Exception as error:
-        if not refused_write(error):
-            raise
-        log.warning(
-            "%s stopped recording: %s; training goes on without it",
-            type(tracker).__name__,
-            " ".join(str(error).split())[:200],
-        )
-        job.trackers.remove(tracker)
-
-
-def _finish(
-    job: PreparedJob,
-    progress: Progress,
-    train_loss: float,
-    evaluated: dict[str, float],
-    started: float,
-    planned: Optional[TimePlan],
-) -> dict[str, Any]:
-    """The model saved, summary.json written, the trackers finished; the summary, with the last evaluation's
-    metrics (task=dpo's rewards), the FLOP rate reached (which later runs' plans read) and what was predicted."""
-    eval_loss = evaluated["eval_loss"]
-    model_dir = save_model(job) if job.spec.train.save_model else None
-    summary = {
-        "steps": job.spec.train.max_steps,
-        "train_loss": train_loss,
-        "first_eval_loss": progress.first_eval_loss,
-        "eval_loss": eval_loss,
-        "tokens_seen": progress.tokens_seen,
-        "skipped_steps": progress.skipped_steps,
-        "tokens_per_s": progress.tokens_seen / progress.train_time,
-        # This process's: the evaluations' graphs too (a resumed run compiles again)
-        "compile_time_s": compile_seconds() if job.spec.train.compile else 0.0,
-        "peak_memory_gib": peak_memory_gib(job.device),
-        "wall_time_s": time.perf_counter() - started,
-        "run_dir": str(job.run_dir),
-        "model_dir": str(model_dir) if model_dir else None,
-        "precision": job.precision_in_effect().as_dict(),
-        **_rate_reached(job, progress),
-        "predicted": planned.as_dict() if planned is not None else None,
-        "best": _best(job, progress),
-        **{name: value for name, value in evaluated.items() if name != "eval_loss"},
-    }
-    summary["gpu_hours"] = summary["wall_time_s"] * job.ranks.world_size / 3600
-    summary["cost"] = summary["gpu_hours"] * job.spec.hardware.cost_per_gpu_hour or None  # (where a price is set)
-    if job.ranks.rank == 0:
-        write_json_atomically(job.run_dir / "summary.json", summary)
-    for tracker in list(job.trackers):
-        _tracked(job, tracker, tracker.finish)
-    log.info(
-        "done: train loss %.4f | eval loss %.4f (from %.4f) | %s tokens/s (mean of the training steps) | "
-        "peak memory %.2f GiB | %.0f s%s",
-        train_loss,
-        eval_loss,
-        progress.first_eval_loss,
-        f"{summary['tokens_per_s']:,.0f}",
-        summary["peak_memory_gib"],
-        summary["wall_time_s"],
-        f" (torch.compile: {summary['compile_time_s']:.0f} s of it)" if job.spec.train.compile else "",
-    )
-    log.info("outputs: %s%s", job.run_dir, f" (model: {model_dir})" if model_dir else "")
-    adapter_only = job.spec.adapter.active and not job.spec.adapter.merge
-    if model_dir and adapter_only:
-        log.info(
-            "use it: PeftModel.from_pretrained(<the base>, %s) (peft); adapter.merge=true also saves the merged "
-            "model, which task=evaluate and task=generate read",
-            model_dir,
-        )
-    elif model_dir and job.spec.data.format.value == "prompt":  # (its spec's data are prompts, not rows to evaluate)
-        log.info("use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line>", model_dir)
-    elif model_dir:
-        log.info(
-            "use it: run task=generate task.trained=%s task.prompts=<a file, a prompt per line> | "
-            "run task=evaluate task.trained=%s",
-            job.run_dir,
-            job.run_dir,
-        )
-    return summary
-
-
-def _best(job: PreparedJob, progress: Progress) -> Optional[dict[str, Any]]:
-    """train.keep_best's checkpoint: its metric, value, step and directory."""
-    kept = checkpoint.best_checkpoint(job.run_dir) if job.keep_best is not None else None
-    if kept is None:
-        return None
-    log.info(
-        "best checkpoint: %s (%s %.4f at step %d)", kept, job.keep_best.metric, progress.best_value, progress.best_step
-    )
-    return {
-        "metric": job.keep_best.metric,
-        "value": progress.best_value,
-        "step": progress.best_step,
-        "checkpoint": str(kept),
-    }
-
-
-def _rate_reached(job: PreparedJob, progress: Progress) -> dict[str, Any]:
-    """The steps' own time and the FLOP rate they reached (their work counted as the plan counts it: rows at full
-    length), and on what: what later runs' plans read."""
-    spec, per_step = job.spec, step_flops(job.spec)
-    step_s = progress.train_time / spec.train.max_steps
-    achieved = per_step / step_s
-    peak = spec.hardware.peak_bf16_tflops * 1e12 * job.ranks.world_size
-    return {
-        "flops_per_token": flops_per_token(spec),
-        "flops_per_step": per_step,
-        "step_time_s": step_s,
-        "achieved_tflops": achieved / 1e12,
-        "mfu": achieved / peak if peak else None,
-        "identity": hardware_identity(spec),
-    }
-
-
-def save_model(job: PreparedJob) -> Optional[Path]:
-    """save_pretrained (safetensors) of the whole model, or the adapter of a frozen base, plus the tokenizer, by
-    rank 0, moved into place once complete; every rank takes part in gathering the weights."""
-    final = job.run_dir / "model"
-    state = job.stepper.full_state_dict()
-    if job.ranks.rank == 0:
-        partial = job.run_dir / "model.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        with written_whole(partial, "the model", job.run_dir, lambda: disk_need(job.spec).export, trained=True):
-            if job.spec.adapter.active:
-                save_adapter(job, state, partial, final)
-            else:
-                unwrapped(job.model).save_pretrained(partial, state_dict=state)
-            job.tokenizer.save_pretrained(partial)
-        move_into_place(partial, final)  # a resumed run replaces the model its first part saved
-    return final
-
-
-def save_adapter(job: PreparedJob, state: Optional[dict[str, Any]], directory: Path, final: Path) -> None:
-    """The adapter in peft's format; the base beside it (base/) when it was initialised here rather than loaded
-    from model.pretrained; with adapter.merge, the merged model (merged/)."""
-    spec, model = job.spec, unwrapped(job.model)
-    trained = (
-        state
-        if state is not None
-        else {name: parameter.detach() for name, parameter in model.named_parameters() if parameter.requires_grad}
-    )
-    needs_base = spec.adapter.merge or not spec.model.pretrained
-    base = frozen_base(spec, job.tokenizer) if needs_base else None
-    if not spec.model.pretrained:
-        base.save_pretrained(directory / "base")
-    lora.export(directory, spec.adapter, trained, model, spec.model.pretrained or str(final / "base"))
-    if spec.adapter.merge:
-        lora.export_merged(directory / "merged", spec.adapter, trained, base, spec.hardware.world_size)
-        job.tokenizer.save_pretrained(directory / "merged")

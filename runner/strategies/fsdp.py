@@ -153,38 +153,11 @@ class FSDPStrategy(StrategyConfig):
             f"a node: pick a divisor of {machine.nproc_per_node}",
         )
         model_parallel = self.pp_size * self.cp_size * self.tp_size
-        sizes = " x ".join(
-            f"strategy.{key}={size}"
-            for key, size in (("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size))
-            if size != 1
-        )
         require(
             self.pp_size >= 1 and self.cp_size >= 1 and machine.world_size % model_parallel == 0,
-            f"{sizes} does not divide the {machine.world_size} processes {processes_given}",
+            f"{self._model_parallel_sizes(' x ')} does not divide the {machine.world_size} processes {processes_given}",
         )
-        data_parallel = machine.world_size // model_parallel
-        group = self.hybrid_group_size(machine)
-        if self.sharding_strategy.hybrid:
-            split = " / ".join(
-                f"strategy.{key}={size}"
-                for key, size in (("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size))
-                if size > 1
-            )
-            ranks = (
-                f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / {split})"
-                if split
-                else f"the {machine.world_size} processes {processes_given}"
-            )
-            require(
-                group >= 1 and data_parallel % group == 0,
-                f"strategy.hybrid_shard_size={group} does not divide {ranks}; pick a divisor of {data_parallel}",
-            )
-        else:
-            require(
-                self.hybrid_shard_size is None,
-                f"strategy.hybrid_shard_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not "
-                f"{self.sharding_strategy.value}",
-            )
+        self._check_hybrid_group(machine, machine.world_size // model_parallel, processes_given)
         if self.tp_size > 1:
             self._check_tensor_parallel(spec)
         if self.async_tp:
@@ -213,6 +186,30 @@ class FSDPStrategy(StrategyConfig):
         require(
             self.forward_prefetch >= 0 and self.backward_prefetch >= 0,
             "strategy.forward_prefetch and strategy.backward_prefetch must be >= 0",
+        )
+
+    def _model_parallel_sizes(self, joined_by: str) -> str:
+        """The model-parallel sizes set (pp, cp, tp), as the command line sets them."""
+        sizes = (("pp_size", self.pp_size), ("cp_size", self.cp_size), ("tp_size", self.tp_size))
+        return joined_by.join(f"strategy.{key}={size}" for key, size in sizes if size != 1)
+
+    def _check_hybrid_group(self, machine: HardwareConfig, data_parallel: int, processes_given: str) -> None:
+        if not self.sharding_strategy.hybrid:
+            require(
+                self.hybrid_shard_size is None,
+                f"strategy.hybrid_shard_size applies to HYBRID_SHARD and HYBRID_SHARD_ZERO2 only, not "
+                f"{self.sharding_strategy.value}",
+            )
+            return
+        group, split = self.hybrid_group_size(machine), self._model_parallel_sizes(" / ")
+        ranks = (
+            f"the {data_parallel} data-parallel ranks ({machine.world_size} processes / {split})"
+            if split
+            else f"the {machine.world_size} processes {processes_given}"
+        )
+        require(
+            group >= 1 and data_parallel % group == 0,
+            f"strategy.hybrid_shard_size={group} does not divide {ranks}; pick a divisor of {data_parallel}",
         )
 
     def _check_tensor_parallel(self, spec: RunSpec) -> None:

@@ -115,7 +115,6 @@ class EvaluateTask(InferenceTaskConfig):
         from runner.engine.metrics import peak_memory_gib
         from runner.engine.step import mean_loss
         from runner.files.atomic import write_json_atomically
-        from runner.generation.benchmark_model import Shard
         from runner.generation.data_parallel import inference_model
 
         rows = inputs if inputs is not None else self.inputs(spec)
@@ -139,19 +138,7 @@ class EvaluateTask(InferenceTaskConfig):
         try:
             result = mean_loss(model.model, batches, model.device, model.autocast, dims.counted(ranks.rank))
             seconds = time.perf_counter() - started
-            scores = (
-                self.loaded_benchmarks().scores(
-                    model.model,
-                    model.tokenizer,
-                    model.device,
-                    model.autocast,
-                    spec.data.seq_len,
-                    spec.train.micro_batch_size,
-                    Shard(dims.dp_rank(ranks.rank), dims.dp_size, dims.counted(ranks.rank)),
-                )
-                if self.benchmarks
-                else {}
-            )
+            scores = self.scores(model, spec, dims, ranks.rank) if self.benchmarks else {}
         finally:
             model.release()
         summary = {
@@ -174,6 +161,21 @@ class EvaluateTask(InferenceTaskConfig):
                 log.info("%s", line)
             log.info("outputs: %s", run_dir / "eval.json")
         return {**summary, "objective": result.loss}
+
+    def scores(self, model: Any, spec: RunSpec, dims: Any, rank: int) -> dict[str, float]:
+        """The benchmarks' scores of the placed model, each rank scoring its share of the documents."""
+        from runner.generation.benchmark_model import Shard
+
+        shard = Shard(dims.dp_rank(rank), dims.dp_size, dims.counted(rank))
+        return self.loaded_benchmarks().scores(
+            model.model,
+            model.tokenizer,
+            model.device,
+            model.autocast,
+            spec.data.seq_len,
+            spec.train.micro_batch_size,
+            shard,
+        )
 
 
 def table(summary: dict[str, Any]) -> list[str]:

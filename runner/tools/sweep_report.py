@@ -1,7 +1,8 @@
 """The sweep report: after each job of a sweep, `report.md`, `report.csv` and `loss_curves.png` in the sweep
 directory, one row per job so far (a failed job as failed, with its error), so that a sweep that dies still
 leaves its report; once more when the sweep ends, when the jobs that ran side by side (on a cluster) are all done,
-or when a signal stops it (the job it reached as stopped, the later ones as not started)."""
+or when a signal stops it (the job it reached as stopped, the later ones as not started). A sweep of estimates
+prints each job's answer, the requeues a cluster's time limit costs it, and the sweep's total time instead."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from runner.errors import Stopped
+from runner.planning.time_plan import TimePlan, requeue_line, sweep_line
 from runner.processes.cluster import is_first_task
 
 COLUMNS = [
@@ -202,3 +204,24 @@ def draw(
     axes.set_ylabel(name)
     if axes.lines:
         axes.legend(fontsize="small")
+
+
+def print_estimates(
+    answered: dict[str, str], plans: dict[str, Optional[TimePlan]], launcher: Optional[DictConfig]
+) -> None:
+    """Each job's estimate, its cluster time limit's requeues where it passes it, then the sweep's total time
+    (`plans`: each job's TimePlan, or None where its task plans no training run)."""
+    for name, answer in answered.items():
+        said = "\n".join(filter(None, [answer, requeues(plans.get(name), launcher)]))
+        print(f"== {name}\n{said}\n", flush=True)
+    planned = [planned for planned in plans.values() if planned is not None]
+    if planned:
+        print(sweep_line(planned), flush=True)
+
+
+def requeues(planned: Optional[TimePlan], launcher: Optional[DictConfig]) -> Optional[str]:
+    """How many requeues a job planned to take longer than the submitit launcher's time limit will take; None
+    where it fits, or where there is no launcher, time limit or plan."""
+    if planned is None or launcher is None or "timeout_min" not in launcher:
+        return None
+    return requeue_line(planned, launcher.timeout_min, launcher.get("signal_delay_s", 0))

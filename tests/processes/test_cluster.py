@@ -112,7 +112,7 @@ def test_a_first_node_without_an_address_is_one_clear_error_not_a_wait():
 def test_a_cluster_jobs_rendezvous_port_is_never_one_the_host_lends_to_outgoing_connections():
     """Every task draws the port alike from the job's id; a port in the host's ephemeral range may be held by any
     client socket (one such draw, 33791, failed with EADDRINUSE while a sweep's jobs ran side by side)."""
-    from runner.processes.launch import task_port
+    from runner.processes.rank import task_port
 
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     ids = [str(n) for n in range(1, 5000)] + [f"{n}_{i}" for n in range(1, 500) for i in range(4)]
@@ -137,7 +137,7 @@ def test_a_task_whose_peers_never_come_ends_its_wait_with_one_line(rank, cause):
 
     from runner.errors import WorkerFailed
     from runner.processes.cluster import Task
-    from runner.processes.launch import join_task_group, task_port
+    from runner.processes.rank import join_task_group, task_port
 
     def free(port: int) -> bool:
         with socket.socket() as sock:

@@ -13,7 +13,8 @@ from runner.cli.app import validated
 from runner.cli.compose import compose_config
 from runner.config.hardware import StartMethod
 from runner.config.tracker import RunIdentity
-from runner.processes.launch import launch, start_method, worker
+from runner.processes.launch import launch, start_method
+from runner.processes.rank import worker
 from tests.support import DATA
 from tests.support.command import run_cli
 from tests.support.runs import logged, run_dirs
