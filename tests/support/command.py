@@ -264,8 +264,8 @@ def _stop_after_logging(step: int) -> None:
 
     log = loop._log
 
-    def logged_then_stopped(job, at, record):
-        logged = log(job, at, record)
+    def logged_then_stopped(job, at, *rest):
+        logged = log(job, at, *rest)
         if at == step and job.ranks.rank == 0:
             os.killpg(os.getpgid(0), signal.SIGSTOP)
         return logged
