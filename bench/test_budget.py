@@ -7,7 +7,7 @@ a machine of any speed. Not a test.
     python3 bench/test_budget.py --python /path/to/venv/bin/python
 
 The default job is `run` with no arguments (the `run` beside --python), in a temporary working directory; its time
-is the one its done line ends with (runner/engine/loop.py: from its first step to its saved model, without the
+is the one its done line ends with (runner/engine/run_end.py: from its first step to its saved model, without the
 start-up and the first evaluation), read unrounded from the summary.json of the run directory the output names.
 The two tiers run in the repository as CI runs them, `python -m pytest` (pyproject.toml's addopts), each timed
 wall-clock; their last line and exit status are shown. Exit status 1 when a limit is missed or a run failed. Each

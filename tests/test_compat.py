@@ -3,6 +3,7 @@ version's signature, methods or behaviour; and the installed libraries taking wh
 
 import dataclasses
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -25,7 +26,7 @@ class LaunchConfigOfTorch2_11:
 
 @dataclasses.dataclass
 class LaunchConfigOfTorch2_12(LaunchConfigOfTorch2_11):
-    shutdown_timeout: int | None = None
+    shutdown_timeout: Optional[int] = None
 
 
 def test_the_shutdown_timeout_is_passed_where_the_launch_config_takes_it():

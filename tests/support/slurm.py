@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "slurmdbd", "munge", "mariadb-server"]
 HOME = Path(os.environ.get("RUNNER_SLURM_DIR", "/tmp/runner-slurm"))
@@ -145,7 +146,7 @@ def environment() -> dict[str, str]:
     return {**os.environ, "SLURM_CONF": str(HOME / "slurm.conf")}
 
 
-def wait_for(what: str, ready, timeout: float, log: Path | None = None) -> None:
+def wait_for(what: str, ready, timeout: float, log: Optional[Path] = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if ready():
