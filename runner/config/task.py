@@ -20,6 +20,24 @@ from runner.files.paths import absolute_path
 Spec = TypeVar("Spec")  # a RunSpec: runner/config/spec.py imports this module, so it cannot be imported here
 
 
+def fit_check_setting() -> Any:
+    """`fit_check`, the same key of every task that places a model."""
+    return setting(
+        True,
+        "Before launch, refuse a job whose estimated peak memory per device exceeds the hardware's (false: launch "
+        "anyway).",
+    )
+
+
+def estimate_only_setting() -> Any:
+    """`estimate_only`, the same key of the tasks that task=estimate does not plan (dpo, grpo, evaluate, generate)."""
+    return setting(
+        False,
+        "Print the job's memory estimate per device (a post-training task's reference model and own terms counted) "
+        "and stop.",
+    )
+
+
 @dataclass
 class TaskConfig:
     """What every task option shares; each option's schema adds its own keys."""
@@ -58,14 +76,8 @@ class TaskConfig:
 class PostTrainingTaskConfig(TaskConfig):
     """What the tasks that train a policy against its initial model share (dpo, grpo)."""
 
-    fit_check: bool = setting(
-        True,
-        "Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).",
-    )
-    estimate_only: bool = setting(
-        False,
-        "Print the run's memory estimate per device (the reference model and the task's own terms counted) and stop.",
-    )
+    fit_check: bool = fit_check_setting()
+    estimate_only: bool = estimate_only_setting()
 
     @property
     def trains(self) -> bool:
@@ -114,11 +126,8 @@ class InferenceTaskConfig(TaskConfig):
         None,
         "Where device_map=auto puts the layers that fit nowhere else; unset: <run dir>/offload, removed at the end.",
     )
-    fit_check: bool = setting(
-        True,
-        "Before launch, refuse a job whose estimated memory per device exceeds the hardware's (false: run anyway).",
-    )
-    estimate_only: bool = setting(False, "Print the job's memory estimate per device and stop.")
+    fit_check: bool = fit_check_setting()
+    estimate_only: bool = estimate_only_setting()
 
     @property
     def runs_on_this_machine(self) -> bool:

@@ -12,8 +12,7 @@ from runner.compat import dtensor_flattens_a_sharded_sequence, pipeline_passes_i
 from runner.components.lora import targets
 from runner.components.trackers import check_services
 from runner.config.data import DataFormat
-from runner.config.fields import setting
-from runner.config.task import PostTrainingTaskConfig, TaskConfig
+from runner.config.task import PostTrainingTaskConfig, TaskConfig, fit_check_setting
 from runner.engine.checkpoint import check_resumable
 from runner.errors import require
 from runner.memory.advice import check_fit
@@ -35,10 +34,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainTask(TaskConfig):
-    fit_check: bool = setting(
-        True,
-        "Before launch, refuse a run whose estimated peak memory exceeds the hardware's (false: launch anyway).",
-    )
+    fit_check: bool = fit_check_setting()
 
     runs_on_this_machine: ClassVar[bool] = True
     trains: ClassVar[bool] = True
