@@ -204,7 +204,7 @@ def time_cfg_job(repeats: int, overrides: list[str], workdir: Path) -> dict[str,
         "cpu": {name: [] for name in names},
     }
     for repeat in range(repeats):
-        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+        for name in rotated(names, repeat):
             used, began = children_cpu(), time.perf_counter()
             subprocess.run(contenders[name], env=env, capture_output=True, cwd=workdir, check=True)
             times["wall"][name].append(time.perf_counter() - began)
@@ -233,15 +233,17 @@ def cfg_job_report(times: dict[str, dict[str, list[float]]]) -> str:
         for name, wall in times["wall"].items()
     ]
     lines.append("")
+    medians = {}
     for kind, measured in times.items():
         ratios = sorted(runner / bare for runner, bare in zip(measured[CFG_JOB], measured[BARE]))
+        medians[kind] = statistics.median(ratios)
         quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         lines.append(
             f"- {kind} time ratio per repeat, `run --cfg job` over the bare compose: median "
-            f"{statistics.median(ratios):.2f}, quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, range "
+            f"{medians[kind]:.2f}, quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}, range "
             f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
         )
-    ratio = statistics.median(runner / bare for runner, bare in zip(times["wall"][CFG_JOB], times["wall"][BARE]))
+    ratio = medians["wall"]
     lines.append(
         f"- within {CFG_JOB_RATIO_TARGET}x (the median wall time ratio): "
         f"{'met' if ratio <= CFG_JOB_RATIO_TARGET else 'MISSED'} ({ratio:.2f})"

@@ -19,10 +19,7 @@ from runner.errors import SpecError, did_you_mean
 
 def help_text(recipe_dirs: list[Path]) -> str:
     """The groups and their options, read from conf/ and the recipe directories without composing anything."""
-    defaults = {}
-    for entry in yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]:
-        if isinstance(entry, dict):
-            defaults.update(entry)
+    defaults = default_options()
     groups = [(p.name, sorted(p.glob("*.yaml"))) for p in GROUP_DIRS]
     groups.append(("recipe", [path for _, path in sorted(recipes.find(recipe_dirs).items())]))
     rows = []
@@ -72,16 +69,17 @@ def key_help(name: str) -> str:
     lines = textwrap.wrap(f"{name}: {help_of(next(f for f in fields(RunSpec) if f.name == name))}", 116)
     options = sorted((CONF_DIR / name).glob("*.yaml"))
     schemas = SCHEMAS.get(name) or {"base": hints(RunSpec)[name]}
+    default = default_options().get(name)
     if len(schemas) == 1:
         lines += ["", "Options (* the default), and the keys each sets:"] if options else []
         for path in options:
-            lines.append(f"  {path.stem:<20}{'*' if path.stem == default_option(name) else ' '} {first_comment(path)}")
+            lines.append(f"  {path.stem:<20}{'*' if path.stem == default else ' '} {first_comment(path)}")
             sets = " ".join(f"{key}={shown(value)}" for key, value in option_values(path))
             lines += textwrap.wrap(f"sets {sets}", 116, initial_indent=" " * 6, subsequent_indent=" " * 11)
         lines += ["", "Keys:", *key_lines(next(iter(schemas.values())), "", {})]
     for option, schema in schemas.items() if len(schemas) > 1 else ():
         path = CONF_DIR / name / f"{option}.yaml"
-        mark = " (the default)" if option == default_option(name) else ""
+        mark = " (the default)" if option == default else ""
         lines += ["", f"{name}={option}{mark}: {first_comment(path)}"]
         lines += key_lines(schema, "", dict(option_values(path)))
     return "\n".join(lines)
@@ -147,8 +145,7 @@ def flattened(node: dict, prefix: str) -> list[tuple[str, Any]]:
     return pairs
 
 
-def default_option(group: str) -> Optional[str]:
-    for entry in yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]:
-        if isinstance(entry, dict) and group in entry:
-            return entry[group]
-    return None
+def default_options() -> dict[str, Optional[str]]:
+    """Each group's default option, from the primary config's defaults list."""
+    entries = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]
+    return {group: option for entry in entries if isinstance(entry, dict) for group, option in entry.items()}

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from runner.data.rows import RowSet
     from runner.distributed import Ranks
     from runner.generation.benchmarks import Benchmarks
+    from runner.generation.data_parallel import InferenceModel
+    from runner.parallel.dims import ParallelDims
 
 log = logging.getLogger("runner")
 
@@ -162,7 +164,7 @@ class EvaluateTask(InferenceTaskConfig):
             log.info("outputs: %s", run_dir / "eval.json")
         return {**summary, "objective": result.loss}
 
-    def scores(self, model: Any, spec: RunSpec, dims: Any, rank: int) -> dict[str, float]:
+    def scores(self, model: InferenceModel, spec: RunSpec, dims: ParallelDims, rank: int) -> dict[str, float]:
         """The benchmarks' scores of the placed model, each rank scoring its share of the documents."""
         from runner.generation.benchmark_model import Shard
 
