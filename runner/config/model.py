@@ -5,18 +5,19 @@ The schema and its checks; runner/components/modeling.py builds what it names.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import Any, Dict, Optional
 
 from runner.config.fields import setting
 from runner.errors import require
 from runner.files.paths import absolute_path
 
-if TYPE_CHECKING:
-    pass
-
 BYTES = "bytes"
+# The config keys that count a MoE model's routed experts, by architecture: Qwen-MoE and OLMoE, Mixtral and gpt-oss,
+# DeepSeek-V3 and its descendants.
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass
@@ -54,6 +55,16 @@ def check(model: ModelConfig) -> None:
         )
     if model.tokenizer and model.tokenizer != BYTES and _looks_like_path(model.tokenizer):
         require(Path(model.tokenizer).expanduser().is_dir(), f"model.tokenizer={model.tokenizer} is not a directory")
+
+
+def expert_count(model: ModelConfig) -> Optional[int]:
+    """A MoE model's routed experts in each MoE layer, from its architecture or a local pretrained directory's
+    config.json; None for a dense model, or a hub model whose config is not on this machine."""
+    config = model.architecture
+    if model.pretrained and _looks_like_path(model.pretrained):
+        file = Path(model.pretrained).expanduser() / "config.json"
+        config = json.loads(file.read_text()) if file.is_file() else {}
+    return next((int(config[key]) for key in EXPERT_COUNT_KEYS if config.get(key)), None)
 
 
 def _looks_like_path(name: str, base: Path = Path(".")) -> bool:

@@ -8,6 +8,9 @@
                    shards over dp_shard x cp as torchtitan's dp_shard_cp; DeepSpeed's Ulysses, which ZeRO partitions
                    over too)
     tp             tensor-parallel ranks: each holds a part of every block, all of them run the same rows
+    ep             expert-parallel ranks, borrowed from dp_shard (torchtitan's): each holds 1/ep of every MoE layer's
+                   experts, and the tokens travel to their experts and back by an all-to-all; FSDP shards the
+                   experts over the rest of dp_shard (dp_shard_mod_ep) and everything else over the whole of it
 
 A global batch is split over the data-parallel ranks, dp_replicate x dp_shard of them (torchtitan's "batch"
 dimension); every stage of a pipeline, and every rank of a context-parallel group, runs the same rows. Consecutive
@@ -35,6 +38,7 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # a divisor of dp_shard, not a dimension of its own: the world is the product of the others
     # The pipeline stages each pp rank runs (2 under an interleaved schedule: rank r runs stages r and r + pp).
     stages_per_rank: int = 1
     _mesh: Optional[Any] = field(default=None, init=False, repr=False, compare=False)
@@ -73,7 +77,13 @@ class ParallelDims:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+            if self.ep > 1:  # dp_shard as (dp_shard_mod_ep x ep), consecutive ranks an expert-parallel group
+                shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
+                names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+                self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+                self._mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+            else:
+                self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
             if self.cp > 1:
                 self._mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             groups_wait_as_long_as_the_world(device_type)
@@ -85,8 +95,14 @@ class ParallelDims:
         mesh = self.mesh(device_type)
         return mesh["dp_replicate", "dp_shard_cp" if self.cp > 1 else "dp_shard"]
 
+    def experts_mesh(self, device_type: str) -> DeviceMesh:
+        """The dimensions FSDP shards and replicates the experts over: dp_replicate x dp_shard_mod_ep (each
+        expert-parallel rank's experts are its own, and only the ranks at its place in the other groups share them)."""
+        return self.mesh(device_type)["dp_replicate", "dp_shard_mod_ep"]
+
     def describe(self) -> str:
         shown = [
             (name, size) for name, size in zip(self.names, self.shape) if name not in ("pp", "cp", "tp") or size > 1
         ]
-        return f"mesh {' x '.join(str(size) for _, size in shown)} ({' x '.join(name for name, _ in shown)})"
+        described = f"mesh {' x '.join(str(size) for _, size in shown)} ({' x '.join(name for name, _ in shown)})"
+        return described + (f", experts over ep {self.ep} of dp_shard" if self.ep > 1 else "")

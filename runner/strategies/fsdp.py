@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, ClassVar, List, Optional
 
 from runner.config.fields import setting
 from runner.config.hardware import Accelerator
-from runner.config.precision import Dtype
 from runner.config.strategy import StrategyConfig
 from runner.errors import require
 from runner.memory.breakdown import Change, processes
 from runner.parallel.dims import ParallelDims
-from runner.parallel.pipeline.layout import PipelineSchedule
+from runner.parallel.experts_layout import check_expert_parallel
+from runner.parallel.pipeline.layout import PipelineSchedule, check_pipeline
 from runner.strategies import fsdp_memory, fsdp_placement
 from runner.strategies.fsdp_settings import AutoWrapPolicy, ShardingStrategy, StateDictType
 from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
@@ -125,6 +125,11 @@ class FSDPStrategy(StrategyConfig):
         "Context-parallel ranks: each sequence split into this many slices, the attention run as a ring among them "
         "(torch's context parallelism; CUDA only); FSDP shards over them too.",
     )
+    ep_size: int = setting(
+        1,
+        "Expert-parallel ranks (MoE models): each MoE layer's experts split over this many consecutive data-parallel "
+        "shards, tokens sent to their experts by an all-to-all; FSDP shards the experts over the other shards.",
+    )
 
     name: ClassVar[str] = "fsdp"
     distributed: ClassVar[bool] = True
@@ -168,9 +173,10 @@ class FSDPStrategy(StrategyConfig):
                 f"{str(spec.train.compile).lower()}) and CUDA GPUs (not {spec.hardware.accelerator.value})",
             )
         if self.pp_size > 1:
-            self._check_pipeline(spec)
+            check_pipeline(self, spec)
         if self.cp_size > 1:
             self._check_context_parallel(spec)
+        check_expert_parallel(self, spec)
         require(
             self.sync_module_states or not self.cpu_ram_efficient_loading,
             "strategy.cpu_ram_efficient_loading=true needs strategy.sync_module_states=true: the other ranks "
@@ -234,51 +240,6 @@ class FSDPStrategy(StrategyConfig):
             "torchtitan does; set train.compile=false",
         )
 
-    def _check_pipeline(self, spec: RunSpec) -> None:
-        """What the pipeline cannot run, refused before launch."""
-        pp, train = f"strategy.pp_size={self.pp_size}", spec.train
-        schedules = [schedule.value for schedule in PipelineSchedule]
-        require(
-            self.pp_schedule in schedules,
-            f"strategy.pp_schedule={self.pp_schedule} is not a schedule; use one of {', '.join(schedules)}",
-        )
-        schedule = self.pipeline_schedule
-        stages = self.pp_size * schedule.stages_per_rank
-        layers = spec.model.architecture.get("num_hidden_layers")
-        require(
-            layers is None or stages <= layers,
-            f"{pp} with strategy.pp_schedule={self.pp_schedule} cuts the model into {stages} stages, more "
-            f"than its {layers} decoder layers",
-        )
-        problem = schedule.microbatches_problem(train.grad_accum_steps, self.pp_size)
-        require(
-            problem is None,
-            f"strategy.pp_schedule={self.pp_schedule} with {pp}: {problem}, and a step has "
-            f"{train.grad_accum_steps} (train.grad_accum_steps, the micro batches each rank runs a step); raise "
-            "train.grad_accum_steps, or use strategy.pp_schedule=GPipe",
-        )
-        for refused, why in (
-            (
-                spec.data.seq_len % self.tp_size != 0,
-                f"strategy.tp_size={self.tp_size}: data.seq_len="
-                f"{spec.data.seq_len} must be a multiple of it (the stages pass on "
-                "each tensor-parallel rank's equal part of the sequence)",
-            ),
-            (spec.adapter.active, f"adapter={spec.adapter.kind.value}: the adapters are not cut into stages yet"),
-            (bool(spec.precision.fp8), "precision.fp8: float8 layers are not cut into stages yet"),
-            (
-                spec.precision.compute_dtype is Dtype.fp16 and spec.precision.param_dtype is not Dtype.fp16,
-                "precision=fp16: the schedule runs the backward itself, without fp16's loss scaling; use bf16",
-            ),
-            (train.compile, "train.compile=true: the stages run eagerly; set train.compile=false"),
-            (
-                self.cpu_ram_efficient_loading,
-                "strategy.cpu_ram_efficient_loading=true: every rank builds the model "
-                "and keeps its stages' weights; set it to false",
-            ),
-        ):
-            require(not refused, f"{pp} with {why}")
-
     def _check_context_parallel(self, spec: RunSpec) -> None:
         """Where torch's ring attention cannot run, and what it is not composed with yet, refused before launch."""
         cp = f"strategy.cp_size={self.cp_size}"
@@ -331,7 +292,13 @@ class FSDPStrategy(StrategyConfig):
             replicate, shard = 1, data_parallel
         stages_per_rank = self.pipeline_schedule.stages_per_rank if pp > 1 else 1
         return ParallelDims(
-            pp=pp, dp_replicate=replicate, dp_shard=shard, cp=cp, tp=tp, stages_per_rank=stages_per_rank
+            pp=pp,
+            dp_replicate=replicate,
+            dp_shard=shard,
+            cp=cp,
+            tp=tp,
+            ep=self.ep_size,
+            stages_per_rank=stages_per_rank,
         )
 
     def sequence_split(self, dims: ParallelDims, device_type: str) -> Optional[SequenceSplit]:

@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
+from runner.config.precision import Dtype
 from runner.errors import require
+
+if TYPE_CHECKING:
+    from runner.config.spec import RunSpec
 
 
 class PipelineSchedule(str, Enum):
@@ -164,3 +168,49 @@ def _part(name: str, tied: bool):
 def stages_of(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """The stages a rank runs, in order: its own, or (interleaved) one in each round of pp stages."""
     return [pp_rank + round_ * pp for round_ in range(stages_per_rank)]
+
+
+def check_pipeline(strategy: Any, spec: RunSpec) -> None:
+    """What the pipeline cannot run (`strategy`: strategy=fsdp's schema), refused before launch."""
+    pp, train = f"strategy.pp_size={strategy.pp_size}", spec.train
+    schedules = [schedule.value for schedule in PipelineSchedule]
+    require(
+        strategy.pp_schedule in schedules,
+        f"strategy.pp_schedule={strategy.pp_schedule} is not a schedule; use one of {', '.join(schedules)}",
+    )
+    schedule = strategy.pipeline_schedule
+    stages = strategy.pp_size * schedule.stages_per_rank
+    layers = spec.model.architecture.get("num_hidden_layers")
+    require(
+        layers is None or stages <= layers,
+        f"{pp} with strategy.pp_schedule={strategy.pp_schedule} cuts the model into {stages} stages, more "
+        f"than its {layers} decoder layers",
+    )
+    problem = schedule.microbatches_problem(train.grad_accum_steps, strategy.pp_size)
+    require(
+        problem is None,
+        f"strategy.pp_schedule={strategy.pp_schedule} with {pp}: {problem}, and a step has "
+        f"{train.grad_accum_steps} (train.grad_accum_steps, the micro batches each rank runs a step); raise "
+        "train.grad_accum_steps, or use strategy.pp_schedule=GPipe",
+    )
+    for refused, why in (
+        (
+            spec.data.seq_len % strategy.tp_size != 0,
+            f"strategy.tp_size={strategy.tp_size}: data.seq_len="
+            f"{spec.data.seq_len} must be a multiple of it (the stages pass on "
+            "each tensor-parallel rank's equal part of the sequence)",
+        ),
+        (spec.adapter.active, f"adapter={spec.adapter.kind.value}: the adapters are not cut into stages yet"),
+        (bool(spec.precision.fp8), "precision.fp8: float8 layers are not cut into stages yet"),
+        (
+            spec.precision.compute_dtype is Dtype.fp16 and spec.precision.param_dtype is not Dtype.fp16,
+            "precision=fp16: the schedule runs the backward itself, without fp16's loss scaling; use bf16",
+        ),
+        (train.compile, "train.compile=true: the stages run eagerly; set train.compile=false"),
+        (
+            strategy.cpu_ram_efficient_loading,
+            "strategy.cpu_ram_efficient_loading=true: every rank builds the model "
+            "and keeps its stages' weights; set it to false",
+        ),
+    ):
+        require(not refused, f"{pp} with {why}")
