@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +108,23 @@ def free_port() -> int:
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a tensor: a DTensor's local shard, any other tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def gradient_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all the gradients, each DTensor's shards combined: one norm per device mesh (FSDP's, and the
+    experts' under expert parallelism, whose DTensors cannot be stacked with the others), then the norm of those."""
+    import torch
+
+    if not grads:
+        return torch.nn.utils.get_total_norm(grads)
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
 
 
 def whole_on_cpu(state: dict[str, torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:

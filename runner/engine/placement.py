@@ -46,6 +46,7 @@ from runner.config.precision import Dtype
 from runner.config.training import LossKind
 from runner.engine.attention import attend_causally_unmasked, attend_with, attend_within_examples, per_example_attention
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
+from runner.parallel.experts import shard_experts
 from runner.parallel.pipeline.layout import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
 from runner.strategies.strategy_protocol import WholeWeights
@@ -162,6 +163,10 @@ def placed_model(
         on_layout.stages = cut_into_stages(model, on_layout.stage_ids, bounds, spec.data.packing, loss, tp_mesh)
     if sharded and dims.tp > 1:
         parallelize_tensors(model, dims.mesh(device.type)["tp"])
+    if sharded and dims.ep > 1:
+        log.info(
+            "experts of %d MoE layers split over ep %d", shard_experts(model, dims.mesh(device.type)["ep"]), dims.ep
+        )
     if training and strategy.activation_checkpointing:
         checkpoint_activations(model)
     if training and spec.train.compile:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Optional
 from runner.components.mixed_precision import grad_scaler
 from runner.config.precision import Dtype, PrecisionConfig
 from runner.distributed import local
+from runner.parallel.experts import experts_modules
 from runner.strategies.fsdp_settings import AutoWrapPolicy, FSDPSettings
 from runner.strategies.strategy_protocol import CheckpointLayout, PipelineStages, WholeWeights
 from runner.strategies.torch_stepper import TorchStepper
@@ -51,6 +52,9 @@ def wrap(
         "offload_policy": offload,
     }
     units = wrap_units(model, strategy)
+    if dims.ep > 1:  # each rank's experts first, over the ranks that hold the same ones
+        for experts in experts_modules(model):
+            fully_shard(experts, **{**options, "mesh": dims.experts_mesh(device.type)})
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)
@@ -99,7 +103,10 @@ def _broadcast_from_rank0(model: nn.Module, mesh: DeviceMesh) -> None:
 
     with torch.no_grad():
         for tensor in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
-            for dimension in ("cp", "dp_shard", "dp_replicate"):
+            # (an expert-parallel rank's experts are its own: only the ranks that hold the same ones share them)
+            split_by_experts = "ep" in (getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ())
+            dimensions = ("dp_shard_mod_ep", "dp_replicate") if split_by_experts else ("cp", "dp_shard", "dp_replicate")
+            for dimension in dimensions:
                 dist.broadcast(local(tensor), group=mesh.get_group(dimension), group_src=0)
 
 

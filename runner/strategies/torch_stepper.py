@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
-from runner.distributed import cpu_copy, local, process_group_up, whole_on_cpu
+from runner.distributed import cpu_copy, gradient_norm, local, process_group_up, whole_on_cpu
 from runner.files.atomic import write_json
 from runner.files.tensor_io import read_shards, read_tensors, save_tensors, write_shards
 from runner.strategies.strategy_protocol import (
@@ -65,9 +65,7 @@ class TorchStepper:
         if self.stages:
             norm = self.stages.grad_norm([p.grad for p in params])
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            if hasattr(norm, "full_tensor"):  # a DTensor under FSDP: the shards' partial norms, combined
-                norm = norm.full_tensor()
+            norm = gradient_norm([p.grad for p in params])
         if self.max_grad_norm > 0 and params:
             # torch's clip_grads_with_norm_ multiplied DTensor gradients as DTensors, which DTensor plans anew at
             # every step (fsdp x tp 2 on two CPU ranks: 9% of the step). A scalar scales each rank's shard alike.
