@@ -1,8 +1,9 @@
 """Expert parallelism (strategy.ep_size) does not change the math: beside the dense strategies' equivalence
 (tests/strategies/test_equivalence.py), a tiny Qwen3-MoE and a tiny Mixtral trained with their experts split over
 ep ranks, alone (ep 2 on two processes), under FSDP (2 x ep 2 on four) and under HSDP (2 replicas of one ep 2 shard
-group), log one process's losses (to 1e-5) and gradient norms (1e-4, as the dense strategies), the router's auxiliary loss included; checkpoints written at
-one expert layout resume at another; the export loads with from_pretrained and gives the trained model's logits.
+group), log one process's losses (to 1e-5) and gradient norms (1e-4, as the dense strategies), the router's
+auxiliary loss included; checkpoints written at one expert layout resume at another; the export loads with
+from_pretrained and gives the trained model's logits.
 """
 
 import re
