@@ -14,7 +14,8 @@ import pytest
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
-from tests.support.runs import logged, step_losses
+from tests.support.command import run_cli
+from tests.support.runs import kill_at_step, logged, step_losses
 from tests.support.specs import QUICK_STEPS, resolved_spec
 from tests.support.workers import train_in_workers
 
@@ -101,6 +102,18 @@ def test_a_checkpoint_resumes_at_another_expert_layout(variant, one_process, exp
     assert [resumed[step] for step in sorted(resumed)] == pytest.approx(
         [reference[step] for step in sorted(resumed)], rel=1e-5, abs=0
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.signals
+def test_kill_and_resume_under_expert_parallelism_gives_the_same_losses(one_process, tmp_path):
+    """SIGKILL at step 13, `resume=auto` from step 10's checkpoint: the losses of the run that was not killed."""
+    run_dir = kill_at_step([*BASE, *TWO, *ON_TWO["ep 2, qwen3_moe"]], tmp_path, 13)
+    resumed = run_cli("resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    losses = logged(run_dir, "loss")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert list(losses.values()) == pytest.approx(step_losses(one_process["tiny_qwen3_moe"]), rel=1e-5, abs=0)
 
 
 @pytest.mark.distributed
