@@ -29,6 +29,8 @@ rows (bench/compare_loops.py's plan). The sections, in the order they run (the b
                  (torch.cuda.max_memory_allocated): single bf16 4 x 2048 (precision's eager run), fsdp, ZeRO-2 and
                  ZeRO-3 on one GPU, and single fp32
     gpu          the runner against the hand loop on the 1B model, both compiled in bf16: the GPU's cost
+    moe          a Qwen3-MoE (bench/moe_throughput.py's GPU model) in bf16 with the experts' grouped GEMM against
+                 transformers' eager loop over the experts (model.experts_kernel): tokens/s
     multi        two GPUs or more: NCCL equivalence of ddp, fsdp and ZeRO-2/3 on 2 processes, tensor and context
                  parallelism (bench/context_parallel.py's layouts) and async TP, and a collective that a stopped rank
                  never joins (NCCL's watchdog, then the job's one line); each skipped in one line on one GPU
@@ -62,6 +64,7 @@ from typing import Optional
 
 import context_parallel
 import memory_accuracy
+import moe_throughput
 import precision_throughput
 from compare_loops import RATIO_TARGET, Workload, prepare_configs, real_tokens_seen, runner_spec, steady_throughput
 from harness import ROOT, Config, child_env, contender_command, read_records, run_command, run_contender
@@ -70,8 +73,9 @@ DOC = ROOT / "docs" / "gpu.md"
 FIGURES_MARK = "<!-- figures: bench/gpu_proof.py writes everything below this line -->"
 BUDGET_S = 465  # the whole proof stops before 8 minutes, with time to write its page
 RESERVE_S = 5  # what each run's timeout leaves of the budget for the report
-SECTIONS = ("default", "strategies", "losses", "host", "precision", "memory", "gpu", "multi")
-REPORT_ORDER = ("default", "strategies", "losses", "loops", "precision", "memory", "multi")  # loops: host and gpu
+SECTIONS = ("default", "strategies", "losses", "host", "precision", "memory", "gpu", "moe", "multi")
+# loops: host and gpu
+REPORT_ORDER = ("default", "strategies", "losses", "loops", "precision", "memory", "moe", "multi")
 
 LOSS_TOLERANCE = 1e-3  # the largest relative difference of a step's loss from the reference run's
 AGREE_STEPS = 30  # the steps the strategies' losses are held to it over (later, rounding is amplified)
@@ -253,6 +257,16 @@ def plan() -> list[Run]:
         ),
         Run("1B fp8 tensorwise compiled", "precision", one_b("fp8 tensorwise compiled"), needs_s=80, timeout_s=300),
         Run("1B fp8 rowwise compiled", "precision", one_b("fp8 rowwise compiled"), needs_s=80, timeout_s=300),
+    ]
+    runs += [
+        Run(
+            f"moe {kernel}",
+            "moe",
+            merged(moe_throughput.GPU_MODEL, moe_throughput.RUN, overrides, ["hardware.nproc_per_node=1"]),
+            needs_s=40,
+            timeout_s=180,
+        )
+        for kernel, overrides in moe_throughput.GPU_KERNELS.items()
     ]
     return runs + multi_gpu_runs()
 
@@ -934,6 +948,20 @@ class Report:
             "steps; MFU against the GPU's dense bf16 peak)",
             [*rows, *([""] + notes if notes else [])],
         )
+
+    def section_moe(self) -> None:
+        rows = ["| experts kernel | tokens/s | vs eager | peak memory GiB |", "|---|---|---|---|"]
+        figures = {}
+        for kernel in moe_throughput.GPU_KERNELS:
+            outcome = self.get(f"moe {kernel}")
+            if not outcome or not outcome.ok or not outcome.summary:
+                rows.append(f"| {kernel} | {failed(outcome)} | | |")
+                continue
+            figures[kernel] = found = precision_throughput.steady_state(outcome.run_dir)
+            base = figures.get("eager", {}).get("tokens_per_s")
+            ratio = f"{found['tokens_per_s'] / base:.2f}x" if base else "-"
+            rows.append(f"| {kernel} | {found['tokens_per_s']:,.0f} | {ratio} | {found['peak_memory_gib']:.1f} |")
+        self.table("A Qwen3-MoE's experts: grouped GEMM against the eager loop (one GPU, bf16)", rows)
 
     def section_memory(self) -> None:
         configs = {
