@@ -62,21 +62,28 @@ def build_model(
     from transformers.initialization import no_init_weights
 
     dtype = dtype or torch.float32
+    kernel = experts_kernel(model)
     if model.pretrained and weights:
-        return AutoModelForCausalLM.from_pretrained(model.pretrained, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(model.pretrained, dtype=dtype, **kernel)
     if model.pretrained:
         config = AutoConfig.from_pretrained(model.pretrained)
     else:
         config = architecture_config(model, tokenizer)
     if not weights:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, **kernel)
     # transformers initialises every weight of its models itself: torch's own init of each layer, before it, would
     # draw every weight twice (a third of a random 1B model's build time).
     with torch.device("cpu"), no_init_weights():
-        built = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        built = AutoModelForCausalLM.from_config(config, dtype=dtype, **kernel)
     built.init_weights()
     return built
+
+
+def experts_kernel(model: ModelConfig) -> dict[str, str]:
+    """The transformers keyword that runs a MoE model's experts as model.experts_kernel says (resolved from `auto`
+    by the spec; a dense model's stays `auto` and passes none)."""
+    return {} if model.experts_kernel == "auto" else {"experts_implementation": model.experts_kernel}
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -164,6 +164,7 @@ def validate(spec: RunSpec, on_this_machine: bool = True) -> RunSpec:
     data.check(spec.data)
     here = on_this_machine and spec.task.runs_on_this_machine
     spec = replace(spec, hardware=hardware.on_this_machine(spec.hardware) if here else hardware.planned(spec.hardware))
+    spec = replace(spec, model=model.resolved(spec.model, spec.hardware.accelerator.value))
     check_combination(spec)
     tracker.check(spec.tracker)
     return spec

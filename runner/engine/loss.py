@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from runner.config.training import LossKind, loss_kind_in_effect
 from runner.data.batches import shifted
 from runner.data.rows import IGNORE
+from runner.engine.router import ATTRIBUTE as ROUTER_ATTRIBUTE
 
 if TYPE_CHECKING:
     import torch
@@ -24,16 +25,24 @@ if TYPE_CHECKING:
 
     from runner.config.training import TrainConfig
     from runner.data.batches import MicroBatch
+    from runner.engine.router import RouterLoss
 
 
-def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -> LossKind:
+def with_summed_loss(
+    model: nn.Module, requested: LossKind, chunk_tokens: int, router: Optional[RouterLoss] = None
+) -> LossKind:
     """Sets the model's forward to return the summed loss when it is given `loss_labels` (each row's, with
     `per_row`: minus the row's summed log-probability of its labels, as preference losses take it; each position's,
     with `per_token`: minus the log-probability of its target, 0 where it has none, as policy-gradient losses take
     it, of the logits over `temperature`, the distribution a sampler drew from), and to be its own forward
-    otherwise; the kind in effect."""
+    otherwise; the kind in effect. A MoE model's `router` records the router's terms of each such forward that
+    computes gradients (runner/engine/router.py), kept on the model for the step to add."""
+    import torch
+
     kind = loss_kind_in_effect(requested, model.config.model_type, model.config.vocab_size)
     own_forward = model.forward
+    if router is not None:
+        setattr(model, ROUTER_ATTRIBUTE, router)
 
     def forward(
         *args,
@@ -48,12 +57,19 @@ def with_summed_loss(model: nn.Module, requested: LossKind, chunk_tokens: int) -
         if loss_labels is None:
             return own_forward(*args, **kwargs)
         each = "token" if per_token else "row" if per_row else None
+        routed = router is not None and torch.is_grad_enabled()
+        if routed:
+            kwargs["output_router_logits"] = True
         if kind is LossKind.full:
-            logits = own_forward(*args, use_cache=False, **kwargs).logits
-            return summed_cross_entropy(tempered(logits, temperature), loss_labels, each, labels_shifted)
-        hidden = model.base_model(*args, use_cache=False, **kwargs).last_hidden_state
+            outputs = own_forward(*args, use_cache=False, **kwargs)
+        else:
+            outputs = model.base_model(*args, use_cache=False, **kwargs)
+        if routed:
+            router.record(outputs.router_logits, kwargs.get("attention_mask"))
+        if kind is LossKind.full:
+            return summed_cross_entropy(tempered(outputs.logits, temperature), loss_labels, each, labels_shifted)
         return chunked_summed_cross_entropy(
-            hidden,
+            outputs.last_hidden_state,
             model.get_output_embeddings(),
             loss_labels,
             chunk_tokens,

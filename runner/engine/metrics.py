@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from runner.engine.router import load_figures
+
 if TYPE_CHECKING:
     import torch
 
@@ -26,7 +28,8 @@ class MetricsWindow:
     tokens: int = 0
     seconds: float = 0.0
     steps: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)  # the objective's own (task=dpo's rewards), summed
+    # the objective's own (task=dpo's rewards, a MoE router's), summed; a MoE model's tokens per expert, an array
+    metrics: dict[str, Any] = field(default_factory=dict)
 
     def add(self, reading: Reading, seconds: float) -> None:
         self.loss, self.tokens = self.loss + reading.loss, self.tokens + reading.tokens
@@ -50,7 +53,7 @@ class MetricsWindow:
             record["loss_scale"] = loss_scale
         if self.peak_flops:
             record["mfu"] = record["tokens_per_s"] * self.flops_per_token / self.peak_flops
-        record.update({name: value / self.steps for name, value in self.metrics.items()})
+        record.update(load_figures({name: value / self.steps for name, value in self.metrics.items()}))
         self.loss, self.tokens, self.seconds, self.steps, self.metrics = 0.0, 0, 0.0, 0, {}
         return record
 

@@ -46,6 +46,7 @@ from runner.config.precision import Dtype
 from runner.config.training import LossKind
 from runner.engine.attention import attend_causally_unmasked, attend_with, attend_within_examples, per_example_attention
 from runner.engine.loss import summed_loss_from_hidden, with_summed_loss
+from runner.engine.router import router_loss
 from runner.parallel.experts import shard_experts
 from runner.parallel.pipeline.layout import balanced_bounds, stages_of
 from runner.parallel.tensor import parallelize_tensors
@@ -202,7 +203,8 @@ def built_model(
     model = build_model(spec.model, tokenizer, weights=builds_weights, dtype=base_dtype)
     if weights is not None and builds_weights:
         model.load_state_dict(weights)
-    loss_kind = with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens)
+    router = router_loss(model.config, spec.model) if training else None
+    loss_kind = with_summed_loss(model, spec.train.loss, spec.train.loss_chunk_tokens, router)
     if adapted:
         log.info(
             "adapter %s", add_adapter(model, spec.adapter, spec.precision.param_dtype.torch, spec.hardware.world_size)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterable, Optional
 from runner.data.batches import MeanLoss
 from runner.distributed import all_ranks_sums, summed_on_device
 from runner.engine.loss import loss_arguments, loss_line
+from runner.engine.router import router_of
 from runner.parallel.sequence import split_sequences
 from runner.strategies.strategy_protocol import unwrapped
 
@@ -25,7 +26,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("runner")
 # The objective's metrics that the log lines show (metrics.jsonl and the trackers have them all).
-SHOWN_METRICS = ("rewards/accuracies", "rewards/margins", "reward", "reward_std")
+SHOWN_METRICS = (
+    "rewards/accuracies",
+    "rewards/margins",
+    "reward",
+    "reward_std",
+    "router/aux_loss",
+    "router/load_max_over_mean",
+)
 
 
 class NextTokenLoss:
@@ -79,8 +87,11 @@ def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
     # Data-parallel strategies average gradients over the data-parallel ranks, so each rank's share is scaled by
     # dp_size to make that a sum. Under context parallelism a rank runs slices of its rows, whose losses its group
     # sums (runner/parallel/sequence.py).
+    # A MoE model's router terms are each micro batch's, added to the backward's loss as a share of the global
+    # batch's mean (the logged loss stays the objective's own).
     step_loss = torch.zeros((), device=job.device)
     metrics: dict[str, torch.Tensor] = {}
+    router = router_of(unwrapped(job.model))
     for i, whole_micro_batch in enumerate(micro_batches):
         with (
             job.stepper.micro_batch(last=i == len(micro_batches) - 1),
@@ -88,7 +99,11 @@ def train_step(job: PreparedJob, batch: GlobalBatch) -> StepResult:
         ):
             with job.autocast():
                 loss, shares = objective_of(job).loss(job, micro_batch, batch, whole_loss)
-            job.stepper.backward(loss * job.dp_size)
+            routed = 0.0
+            if router is not None:
+                routed, router_shares = router.taken(1 / (job.dp_size * len(micro_batches)))
+                shares = {**shares, **router_shares}
+            job.stepper.backward((loss + routed) * job.dp_size)
         step_loss += loss.detach()
         for name, share in shares.items():
             metrics[name] = metrics.get(name, 0) + share

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +21,7 @@ class Reading:
 
     steps: int
     loss: float  # the sum of the steps' mean losses
-    metrics: dict[str, float]  # the sums of the steps' means of the objective's metrics
+    metrics: dict[str, Any]  # the sums of the steps' means of the objective's metrics (a numpy array: a tensor's)
     tokens: int  # the steps' global batches' tokens, padding aside
     grad_norm: float  # the last step's
     first_non_finite: Optional[int]  # the first step whose loss was not finite, on any rank
@@ -75,7 +75,8 @@ class DeviceTally:
         if not self.steps:
             return Reading(0, 0.0, {}, 0, math.nan, None)
         names = list(self._metrics)
-        sums = torch.stack([self._loss, *(self._metrics[name] for name in names)]) * self.counted
+        shapes = [self._metrics[name].shape for name in names]
+        sums = torch.cat([self._loss.view(1), *(self._metrics[name].reshape(-1) for name in names)]) * self.counted
         norm = self._grad_norm
         host_norm = not isinstance(norm, torch.Tensor)
         zero = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -97,7 +98,7 @@ class DeviceTally:
         reading = Reading(
             self.steps,
             values[0],
-            dict(zip(names, values[1 : len(sums)])),
+            dict(zip(names, _shaped(values[1 : len(sums)], shapes))),
             self._host_tokens + int(device_tokens),
             float(norm) if host_norm else device_norm,
             int(first_bad) or None,
@@ -105,6 +106,19 @@ class DeviceTally:
         self.steps, self._loss, self._metrics, self._first_non_finite = 0, None, {}, None
         self._host_tokens, self._device_tokens = 0, None
         return reading
+
+
+def _shaped(values: list[float], shapes: list[torch.Size]) -> list[Any]:
+    """The metrics' values read in one flat list, each as its tensor was: a number, or an array of its shape."""
+    import numpy as np
+
+    shaped, start = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        part = values[start : start + size]
+        shaped.append(np.array(part).reshape(shape) if shape else part[0])
+        start += size
+    return shaped
 
 
 def _first_over_ranks(first_bad: float, device: torch.device) -> float:

@@ -49,3 +49,11 @@ def test_every_rank_reads_the_sums_and_the_earliest_non_finite_step_of_any_rank(
     results = run_in_workers(_read_on_each_rank, {1: 3, 2: 2}, {0, 1, 2}, nproc=4)
     assert [first for first, _ in results] == [2, 2, 2, 2]
     assert [loss for _, loss in results] == [6.0] * 4  # 2 steps x 3 counted ranks
+
+
+def test_a_tensor_metric_reads_as_an_array_of_its_shape():
+    tally = DeviceTally(torch.device("cpu"))
+    for step in (1, 2):
+        tally.add(step, torch.tensor(1.0), {"counts": torch.tensor([[1.0, 2.0], [3.0, 0.0]])}, 1.0, tokens=1)
+    counts = tally.read().metrics["counts"]
+    assert counts.shape == (2, 2) and counts.tolist() == [[2.0, 4.0], [6.0, 0.0]]
