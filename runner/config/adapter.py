@@ -50,7 +50,8 @@ class AdapterConfig:
     dropout: float = setting(0.0, "Dropout on the adapters' input.")
     target_modules: List[str] = setting(
         [],
-        "Names of the transformer blocks' linear layers to adapt (q_proj, v_proj, ...); empty: every one of them.",
+        "Names of the transformer blocks' linear layers to adapt (q_proj, v_proj, ...); empty: every one of them. A "
+        "MoE model's routers and routed experts (3-D parameters, not linear layers) stay frozen (docs/moe.md).",
     )
     merge: bool = setting(
         False,
