@@ -11,6 +11,7 @@ bytes of a saved matmul input (c; 1 for fp8 linears), q = heads x head_dim and k
                 + a s (4 + c)        eager attention only: fp32 softmax and its cast (+ a s (c + 1) with dropout)
     mlp input   2 l h                gate and up each cast (l h when shared)
     mlp         (3c + l) I           SwiGLU: gate, act(gate), up, and down's input (plain MLP: (c + l) I)
+                                     MoE layers: each of the token's k experts' (runner/memory/experts.py)
     dropout     2 h                  one-byte masks, where the model has hidden dropout
 
 With c = r = l = 2, LayerNorm, a 4h GELU MLP and eager attention with dropout this is the paper's 34 h + 5 a s.
@@ -34,12 +35,13 @@ from typing import TYPE_CHECKING, Optional
 
 from runner.config.training import LossKind, loss_kind_in_effect
 from runner.memory.breakdown import FP32, Part, micro_batch_tokens
+from runner.memory.experts import moe_mlp_bytes
 from runner.memory.parameters import parameters_of
 from runner.parallel.pipeline.layout import PipelineSchedule, balanced_bounds, stages_of
 
 if TYPE_CHECKING:
     from runner.config.spec import RunSpec
-    from runner.memory.model_shapes import LayerShape, ModelFacts
+    from runner.memory.model_shapes import ExpertFacts, LayerShape, ModelFacts
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,11 @@ class ActivationDtypes:
     fp8: bool = False  # the blocks' linear layers save their inputs in fp8
 
 
-def layer_activation_bytes(layer: LayerShape, seq_len: int, dtypes: ActivationDtypes) -> int:
-    """Bytes one layer saves for backward, per token (Korthikanti et al., 2022, section 4.1, adapted)."""
+def layer_activation_bytes(
+    layer: LayerShape, seq_len: int, dtypes: ActivationDtypes, experts: Optional[ExpertFacts] = None
+) -> int:
+    """Bytes one layer saves for backward, per token (Korthikanti et al., 2022, section 4.1, adapted); `experts`:
+    a MoE layer's, whose routed experts take the dense MLP's place."""
     h, i = layer.hidden, layer.intermediate
     q, kv = layer.heads * layer.head_dim, layer.kv_heads * layer.head_dim
     c, r = dtypes.compute, dtypes.stream
@@ -69,6 +74,8 @@ def layer_activation_bytes(layer: LayerShape, seq_len: int, dtypes: ActivationDt
         attention = c * q + (saved_input * q if dtypes.fp8 else 0)  # the kernel keeps its output, o_proj shares it
     mlp_inputs = (layer.mlp_projections if separate else 1) * saved_input * h
     mlp = (3 * c + saved_input) * i if layer.gated_mlp else (c + saved_input) * i
+    if experts is not None:
+        mlp = moe_mlp_bytes(experts, h, c, saved_input)
     dropout = 2 * h if layer.hidden_dropout else 0
     return norms + attention_inputs + qkv + attention + mlp_inputs + mlp + dropout
 
@@ -91,17 +98,27 @@ def activation_bytes(
     `layers`, `head`: a pipeline rank's decoder layers, and whether it holds the head (all of them, and it does)."""
     layer = facts.layer
     layers = facts.layers if layers is None else layers
-    per_layer = (layer_activation_bytes(layer, seq_len, dtypes) + adapters // facts.layers) // tp
+    sizes = _layer_sizes(facts, seq_len, dtypes)
+    per_layer = [(size + adapters // facts.layers) // tp for size in sizes]
     head_input = (FP32 + dtypes.stream) * layer.hidden // tp + dtypes.compute * layer.hidden  # final norm, lm_head
     if chunked_loss:  # the label positions' hidden states, which each chunk's head recomputes from
         logits = dtypes.stream * layer.hidden
     else:  # the logits, and the loss's fp32 log-softmax
         logits = (dtypes.compute + FP32) * facts.vocab
     if checkpointing:  # each layer keeps its input; one layer at a time is recomputed in backward
-        blocks = layers * dtypes.stream * layer.hidden // tp + per_layer
-    else:
-        blocks = layers * per_layer
+        blocks = layers * dtypes.stream * layer.hidden // tp + max(per_layer)
+    else:  # a pipeline rank's layers as many of the model's average ones
+        blocks = sum(per_layer) * layers // facts.layers
     return tokens * (blocks + (head_input + logits if head else 0))
+
+
+def _layer_sizes(facts: ModelFacts, seq_len: int, dtypes: ActivationDtypes) -> list[int]:
+    """Each layer's bytes per token: a MoE layer's experts in place of a dense layer's MLP."""
+    experts = facts.experts
+    moe = set(experts.moe_layers) if experts else set()
+    dense = layer_activation_bytes(facts.layer, seq_len, dtypes)
+    routed = layer_activation_bytes(facts.layer, seq_len, dtypes, experts) if experts else dense
+    return [routed if index in moe else dense for index in range(facts.layers)]
 
 
 def pipeline_activations_part(

@@ -50,6 +50,7 @@ class Estimate:
     accumulating: bool = False  # gradients live through forward and backward (train.grad_accum_steps > 1)
     reference: Part = field(default_factory=Part)  # kept throughout: task=dpo's and task=grpo's reference model
     sampling: Part = field(default_factory=Part)  # transient, as task=grpo samples: the KV cache and the logits
+    experts: Part = field(default_factory=Part)  # a MoE model's routed experts' share of the parts above, not added
 
     def phases(self) -> dict[Phase, int]:
         kept = self.weights.bytes + self.optimizer_states.bytes + self.buffers.bytes + self.reference.bytes

@@ -1,9 +1,15 @@
-"""The model as the estimate sees it: built on the meta device (shapes, no weights: seconds even for 70B)."""
+"""The model as the estimate sees it: built on the meta device (shapes, no weights: seconds even for 70B).
+
+A mixture-of-experts model's experts are read off its modules and shapes: transformers keeps each MoE layer's
+routed experts as 3-D parameters (experts x rows x columns) in a module named `experts` (Qwen3-MoE, Mixtral, gpt-oss
+with its biases, DeepSeek-V3), beside a router and, in Qwen2-MoE's and DeepSeek's, shared experts that every token
+passes through (plain MLPs). Dense layers (DeepSeek's first_k_dense_replace, Qwen's mlp_only_layers and
+decoder_sparse_step) have no `experts` module."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from runner.components.fp8 import fp8_layer_names
 from runner.components.modeling import blocks, build_model, build_tokenizer
@@ -34,6 +40,77 @@ class LayerShape:
     hidden_dropout: bool = False
 
 
+@dataclass(frozen=True)
+class ExpertFacts:
+    routed: int  # routed experts in each MoE layer
+    top_k: int  # routed experts per token
+    width: int  # an expert's intermediate size
+    per_expert: int  # parameters of one routed expert: its matrices (and gpt-oss's biases)
+    moe_layers: tuple[int, ...]  # the blocks with routed experts, by index
+    shared_width: int = 0  # the shared experts' intermediate size, together (0: none)
+    names: frozenset[str] = frozenset()  # the routed experts' parameters, by name in the model
+
+    @property
+    def parameters(self) -> int:
+        """The routed experts' parameters in all MoE layers."""
+        return len(self.moe_layers) * self.routed * self.per_expert
+
+    @property
+    def active(self) -> int:
+        """The routed experts' parameters a token passes through: k of each MoE layer's."""
+        return len(self.moe_layers) * self.top_k * self.per_expert
+
+
+ROUTED = "experts"
+SHARED = ("shared_expert", "shared_experts")
+
+
+def expert_facts(model: nn.Module) -> Optional[ExpertFacts]:
+    """The experts of a built (meta) model; None for a dense one."""
+    hidden = model.config.hidden_size
+    found = [
+        (index, *_layer_experts(block, block_name, hidden))
+        for index, (block_name, block) in enumerate(blocks(model))
+        if any(_is_routed(name, module) for name, module in block.named_modules())
+    ]
+    if not found:
+        return None
+    _, routed, per_expert, width, shared_width, _ = found[0]
+    config = model.config
+    return ExpertFacts(
+        routed=routed,
+        top_k=getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", 1),
+        width=width,
+        per_expert=per_expert,
+        moe_layers=tuple(index for index, *_ in found),
+        shared_width=shared_width,
+        names=frozenset(name for *_, names in found for name in names),
+    )
+
+
+def _is_routed(name: str, module: nn.Module) -> bool:
+    return name.rsplit(".", 1)[-1] == ROUTED and any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def _layer_experts(block: nn.Module, block_name: str, hidden: int) -> tuple[int, int, int, int, set[str]]:
+    """A MoE block's routed experts, parameters per expert, expert width, shared experts' width and the routed
+    experts' parameter names. Gated experts hold gate, up and down matrices: 3 h I parameters each."""
+    from torch import nn
+
+    name, module = next((name, module) for name, module in block.named_modules() if _is_routed(name, module))
+    matrices = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    routed = matrices[0].shape[0]
+    shared = [sub for sub_name, sub in block.named_modules() if sub_name.rsplit(".", 1)[-1] in SHARED]
+    linear = [m for sub in shared for m in sub.modules() if isinstance(m, nn.Linear)]
+    return (
+        routed,
+        sum(p.numel() for p in module.parameters()) // routed,
+        sum(p.numel() for p in matrices) // (routed * 3 * hidden),
+        sum(m.weight.numel() for m in linear) // (3 * hidden),
+        {f"{block_name}.{name}.{parameter}" for parameter, _ in module.named_parameters()},
+    )
+
+
 @dataclass
 class ModelFacts:
     model: Any  # the nn.Module, on the meta device
@@ -41,12 +118,20 @@ class ModelFacts:
     parameters: int  # tied parameters once
     parameter_shapes: list[tuple[int, ...]]
     buffer_bytes: int
-    linear_parameters: int  # in nn.Linear modules: what autocast casts to the compute dtype
+    linear_parameters: int  # in nn.Linear modules and routed experts' matrices: what autocast casts
     layers: int
     vocab: int
     layer: LayerShape
     largest_module: int  # the most parameters one module holds itself (DeepSpeed ZeRO-3 gathers per module)
     largest_parameter: int
+    experts: Optional[ExpertFacts] = None  # a mixture-of-experts model's routed experts
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters a token passes through: all but the routed experts, and k of each MoE layer's."""
+        if self.experts is None:
+            return self.parameters
+        return self.parameters - self.experts.parameters + self.experts.active
 
 
 _FACTS: dict[str, ModelFacts] = {}
@@ -103,6 +188,9 @@ def model_facts(model: nn.Module) -> ModelFacts:
         hidden_dropout=dropout("hidden_dropout_prob", "hidden_dropout", "resid_pdrop"),
     )
     linear = {id(p): p.numel() for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    experts = expert_facts(model)
+    routed = dict(model.named_parameters())
+    linear.update({id(routed[name]): routed[name].numel() for name in (experts.names if experts else ())})
     return ModelFacts(
         model=model,
         model_type=config.model_type,
@@ -115,6 +203,7 @@ def model_facts(model: nn.Module) -> ModelFacts:
         layer=layer,
         largest_module=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
         largest_parameter=max(p.numel() for p in parameters),
+        experts=experts,
     )
 
 

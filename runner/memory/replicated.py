@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.breakdown import Estimate, Part, dtype_name
+from runner.memory.experts import experts_part
 from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
 
@@ -33,7 +34,7 @@ def whole_copies(spec: RunSpec, facts: ModelFacts) -> Estimate:
         compute=c, stream=c if frozen_base else w, casts=autocast and not frozen_base, fp8=fp8_blocks
     )
     casts_note = ", autocast's casts of the " + ("adapters' weights" if frozen_base else "linear weights")
-    return Estimate(
+    result = Estimate(
         weights=Part(
             P * w + parameters.frozen_bytes() + facts.buffer_bytes, weights_note(parameters, dtype_name(w), ", whole")
         ),
@@ -47,3 +48,5 @@ def whole_copies(spec: RunSpec, facts: ModelFacts) -> Estimate:
         step=Part(spec.optim.step_copies() * P * w, "the optimizer's foreach temporaries"),
         host_loading=host_loading(spec, facts, spec.hardware.nproc_per_node or 1),
     )
+    result.experts = experts_part(spec, facts, result)
+    return result

@@ -40,6 +40,7 @@ def report(spec: RunSpec, accelerate_view: bool = False) -> str:
         row("optimizer states", result.optimizer_states),
         row("activations", result.activations),
         *([row("reference model", result.reference)] if result.reference.note else []),
+        *([row("of which experts", result.experts)] if result.experts.note else []),
         "  transient buffers",
         *([row("  kept throughout", result.buffers)] if result.buffers.bytes else []),
         row("  start of backward", result.backward_start),

@@ -2,9 +2,11 @@
 
 Work: FLOPs per token = 6 x trained parameters + 4 x frozen ones (forward, and the backward through them to the
 activations: a frozen weight gets no gradient of its own) + 12 x layers x width x sequence for attention (PaLM's
-count, appendix B). A step holds at most global batch x data.seq_len tokens (rows at full length; padding is not
-counted, so padded data takes less). A forward alone is a third of the work: an evaluation's, over train.eval_batches
-micro batches on each data-parallel rank, the task's own passes over a step's rows (task.forward_passes: DPO's
+count, appendix B). A mixture-of-experts model counts the parameters a token passes through, its active ones: all
+but the routed experts, and k of each MoE layer's (runner/memory/experts.py). A step holds at most global batch x
+data.seq_len tokens (rows at full length; padding is not counted, so padded data takes less). A forward alone is a
+third of the work: an evaluation's, over train.eval_batches micro batches on each data-parallel rank, the task's
+own passes over a step's rows (task.forward_passes: DPO's
 reference, GRPO's sampling and log-probs), and each scoring of train.benchmarks where the run counted its requests'
 tokens (its own start does; task=estimate does not load the benchmarks, and says so).
 
@@ -160,11 +162,12 @@ def flops_per_token(spec: RunSpec) -> float:
     from runner.memory.parameters import parameters_of
 
     facts = facts_of(spec.model)
-    if spec.adapter.active:
+    idle = facts.parameters - facts.active_parameters  # the routed experts a token does not pass through
+    if spec.adapter.active:  # the experts are frozen: LoRA adapts nn.Linear layers only
         parameters = parameters_of(spec, facts)
-        trained, frozen = parameters.trained * parameters.tp, parameters.frozen_parameters
+        trained, frozen = parameters.trained * parameters.tp, parameters.frozen_parameters - idle
     else:
-        trained, frozen = facts.parameters, 0
+        trained, frozen = facts.active_parameters, 0
     return 6 * trained + 4 * frozen + 12 * facts.layers * facts.layer.hidden * spec.data.seq_len
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from runner.config.precision import Dtype
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.breakdown import FP32, Estimate, Part, dtype_name, share
+from runner.memory.experts import experts_part
 from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import host_loading, parameters_of
 from runner.strategies.deepspeed_json import OffloadDevice, deepspeed_config
@@ -54,7 +55,9 @@ def estimate_memory(spec: RunSpec, facts: ModelFacts, zero_stage: int, offload_o
         host_loading=host_loading(spec, facts, spec.hardware.nproc_per_node or 1),
     )
     if zero_stage == 0:
-        return _stage0(spec, facts, parameters, m, common)
+        result = _stage0(spec, facts, parameters, m, common)
+        result.experts = experts_part(spec, facts, result)
+        return result
     zero = {**ZERO_DEFAULTS, **deepspeed_config(spec).get("zero_optimization", {})}
     if zero_stage in (1, 2):
         result, partition = _stages_1_2(spec, facts, parameters, m, zero, common)
@@ -62,6 +65,7 @@ def estimate_memory(spec: RunSpec, facts: ModelFacts, zero_stage: int, offload_o
         result, partition = _stage3(spec, facts, parameters, m, zero, common)
     if offload_optimizer is not OffloadDevice.none:
         _offload_optimizer(result, spec, partition)
+    result.experts = experts_part(spec, facts, result)
     return result
 
 

@@ -4,12 +4,22 @@ the fit check's advice. runner/strategies/fsdp.py's FSDPStrategy.estimate_memory
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from runner.errors import SpecError
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes, pipeline_activations_part
-from runner.memory.breakdown import Change, Estimate, Part, dtype_name, sharded_elements, share, strategy_change
-from runner.memory.model_shapes import fp8_linears, meta_model
+from runner.memory.breakdown import (
+    Change,
+    Estimate,
+    Part,
+    dtype_name,
+    estimate,
+    sharded_elements,
+    share,
+    strategy_change,
+)
+from runner.memory.experts import dispatch_bytes, experts_part
+from runner.memory.model_shapes import facts_of, fp8_linears, meta_model
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
 from runner.parallel.tensor import block_plan
 from runner.strategies.fsdp_placement import wrap_units
@@ -19,7 +29,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from runner.config.spec import RunSpec
-    from runner.memory.model_shapes import ModelFacts
+    from runner.memory.model_shapes import ExpertFacts, ModelFacts
     from runner.memory.parameters import Parameters
 
 
@@ -36,10 +46,10 @@ def estimate_memory(strategy: FSDPSettings, spec: RunSpec, facts: ModelFacts) ->
     gathered = min(w, precision.compute_dtype.bytes)  # FSDP's mixed-precision policy gathers in compute dtype
     reduce = precision.reduce_dtype.bytes
     k, states = spec.optim.states()
-    held = sharded_elements(list(parameters.trained_shapes), shards)
+    held = _held(facts, parameters, shards, dims.ep)
     frozen = parameters.frozen_bytes(shards)
     (root, root_trained), (largest, largest_trained), whole = unit_sizes(
-        facts.model, strategy, parameters, gathered, strategy.tp_size
+        facts.model, strategy, parameters, gathered, strategy.tp_size, facts.experts, dims.ep
     )
     _, fp8_blocks = fp8_linears(facts.model, precision)
     dtypes = ActivationDtypes(compute=gathered, stream=gathered, casts=False, fp8=fp8_blocks)
@@ -57,8 +67,7 @@ def estimate_memory(strategy: FSDPSettings, spec: RunSpec, facts: ModelFacts) ->
     dequantized, dequantized_note = adapter_transients(parameters, precision.compute_dtype.bytes)
     part_of = share(shards, strategy.tp_size) + (" of a pipeline rank's stages" if strategy.pp_size > 1 else "")
     nproc = spec.hardware.nproc_per_node or 1
-    loaders = 1 if strategy.cpu_ram_efficient_loading else nproc
-    loss_gradient = loss_gradient_bytes(spec, facts)
+    a2a, a2a_note = _dispatched(spec, facts, gathered)
     result = Estimate(
         weights=Part(
             held * w + frozen + facts.buffer_bytes,
@@ -72,17 +81,55 @@ def estimate_memory(strategy: FSDPSettings, spec: RunSpec, facts: ModelFacts) ->
             else activations_part(spec, facts, dtypes)
         ),
         backward_start=Part(
-            all_gathered + loss_gradient + largest_trained * (gathered + reduce) + dequantized,
-            f"{gather_note}; the loss gradient; a unit's reduce-scatter{dequantized_note}",
+            all_gathered + loss_gradient_bytes(spec, facts) + largest_trained * (gathered + reduce) + dequantized + a2a,
+            f"{gather_note}; the loss gradient; a unit's reduce-scatter{dequantized_note}{a2a_note}",
         ),
         # The root unit's gradients are reduced last, its parameters still gathered.
         backward_end=Part(root + root_trained * (gathered + reduce) + largest, "the root unit's reduce-scatter"),
         step=Part(spec.optim.step_copies() * held * w, "the optimizer's foreach temporaries"),
-        host_loading=host_loading(spec, facts, loaders),
+        host_loading=host_loading(spec, facts, 1 if strategy.cpu_ram_efficient_loading else nproc),
     )
     if strategy.offload_params:
         _offloaded(result, nproc * ((2 + k) * held * w + frozen), states, part_of, frozen, facts.buffer_bytes)
+    result.experts = experts_part(spec, facts, result, _gathered_experts(facts, strategy, gathered, dims.ep))
     return result
+
+
+def _dispatched(spec: RunSpec, facts: ModelFacts, gathered: int) -> tuple[int, str]:
+    """Expert parallelism's all-to-all buffers of a MoE layer, and their note; none without it."""
+    if spec.layout.ep == 1:
+        return 0, ""
+    tokens = spec.train.micro_batch_size * spec.data.seq_len
+    return (
+        dispatch_bytes(facts.experts, tokens, facts.layer.hidden, gathered),
+        "; a MoE layer's all-to-all buffers (expert parallelism)",
+    )
+
+
+def _held(facts: ModelFacts, parameters: Parameters, shards: int, ep: int) -> int:
+    """Elements of rank 0's shards of the trained parameters; under expert parallelism each MoE layer's routed
+    experts are first split ep ways (dim 0, the experts), then sharded over the shards' other dp_shard / ep."""
+    if ep == 1 or parameters.frozen:
+        return sharded_elements(list(parameters.trained_shapes), shards)
+    others, local = [], []
+    for (name, _), shape in zip(facts.model.named_parameters(), parameters.trained_shapes):
+        if name in facts.experts.names:
+            local.append((shape[0] // ep, *shape[1:]))
+        else:
+            others.append(shape)
+    return sharded_elements(others, shards) + sharded_elements(local, shards // ep)
+
+
+def _gathered_experts(facts: ModelFacts, strategy: FSDPSettings, gathered: int, ep: int) -> int:
+    """The routed experts' all-gathered bytes at the start of backward: those of the units gathered then
+    (the whole model's under SHARD_GRAD_OP), each unit's being a MoE layer's local 1/ep of them."""
+    experts = facts.experts
+    if experts is None:
+        return 0
+    layer = experts.routed * experts.per_expert * gathered // ep
+    if not strategy.sharding_strategy.reshards_after_forward:
+        return layer * len(experts.moe_layers)
+    return (2 + max(strategy.forward_prefetch, strategy.backward_prefetch)) * layer
 
 
 def _offloaded(result: Estimate, moved: int, states: str, part_of: str, frozen: int, buffer_bytes: int) -> None:
@@ -116,7 +163,24 @@ def memory_changes(strategy: FSDPSettings, spec: RunSpec) -> list[Change]:
                 "strategy.cpu_ram_efficient_loading=true", 0.5, cpu_ram_efficient_loading=True, sync_module_states=True
             )
         )
-    return changes + _tensor_parallel_changes(strategy, spec)
+    return changes + _tensor_parallel_changes(strategy, spec) + _expert_parallel_changes(strategy, spec)
+
+
+def _expert_parallel_changes(strategy: FSDPSettings, spec: RunSpec) -> list[Change]:
+    """Splitting a MoE model's experts over 2, 4, 8 ... of the shards, where that divides the experts and the
+    shards and lowers the peak: each rank gathers its experts only, at the cost of an all-to-all each MoE layer."""
+    facts = facts_of(spec.model)
+    if strategy.ep_size > 1 or facts.experts is None or max(strategy.tp_size, strategy.pp_size, strategy.cp_size) > 1:
+        return []
+    peak, shards, changes = estimate(spec, facts).peak, spec.layout.dp_shard, []
+    ep = 2
+    while ep <= min(shards, facts.experts.routed):
+        if shards % ep == 0 and facts.experts.routed % ep == 0:
+            change = strategy_change(f"strategy.ep_size={ep}", 1.0 + 0.25 * math.log2(ep), ep_size=ep)
+            if estimate(change.apply(spec), facts).peak < peak:
+                changes.append(change)
+        ep *= 2
+    return changes
 
 
 def _tensor_parallel_changes(strategy: FSDPSettings, spec: RunSpec) -> list[Change]:
@@ -138,25 +202,39 @@ def _tensor_parallel_changes(strategy: FSDPSettings, spec: RunSpec) -> list[Chan
 
 
 def unit_sizes(
-    model: nn.Module, strategy: FSDPSettings, parameters: Parameters, gathered: int, tp: int = 1
+    model: nn.Module,
+    strategy: FSDPSettings,
+    parameters: Parameters,
+    gathered: int,
+    tp: int = 1,
+    experts: Optional[ExpertFacts] = None,
+    ep: int = 1,
 ) -> tuple[tuple[int, int], tuple[int, int], int]:
     """(all-gathered bytes, trained parameters) of the root unit and of the largest other unit under the strategy's
     wrap policy, and the whole model's all-gathered bytes. Trained parameters gather in `gathered` bytes, as do the
     adapters beside an adapted linear (each rank's parts already); frozen ones in the dtype they are stored in (NF4
     as NF4). Under tensor parallelism FSDP gathers a rank's parts: a tp-th of each unit (its norms, whole on every
-    rank, are a rounding error)."""
+    rank, are a rounding error). Under expert parallelism (`ep` ranks) a block's routed experts (`experts`) are a
+    unit of their own, each rank gathering its 1/ep of them."""
+    routed_names = experts.names if experts else frozenset()
 
-    def size(module: nn.Module, prefix: str) -> tuple[int, int]:
+    def size(module: nn.Module, prefix: str, routed: bool = False) -> tuple[int, int]:
         gathered_bytes, trained = 0.0, 0
         for name, parameter in module.named_parameters(prefix=prefix):
+            if routed and name not in routed_names:
+                continue
             stored = parameters.stored.get(name)
             gathered_bytes += parameter.numel() * (gathered if stored is None else stored)
             trained += parameter.numel() if stored is None else 0
-        adapters = sum(parameters.adapters.get(name, 0) for name, _ in module.named_modules(prefix=prefix))
+        adapters = 0 if routed else sum(parameters.adapters.get(n, 0) for n, _ in module.named_modules(prefix=prefix))
         return math.ceil(gathered_bytes / tp) + adapters * gathered, trained // tp + adapters
 
     names = {id(module): name for name, module in model.named_modules()}
-    units = [size(unit, names[id(unit)]) for unit in wrap_units(model, strategy)]
+    wrapped = [(unit, names[id(unit)]) for unit in wrap_units(model, strategy)]
+    units = [size(unit, name) for unit, name in wrapped]
     whole = size(model, "")
     root = (whole[0] - sum(unit[0] for unit in units), whole[1] - sum(unit[1] for unit in units))
+    if ep > 1:  # each block without its experts, and its rank's part of them
+        routed = [size(unit, name, routed=True) for unit, name in wrapped]
+        units = [(u[0] - r[0], u[1] - r[1]) for u, r in zip(units, routed)] + [(r[0] // ep, r[1] // ep) for r in routed]
     return root, max(units, default=(0, 0)), whole[0]

@@ -36,6 +36,9 @@ def local_checkpoint(tmp: Path, spec: RunSpec) -> Path:
         "llama370b": "llama3_70b",
         "llama3.170b": "llama3_1_70b",
         "llama3.21binstruct": "llama3_2_1b",
+        "qwen330ba3b": "qwen3_30b_a3b",
+        "gptoss20b": "gpt_oss_20b",
+        "mixtral8x7bv0.1": "mixtral_8x7b",
     }[model]
     architecture = yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())["architecture"]
     (tmp / "config.json").write_text(json.dumps(architecture))
@@ -48,6 +51,9 @@ PARAMETERS = {
     "meta-llama/Meta-Llama-3-70B": 70_553_706_496,
     "meta-llama/Llama-3.1-70B": 70_553_706_496,
     "meta-llama/Llama-3.2-1B-Instruct": 1_235_814_400,
+    "Qwen/Qwen3-30B-A3B": 30_532_122_624,
+    "openai/gpt-oss-20b": 20_914_757_184,
+    "mistralai/Mixtral-8x7B-v0.1": 46_702_792_704,
 }
 
 

@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from runner.distributed import Ranks
 from runner.errors import SpecError
@@ -17,10 +16,11 @@ from runner.memory import model_shapes as model_facts
 from runner.memory.accelerate_view import accelerate_bytes, accelerate_sizes, format_accelerate_view
 from runner.memory.activations import ActivationDtypes, activation_bytes, layer_activation_bytes
 from runner.memory.advice import cheapest_fits, check_fit, fit
-from runner.memory.breakdown import FP32, estimate, gib
+from runner.memory.breakdown import estimate, gib
 from runner.memory.model_shapes import LayerShape, facts_of, meta_model
 from runner.memory.report import report
 from tests.support.command import run_cli
+from tests.support.held import assert_estimate_holds, held_bytes
 from tests.support.specs import QUICK, composed, resolved_spec
 from tests.support.workers import run_in_workers
 
@@ -268,78 +268,12 @@ FOUR_RANKS = {
 }
 
 
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind the tensors (views of one flat buffer count once)."""
-    storages = {}
-    for tensor in tensors:
-        tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
-def tensors_in(value) -> list:
-    if torch.is_tensor(value):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    return [t for item in value for t in tensors_in(item)] if isinstance(value, (list, tuple)) else []
-
-
-def _held_bytes(ranks, specs):
-    """After one step, then a forward and backward: the bytes of this rank's weights, gradients and states, the
-    job placed by the runner's own pipeline."""
-    from runner.components.modeling import build_tokenizer
-    from runner.engine.placement import place
-
-    held = {}
-    for name, spec in specs.items():
-        placed = place(spec, ranks, torch.device("cpu"), build_tokenizer(spec.model))
-        model, optimizer = placed.model, placed.optimizer
-        deepspeed = spec.strategy.name == "deepspeed"
-        batch = torch.randint(0, 259, (spec.train.micro_batch_size, 64))
-        loss = model(input_ids=batch).logits.float().square().mean()
-        placed.stepper.backward(loss)
-        placed.stepper.step()
-        loss = model(input_ids=batch).logits.float().square().mean()
-        # The gradients of a second backward, held: DeepSpeed's stepper would step its engine after it.
-        model.backward(loss) if deepspeed else loss.backward()
-        params, buffers = list(model.parameters()), list(model.buffers())
-        if deepspeed:
-            zero = model.optimizer
-            weights = [p.data for p in params] + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
-            weights += tensors_in(getattr(zero, "single_partition_of_fp32_groups", []))  # ZeRO-1/2 fp32 master
-            weights += tensors_in(getattr(zero, "fp32_partitioned_groups_flat", []))  # ZeRO-3 fp32 master
-            gradients = tensors_in(getattr(zero, "averaged_gradients", []))
-            gradients += tensors_in(getattr(zero, "grad_partitions_flat_buffer", None))
-            states = zero.optimizer.state
-        else:
-            weights, gradients, states = params, [p.grad for p in params if p.grad is not None], optimizer.state
-        held[name] = {
-            "weights": storage_bytes(weights + buffers),
-            "gradients": storage_bytes(gradients),
-            "optimizer states": storage_bytes(
-                t for state in states.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0
-            ),
-        }
-    return held
-
-
 def _compare(cases, nproc, measured_by_rank):
-    for name, overrides in cases.items():
-        spec = resolved_spec([*TINY, *overrides, f"hardware.nproc_per_node={nproc}"])
-        facts = facts_of(spec.model)
-        result = estimate(spec, facts)
-        estimated = {
-            "weights": result.weights.bytes,
-            "gradients": result.gradients.bytes,
-            "optimizer states": result.optimizer_states.bytes,
-        }
-        for part, value in estimated.items():
-            measured = max(rank[name][part] for rank in measured_by_rank)  # rank 0 holds the largest shards
-            # Within padding for the torch strategies; DeepSpeed's ZeRO-1/2 keep whole gradients at partition
-            # edges, which the estimate bounds by the largest parameter.
-            edges = facts.largest_parameter * FP32 if part == "gradients" and "ZeRO-" in name else 0
-            assert measured <= value <= measured * 1.03 + edges + 1, (name, part, value, measured)
+    specs = {
+        name: resolved_spec([*TINY, *overrides, f"hardware.nproc_per_node={nproc}"])
+        for name, overrides in cases.items()
+    }
+    assert_estimate_holds(specs, measured_by_rank)
 
 
 @pytest.fixture(scope="module")
@@ -347,17 +281,17 @@ def held_on_two_ranks():
     specs = {
         name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=2"]) for name, overrides in TWO_RANKS.items()
     }
-    return run_in_workers(_held_bytes, specs, nproc=2)
+    return run_in_workers(held_bytes, specs, nproc=2)
 
 
 def test_single_process_holds_what_the_estimate_says():
     spec = resolved_spec(TINY)
-    held = _held_bytes_single(spec)
+    held = held_bytes_single(spec)
     _compare({"single": []}, 1, [{"single": held}])
 
 
-def _held_bytes_single(spec):
-    return _held_bytes(Ranks(), {"single": spec})["single"]
+def held_bytes_single(spec):
+    return held_bytes(Ranks(), {"single": spec})["single"]
 
 
 @pytest.mark.distributed
@@ -371,7 +305,7 @@ def test_hybrid_shard_shards_within_its_group_only():
     specs = {
         name: resolved_spec([*TINY, *overrides, "hardware.nproc_per_node=4"]) for name, overrides in FOUR_RANKS.items()
     }
-    held = run_in_workers(_held_bytes, specs, nproc=4)
+    held = run_in_workers(held_bytes, specs, nproc=4)
     _compare(FOUR_RANKS, 4, held)
     full_copy = resolved_spec([*TINY, "strategy=ddp", "hardware.nproc_per_node=4"])
     whole = estimate(full_copy, facts_of(full_copy.model)).gradients.bytes

@@ -367,3 +367,26 @@ def test_cfg_job_of_an_estimate_sweep_prints_the_specs_without_plans_or_torch(wo
     assert result.stdout.count("\n# hardware=auto strategy=") == 2
     assert "time: " not in result.stdout and "sweep: " not in result.stdout
     assert "torch imported: False" in result.stdout
+
+
+@pytest.mark.parametrize("model", ["qwen3_30b_a3b", "mixtral_8x7b"])
+def test_a_moe_model_counts_its_active_parameters(model, tmp_path):
+    """6 FLOPs per active parameter, counted here from the config's numbers alone: the embeddings, the LM head,
+    and per layer the attention, two norms, the router and k of the experts (a gated MLP each); Qwen3-MoE
+    normalises each head's q and k."""
+    import yaml
+
+    from runner.cli.compose import CONF_DIR
+    from runner.planning.time_plan import flops_per_token
+
+    config = yaml.safe_load((CONF_DIR / "model" / f"{model}.yaml").read_text())["architecture"]
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    experts, k = config.get("num_experts") or config["num_local_experts"], config["num_experts_per_tok"]
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    attention = h * q + 2 * h * kv + q * h + (2 * head_dim if config["model_type"] == "qwen3_moe" else 0)
+    per_layer = attention + 2 * h + experts * h + k * 3 * h * width
+    active = 2 * vocab * h + h + layers * per_layer
+    spec, _ = planned(f"model={model}", "hardware=h100_80gb", "precision=bf16", f"hardware.measured_runs={tmp_path}")
+    assert flops_per_token(spec) == 6 * active + 12 * layers * h * spec.data.seq_len
