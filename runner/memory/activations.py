@@ -11,7 +11,7 @@ bytes of a saved matmul input (c; 1 for fp8 linears), q = heads x head_dim and k
                 + a s (4 + c)        eager attention only: fp32 softmax and its cast (+ a s (c + 1) with dropout)
     mlp input   2 l h                gate and up each cast (l h when shared)
     mlp         (3c + l) I           SwiGLU: gate, act(gate), up, and down's input (plain MLP: (c + l) I)
-                                     MoE layers: each of the token's k experts' (runner/memory/experts.py)
+                                     MoE layers: each of the token's k experts' (runner/memory/expert_memory.py)
     dropout     2 h                  one-byte masks, where the model has hidden dropout
 
 With c = r = l = 2, LayerNorm, a 4h GELU MLP and eager attention with dropout this is the paper's 34 h + 5 a s.
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Optional
 
 from runner.config.training import LossKind, loss_kind_in_effect
 from runner.memory.breakdown import FP32, Part, micro_batch_tokens
-from runner.memory.experts import moe_mlp_bytes
+from runner.memory.expert_memory import moe_mlp_bytes
 from runner.memory.parameters import parameters_of
 from runner.parallel.pipeline.layout import PipelineSchedule, balanced_bounds, stages_of
 

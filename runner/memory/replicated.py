@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.breakdown import Estimate, Part, dtype_name
-from runner.memory.experts import experts_part
+from runner.memory.expert_memory import experts_part
 from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
 

@@ -3,7 +3,7 @@
 Work: FLOPs per token = 6 x trained parameters + 4 x frozen ones (forward, and the backward through them to the
 activations: a frozen weight gets no gradient of its own) + 12 x layers x width x sequence for attention (PaLM's
 count, appendix B). A mixture-of-experts model counts the parameters a token passes through, its active ones: all
-but the routed experts, and k of each MoE layer's (runner/memory/experts.py). A step holds at most global batch x
+but the routed experts, and k of each MoE layer's (runner/memory/expert_memory.py). A step holds at most global batch x
 data.seq_len tokens (rows at full length; padding is not counted, so padded data takes less). A forward alone is a
 third of the work: an evaluation's, over train.eval_batches micro batches on each data-parallel rank, the task's
 own passes over a step's rows (task.forward_passes: DPO's

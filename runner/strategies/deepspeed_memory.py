@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from runner.config.precision import Dtype
 from runner.memory.activations import ActivationDtypes, activations_part, loss_gradient_bytes
 from runner.memory.breakdown import FP32, Estimate, Part, dtype_name, share
-from runner.memory.experts import experts_part
+from runner.memory.expert_memory import experts_part
 from runner.memory.model_shapes import fp8_linears
 from runner.memory.parameters import host_loading, parameters_of
 from runner.strategies.deepspeed_json import OffloadDevice, deepspeed_config

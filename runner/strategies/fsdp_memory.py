@@ -18,7 +18,7 @@ from runner.memory.breakdown import (
     share,
     strategy_change,
 )
-from runner.memory.experts import dispatch_bytes, experts_part
+from runner.memory.expert_memory import dispatch_bytes, experts_part
 from runner.memory.model_shapes import facts_of, fp8_linears, meta_model
 from runner.memory.parameters import adapter_transients, host_loading, parameters_of, weights_note
 from runner.parallel.tensor import block_plan

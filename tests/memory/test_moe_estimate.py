@@ -1,4 +1,4 @@
-"""The estimate of mixture-of-experts models (runner/memory/experts.py): the experts read off the meta model, the
+"""The estimate of mixture-of-experts models (runner/memory/expert_memory.py): the experts read off the meta model, the
 published models' parameter counts, the per-device share of the experts under expert parallelism, the fit check's
 strategy.ep_size, and what each rank really holds of a tiny MoE model."""
 
