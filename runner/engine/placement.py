@@ -166,7 +166,9 @@ def placed_model(
         parallelize_tensors(model, dims.mesh(device.type)["tp"])
     if sharded and dims.ep > 1:
         log.info(
-            "experts of %d MoE layers split over ep %d", shard_experts(model, dims.mesh(device.type)["ep"]), dims.ep
+            "experts of %d MoE layers split over ep %d",
+            shard_experts(model, dims.experts_view(device.type)["ep"]),
+            dims.ep,
         )
     if training and strategy.activation_checkpointing:
         checkpoint_activations(model)

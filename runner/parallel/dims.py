@@ -42,6 +42,7 @@ class ParallelDims:
     # The pipeline stages each pp rank runs (2 under an interleaved schedule: rank r runs stages r and r + pp).
     stages_per_rank: int = 1
     _mesh: Optional[Any] = field(default=None, init=False, repr=False, compare=False)
+    _experts_view: Optional[Any] = field(default=None, init=False, repr=False, compare=False)
 
     names: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -77,17 +78,20 @@ class ParallelDims:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            if self.ep > 1:  # dp_shard as (dp_shard_mod_ep x ep), consecutive ranks an expert-parallel group
-                shape = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.cp, self.tp)
-                names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
-                self._mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-                self._mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-            else:
-                self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+            self._mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
             if self.cp > 1:
                 self._mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
             groups_wait_as_long_as_the_world(device_type)
         return self._mesh
+
+    def experts_view(self, device_type: str) -> DeviceMesh:
+        """The mesh with dp_shard seen as dp_shard_mod_ep x ep (consecutive ranks an expert-parallel group), built
+        once: the experts' dimensions are sliced from it."""
+        if self._experts_view is None:
+            sizes = (self.dp_shard // self.ep, self.ep)
+            self._experts_view = self.mesh(device_type)._unflatten("dp_shard", sizes, ("dp_shard_mod_ep", "ep"))
+            groups_wait_as_long_as_the_world(device_type)
+        return self._experts_view
 
     def sharding_mesh(self, device_type: str) -> DeviceMesh:
         """The dimensions FSDP shards and replicates over: dp_replicate x dp_shard, with cp folded into the
@@ -98,7 +102,7 @@ class ParallelDims:
     def experts_mesh(self, device_type: str) -> DeviceMesh:
         """The dimensions FSDP shards and replicates the experts over: dp_replicate x dp_shard_mod_ep (each
         expert-parallel rank's experts are its own, and only the ranks at its place in the other groups share them)."""
-        return self.mesh(device_type)["dp_replicate", "dp_shard_mod_ep"]
+        return self.experts_view(device_type)["dp_replicate", "dp_shard_mod_ep"]
 
     def describe(self) -> str:
         shown = [

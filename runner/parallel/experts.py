@@ -78,8 +78,13 @@ def _dispatching(experts: nn.Module, ep_mesh: DeviceMesh) -> Callable[..., torch
         received = _all_to_all(hidden_states[order // top_k], receive_splits, send_splits, group)
         local_index = torch.arange(local_experts, device=chosen.device).repeat(ep)
         local_index = local_index.repeat_interleave(received_counts.reshape(-1))[:, None]
-        with _local_weights(experts, 1.0 / ep):
+        with _local_weights(experts, 1.0 / ep) as weights:
             computed = own_forward(experts, received, local_index, torch.ones_like(local_index, dtype=received.dtype))
+            if not len(received):
+                # No token for this rank's experts: the kernel's output is then a constant, and the backward would
+                # skip this rank's turn in both all-to-alls (the others wait for it for ever) and leave its experts
+                # without gradients (FSDP would skip its reduce-scatter). Zero terms keep both in the graph.
+                computed = computed + sum(tensor.sum() for tensor in (received, *weights) if tensor.requires_grad) * 0
         returned = _all_to_all(computed, send_splits, receive_splits, group)
         unsorted = torch.empty_like(returned).index_copy(0, order, returned)
         weighted = unsorted.view(tokens, top_k, -1) * top_k_weights.to(unsorted.dtype)[..., None]
@@ -100,25 +105,25 @@ def _exchanged_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
 def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
     """Rows sent in `input_splits` to each rank of `group`, received in `output_splits`, differentiably (the
     backward sends the gradients the other way)."""
-    from torch.distributed.nn.functional import all_to_all_single
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    output = rows.new_empty((sum(output_splits), *rows.shape[1:]))
-    return all_to_all_single(output, rows.contiguous(), output_splits, input_splits, group)
+    return wait_tensor(all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group))
 
 
 class _local_weights:
-    """The experts module's parameters as this rank's local shards while its own forward runs, their gradients
-    scaled by `grad_scale` on the way back to the sharded parameters."""
+    """The experts module's parameters as this rank's local shards while its own forward runs (and as the context's
+    value), their gradients scaled by `grad_scale` on the way back to the sharded parameters."""
 
     def __init__(self, experts: nn.Module, grad_scale: float):
         self.experts, self.grad_scale, self.saved = experts, grad_scale, {}
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> list[torch.Tensor]:
         parameters = self.experts._parameters
         self.saved = dict(parameters)
         for name, parameter in self.saved.items():
             own = local(parameter)
             parameters[name] = _scaled_gradient().apply(own, self.grad_scale) if own.requires_grad else own
+        return [parameters[name] for name in self.saved]
 
     def __exit__(self, *exc: Any) -> None:
         self.experts._parameters.update(self.saved)

@@ -18,7 +18,6 @@ from runner.strategies.torch_stepper import TorchStepper
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from runner.config.spec import RunSpec
@@ -42,7 +41,7 @@ def wrap(
 
         torch._inductor.config._micro_pipeline_tp = True
     if whole is None and strategy.sync_module_states:
-        _broadcast_from_rank0(model, dims.mesh(device.type))
+        _broadcast_from_rank0(model, dims, device.type)
     mesh = dims.sharding_mesh(device.type)
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if strategy.offload_params else OffloadPolicy()
     options = {
@@ -94,20 +93,25 @@ def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
     )
 
 
-def _broadcast_from_rank0(model: nn.Module, mesh: DeviceMesh) -> None:
+def _broadcast_from_rank0(model: nn.Module, dims: ParallelDims, device_type: str) -> None:
     """Rank 0's trained parameters and buffers, over the data-parallel dimensions: each rank gets those of the rank
-    with its tensor-parallel part. A frozen base is left alone: every rank builds the same one, and QLoRA's NF4
-    tensors cannot be broadcast."""
+    with its tensor-parallel part (and its experts, which only the ranks at its place in the other expert-parallel
+    groups share). A frozen base is left alone: every rank builds the same one, and QLoRA's NF4 tensors cannot be
+    broadcast."""
     import torch
     import torch.distributed as dist
 
+    mesh = dims.mesh(device_type)
     with torch.no_grad():
         for tensor in [*(p for p in model.parameters() if p.requires_grad), *model.buffers()]:
-            # (an expert-parallel rank's experts are its own: only the ranks that hold the same ones share them)
-            split_by_experts = "ep" in (getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ())
-            dimensions = ("dp_shard_mod_ep", "dp_replicate") if split_by_experts else ("cp", "dp_shard", "dp_replicate")
-            for dimension in dimensions:
-                dist.broadcast(local(tensor), group=mesh.get_group(dimension), group_src=0)
+            if "ep" in (getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ()):
+                groups = [
+                    dims.experts_view(device_type).get_group(name) for name in ("dp_shard_mod_ep", "dp_replicate")
+                ]
+            else:
+                groups = [mesh.get_group(name) for name in ("cp", "dp_shard", "dp_replicate")]
+            for group in groups:
+                dist.broadcast(local(tensor), group=group, group_src=0)
 
 
 def _load_whole(model: nn.Module, whole: WholeWeights, device: Any) -> None:

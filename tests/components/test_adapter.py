@@ -2,8 +2,6 @@
 checkpoints hold the adapters and resume exactly; the exported adapter (read by peft) and the merged model (read
 by transformers) give the trained model's logits."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors import safe_open
@@ -12,6 +10,7 @@ from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
 from tests.support.command import run_cli
+from tests.support.exports import exported_logits
 from tests.support.runs import killed_and_resumed, step_losses
 from tests.support.specs import QUICK, resolved_spec
 from tests.support.workers import train_in_workers
@@ -172,19 +171,6 @@ def test_lora_and_qlora_have_the_losses_of_one_process_under_every_strategy(tmp_
         if EXPORTED[-1] in runs[name]:  # the adapters gathered from their shards: both exports agree
             adapter_logits, merged_logits = exported_logits(run_dir / "model")
             torch.testing.assert_close(adapter_logits, merged_logits, atol=1e-5, rtol=0)
-
-
-def exported_logits(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of the exported adapter on its base (peft), and of the merged model (transformers)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    tokens = torch.randint(3, 200, (2, 64), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(model_dir / "base")
-        from_adapter = PeftModel.from_pretrained(base, model_dir).eval()(input_ids=tokens).logits
-        merged = AutoModelForCausalLM.from_pretrained(model_dir / "merged").eval()(input_ids=tokens).logits
-    return from_adapter, merged
 
 
 @pytest.mark.signals

@@ -10,11 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from runner.engine.job import prepare_job
 from runner.engine.loop import train
 from runner.errors import SpecError
 from tests.support.command import run_cli
+from tests.support.exports import exported_logits
 from tests.support.runs import kill_at_step, logged, step_losses
 from tests.support.specs import QUICK_STEPS, resolved_spec
 from tests.support.workers import train_in_workers
@@ -45,6 +47,8 @@ ON_FOUR = {
     ],
 }
 ON_TWO = {f"ep 2, {model.removeprefix('tiny_')}": [f"model={model}", *EP] for model in MODELS}
+# LoRA on the attention of a model whose frozen experts are split over ep (runner/components/lora.py).
+ADAPTED = {"ep 2 lora, qwen3_moe": ["model=tiny_qwen3_moe", *EP, "adapter=lora", "adapter.merge=true"]}
 
 
 def grad_norms(run_dir: Path) -> list[float]:
@@ -65,7 +69,7 @@ def expert_parallel(tmp_path_factory) -> dict[str, Path]:
     """Each layout's run; then ep 2 resumed from fsdp 2 x ep 2's step-10 checkpoint (SHARDED), and one process from
     ep 2's (FULL)."""
     runs = {}
-    for nproc, variants, processes in ((4, ON_FOUR, FOUR), (2, ON_TWO, TWO)):
+    for nproc, variants, processes in ((4, ON_FOUR, FOUR), (2, {**ON_TWO, **ADAPTED}, TWO)):
         dirs = [tmp_path_factory.mktemp("ep") for _ in variants]
         train_in_workers([resolved_spec([*BASE, *processes, *v]) for v in variants.values()], dirs, nproc=nproc)
         runs.update(zip(variants, dirs))
@@ -119,7 +123,6 @@ def test_kill_and_resume_under_expert_parallelism_gives_the_same_losses(one_proc
 @pytest.mark.distributed
 def test_the_export_gives_the_trained_model_s_logits(one_process, expert_parallel):
     """Whole experts in the export: from_pretrained of ep 2's model gives one process's trained model's logits."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     exported, trained = (
@@ -131,6 +134,13 @@ def test_the_export_gives_the_trained_model_s_logits(one_process, expert_paralle
         assert torch.allclose(exported(tokens).logits, trained(tokens).logits, atol=1e-5)
     experts = exported.model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape[0] == experts.num_experts == 8
+
+
+@pytest.mark.distributed
+def test_a_lora_export_under_expert_parallelism_loads_with_peft(expert_parallel):
+    """The adapter (peft's format, on the base saved beside it) and the merged model give the same logits."""
+    adapter_logits, merged_logits = exported_logits(expert_parallel["ep 2 lora, qwen3_moe"] / "model")
+    torch.testing.assert_close(adapter_logits, merged_logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -149,3 +159,34 @@ def test_the_export_gives_the_trained_model_s_logits(one_process, expert_paralle
 def test_a_layout_expert_parallelism_cannot_run_is_refused_before_launch(overrides, refusal):
     with pytest.raises(SpecError, match=re.escape(refusal)):
         resolved_spec([*BASE, *overrides])
+
+
+def _route_every_token_to_rank_0s_experts(ranks) -> list[bool]:
+    """A Qwen3-MoE experts module split over 2 ranks, every token of both routed to rank 0's experts: forward and
+    backward; whether each expert parameter got a gradient."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from runner.parallel.experts import shard_experts
+
+    config = AutoConfig.for_model("qwen3_moe", hidden_size=16, moe_intermediate_size=8, num_experts=4)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config)
+    for parameter in block.experts.parameters():
+        torch.nn.init.normal_(parameter)
+    shard_experts(block, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
+    hidden = torch.randn(6, 16, requires_grad=True)
+    chosen = torch.tensor([[0, 1]] * 6)  # experts 0 and 1: rank 0's two
+    block.experts(hidden, chosen, torch.full((6, 2), 0.5)).sum().backward()
+    return [parameter.grad is not None for parameter in block.experts.parameters()] + [hidden.grad is not None]
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_experts_get_no_token_still_joins_the_backward():
+    """Rank 1's experts receive no row: its backward still takes its turn in both all-to-alls (else rank 0 would
+    wait for it for ever) and leaves its experts zero gradients for FSDP's reduce-scatter, not none."""
+    from tests.support.workers import run_in_workers
+
+    assert run_in_workers(_route_every_token_to_rank_0s_experts, nproc=2) == [[True, True, True]] * 2

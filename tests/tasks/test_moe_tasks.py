@@ -48,10 +48,17 @@ def test_preference_and_policy_tasks_train_a_moe_model_with_its_router_terms(tas
 
 
 def test_evaluate_and_generate_read_a_trained_moe_model(tmp_path):
+    """Generation reads it whole on one process, as data-parallel replicas on two, and placed by device_map=auto
+    (big-model inference): the same greedy completions each way."""
     trained = ran(tmp_path, "recipe=cpu_quick", *MOE, *SHORT, "data.seq_len=64")
     evaluated = ran(tmp_path, "task=evaluate", f"task.trained={trained}")
     final = json.loads((trained / "summary.json").read_text())["eval_loss"]
     assert json.loads((evaluated / "eval.json").read_text())["eval_loss"] == pytest.approx(final, abs=1e-6)
-    (tmp_path / "prompts.txt").write_text("def \nimport os\n")
-    generated = ran(tmp_path, "task=generate", f"task.trained={trained}", "task.prompts=prompts.txt")
-    assert len((generated / "completions.jsonl").read_text().splitlines()) == 2
+    (tmp_path / "prompts.txt").write_text("def \nimport os\nclass \n")
+    greedy = ["task=generate", f"task.trained={trained}", "task.prompts=prompts.txt", "task.max_new_tokens=8"]
+    completions = [
+        (ran(tmp_path, *greedy, *placement) / "completions.jsonl").read_text().splitlines()
+        for placement in ([], ["strategy=ddp", "hardware.nproc_per_node=2"], ["task.device_map=auto"])
+    ]
+    assert len(completions[0]) == 3
+    assert completions[1] == completions[2] == completions[0]
