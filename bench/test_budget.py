@@ -1,4 +1,4 @@
-"""The test budget (issue 46, item 7): the whole suite may cost at most 20 times the default job's own training
+"""The test budget (issue 46, item 7): the whole suite may cost at most 25 times the default job's own training
 time and the fast tier at most 4 times, both measured on this machine in this session, so that the budget holds on
 a machine of any speed. Not a test.
 
@@ -31,7 +31,8 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "test_budget.jsonl"
-SUITE_LIMIT = 20
+# 20 before mixture-of-experts, Ray and vision-language models; their multi-process tests have the difference.
+SUITE_LIMIT = 25
 FAST_LIMIT = 4
 # "... | peak memory 0.52 GiB | 28 s" or "... | 28 s (torch.compile: 9 s of it)", after the log's time stamp.
 DONE = re.compile(r"\bdone: train loss .*\| (\d+(?:\.\d+)?) s(?: \(torch\.compile: [^)]*\))?\s*$")
